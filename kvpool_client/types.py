@@ -1,0 +1,109 @@
+"""Domain vocabulary shared by the master and the client (no protobuf here).
+
+Only ``kvpool_master/rpc/convert.py`` and ``kvpool_client/rpc.py`` translate between these
+types and protobuf messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+ObjectKey = NewType("ObjectKey", bytes)
+ClientId = NewType("ClientId", str)
+SegmentId = NewType("SegmentId", str)
+
+#: Largest key accepted anywhere, in bytes of its UTF-8 / raw form.
+MAX_KEY_BYTES = 1024
+
+
+class Tier(enum.IntEnum):
+    """Storage tier of a segment."""
+
+    DRAM = 0
+    SSD = 1
+
+
+class Pin(enum.IntEnum):
+    """Eviction protection of an object."""
+
+    NONE = 0
+    SOFT = 1  # evicted only when nothing unpinned is left
+    HARD = 2  # never evicted; removed only explicitly
+
+
+class Op(enum.IntEnum):
+    """Data-plane operation a capability allows."""
+
+    READ = 1
+    WRITE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """A contiguous range of memory contributed by a client and how peers reach it."""
+
+    segment_id: SegmentId
+    client_id: ClientId
+    size_bytes: int
+    tier: Tier = Tier.DRAM
+    host_id: str = ""
+    shm_name: str = ""
+    tcp_endpoint: str = ""
+    engine_endpoint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One replica of an object: ``length`` bytes at ``offset`` of ``segment_id``.
+
+    The master core leaves the capability empty; the RPC layer signs it on the way out.
+    """
+
+    segment_id: SegmentId
+    offset: int
+    length: int
+    capability_expiry_ms: int = 0
+    capability: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class PutOptions:
+    """How a put places its object."""
+
+    replica_num: int = 1
+    preferred_segment: str = ""
+    prefer_same_host: bool = False
+    pin: Pin = Pin.NONE
+
+
+def parse_size_bytes(value: int | str) -> int:
+    """Parse ``4294967296``, ``"4gb"``, ``"512 MiB"``, ``"1.5GB"`` into a byte count.
+
+    Units are binary (``gb`` == ``gib`` == 2**30), as Mooncake's config reads them.
+    Raises ``ValueError`` naming the value when it is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r}")
+    text = value.strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
+             "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40,
+             "tib": 2**40}
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"not a size: {value!r} (use bytes or e.g. '4gb', '512mb')")
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {value!r}") from None
+    if amount < 0 or amount != amount:
+        raise ValueError(f"size must be >= 0, got {value!r}")
+    return int(amount * units[unit])
