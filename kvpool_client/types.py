@@ -107,3 +107,13 @@ def parse_size_bytes(value: int | str) -> int:
     if amount < 0 or amount != amount:
         raise ValueError(f"size must be >= 0, got {value!r}")
     return int(amount * units[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """The master's answer for one key of a read: where its bytes are, or why not."""
+
+    status: int  # a kvpool_client.status.Status value
+    size_bytes: int = 0
+    placements: tuple[Placement, ...] = ()
+    checksum: int = 0  # xxh3_64 of the bytes as committed, 0 when none was given
