@@ -1,0 +1,284 @@
+"""Prometheus metrics of the master and its HTTP endpoint (/metrics, /healthz, /status).
+
+Rules of this file:
+- One private registry per master (no process-global state), names ``kvpool_*`` with the
+  Prometheus unit suffixes (``_total``, ``_bytes``, ``_seconds``).
+- State gauges and the core's own counters (puts, evictions, leases, lookups, expiries) are
+  read from ``core.stats()`` at scrape time by a collector; the core never reads metrics.
+  Per-call counters and latency histograms are fed by the servicer (``rpc_done``), refusals by
+  the transports (``refused``).
+- The HTTP endpoint runs on the master's event loop, so reading the core needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from kvpool_client.types import Tier
+from kvpool_master.clock import ServingClock
+from kvpool_master.core.master import MasterCore
+from kvpool_master.core.stats import CoreStats
+
+log = logging.getLogger("kvpool.master.metrics")
+
+#: Latency buckets from 20 µs to 2.5 s: the lean path answers in tens of µs, gRPC in hundreds.
+LATENCY_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
+                     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class MasterMetrics:
+    """The master's registry, fed by the servicer and the event fan-out."""
+
+    def __init__(self, core: MasterCore, clock: ServingClock, *, master_id: str) -> None:
+        self._core = core
+        self._clock = clock
+        self._master_id = master_id
+        self._started_wall_s = time.time()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc_requests = Counter("kvpool_rpc_requests_total", "Master calls served",
+                                    ["method", "transport"], registry=r)
+        self.rpc_failures = Counter(
+            "kvpool_rpc_failures_total",
+            "Master calls that failed as a whole (malformed request or internal error)",
+            ["method", "transport"], registry=r)
+        self.rpc_latency = Histogram("kvpool_rpc_duration_seconds",
+                                     "Time the master spent serving one call",
+                                     ["method", "transport"], buckets=LATENCY_BUCKETS_S,
+                                     registry=r)
+        self.refusals = Counter(
+            "kvpool_refusals_total",
+            "Connections or calls refused (missing/wrong token, connection limit)",
+            ["transport", "reason"], registry=r)
+        self.registry.register(_CoreCollector(core, clock, master_id))
+        self._rpc_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+    # -- fed by the servicer ----------------------------------------------------------------------
+
+    def rpc_done(self, method: str, transport: str, duration_s: float, failed: bool) -> None:
+        """Count and time one call."""
+        children = self._rpc_children.get((method, transport))
+        if children is None:
+            children = (self.rpc_requests.labels(method, transport),
+                        self.rpc_failures.labels(method, transport),
+                        self.rpc_latency.labels(method, transport))
+            self._rpc_children[(method, transport)] = children
+        requests, failures, latency = children
+        requests.inc()
+        latency.observe(duration_s)
+        if failed:
+            failures.inc()
+
+    def refused(self, transport: str, reason: str) -> None:
+        """Count one refused connection or call."""
+        self.refusals.labels(transport, reason).inc()
+
+    # -- documents --------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """Prometheus text of the whole registry."""
+        return generate_latest(self.registry)
+
+    def status(self) -> dict[str, Any]:
+        """The /status document: clients, segments, capacity and usage per tier, objects."""
+        document = status_from_stats(self._core.stats())
+        document["master_id"] = self._master_id
+        document["uptime_s"] = round(time.time() - self._started_wall_s, 3)
+        document["stalled_s"] = round(self._clock.stalled_s, 3)
+        return document
+
+    def status_json(self) -> str:
+        """The /status document as JSON text."""
+        return json.dumps(self.status(), sort_keys=True)
+
+
+def status_from_stats(stats: CoreStats) -> dict[str, Any]:
+    """The JSON-able /status body built from a CoreStats."""
+    return {
+        "clients": stats.num_clients,
+        "segments": {"mounted": stats.num_segments, "restored": stats.num_restored_segments,
+                     "list": [{"segment_id": s.segment_id, "client_id": s.client_id,
+                               "tier": s.tier.name, "mounted": s.mounted,
+                               "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
+                               "free_extents": s.num_free_extents,
+                               "largest_free_bytes": s.largest_free_bytes}
+                              for s in stats.segments]},
+        "capacity_bytes": {t.name: n for t, n in stats.tier_to_capacity_bytes.items()},
+        "used_bytes": {t.name: n for t, n in stats.tier_to_used_bytes.items()},
+        "objects": {"ready": stats.num_objects, "pending": stats.num_pending,
+                    "ready_bytes": stats.ready_bytes,
+                    "deferred_free_bytes": stats.deferred_free_bytes},
+        "totals": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
+    }
+
+
+#: CoreStats counter field -> (metric name, help). Every one is exported as a counter.
+_COUNTERS: dict[str, tuple[str, str]] = {
+    "put_started_total": ("kvpool_puts_started_total", "Keys given placements by PutStart"),
+    "put_committed_total": ("kvpool_puts_committed_total", "Keys committed by PutEnd"),
+    "put_revoked_total": ("kvpool_puts_revoked_total", "Keys revoked by PutRevoke"),
+    "put_no_space_total": ("kvpool_puts_no_space_total",
+                           "Keys answered NO_SPACE (nothing evictable was left)"),
+    "evicted_objects_total": ("kvpool_evicted_objects_total", "Objects evicted"),
+    "evicted_bytes_total": ("kvpool_evicted_bytes_total",
+                            "Allocated bytes freed by eviction (all replicas)"),
+    "eviction_passes_total": ("kvpool_eviction_passes_total", "Eviction passes run"),
+    "removed_objects_total": ("kvpool_removed_objects_total",
+                              "Objects removed by Remove, RemoveAll and RemoveByRegex"),
+    "segment_lost_objects_total": ("kvpool_segment_lost_objects_total",
+                                   "Objects dropped because their segments went away"),
+    "pending_reclaimed_total": ("kvpool_pending_reclaimed_total",
+                                "Uncommitted puts reclaimed (writer gone or too slow)"),
+    "clients_registered_total": ("kvpool_clients_registered_total", "Client registrations"),
+    "clients_expired_total": ("kvpool_clients_expired_total",
+                              "Clients expired for missing heartbeats"),
+    "leases_granted_total": ("kvpool_leases_granted_total",
+                             "Read leases granted or extended (one per key read)"),
+    "leases_lapsed_total": ("kvpool_leases_expired_total", "Read leases that ran out"),
+    "lookup_queries_total": ("kvpool_lookup_queries_total", "QueryPrefix calls"),
+    "lookup_keys_total": ("kvpool_lookup_blocks_total", "Blocks asked for by QueryPrefix"),
+    "lookup_hit_keys_total": ("kvpool_lookup_hit_blocks_total",
+                              "Leading READY blocks answered by QueryPrefix "
+                              "(pool hit rate = hit_blocks / blocks)"),
+    "read_keys_total": ("kvpool_read_keys_total", "Keys asked for by GetReplicas and Exist"),
+    "read_hit_keys_total": ("kvpool_read_hit_keys_total",
+                            "Keys found READY by GetReplicas and Exist"),
+}
+_COUNTER_FIELDS = tuple(_COUNTERS)
+
+
+class _CoreCollector(Collector):
+    """Gauges and counters read from ``core.stats()`` at scrape time."""
+
+    def __init__(self, core: MasterCore, clock: ServingClock, master_id: str) -> None:
+        self._core = core
+        self._clock = clock
+        self._master_id = master_id
+        self._started_wall_s = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvpool_master_info", "Identity of this master process",
+                                 labels=["master_id"])
+        info.add_metric([self._master_id], 1)
+        yield info
+        yield GaugeMetricFamily("kvpool_master_start_time_seconds",
+                                "Unix time the master started", value=self._started_wall_s)
+        yield CounterMetricFamily("kvpool_master_stalled_seconds",
+                                  "Time the master was not serving (excluded from deadlines)",
+                                  value=self._clock.stalled_s)
+        yield from core_metrics(self._core.stats())
+
+
+def core_metrics(stats: CoreStats) -> Iterator[Metric]:
+    """Metric families of one CoreStats."""
+    yield GaugeMetricFamily("kvpool_clients", "Registered clients", value=stats.num_clients)
+    segments = GaugeMetricFamily("kvpool_segments", "Segments by state", labels=["state"])
+    segments.add_metric(["mounted"], stats.num_segments)
+    segments.add_metric(["restored"], stats.num_restored_segments)
+    yield segments
+    objects = GaugeMetricFamily("kvpool_objects", "Objects by state", labels=["state"])
+    objects.add_metric(["ready"], stats.num_objects)
+    objects.add_metric(["pending"], stats.num_pending)
+    yield objects
+    yield GaugeMetricFamily("kvpool_object_bytes", "Logical bytes of READY objects",
+                            value=stats.ready_bytes)
+    yield GaugeMetricFamily("kvpool_deferred_free_bytes",
+                            "Bytes of force-removed objects still held by read leases",
+                            value=stats.deferred_free_bytes)
+    capacity = GaugeMetricFamily("kvpool_capacity_bytes", "Mounted capacity per tier",
+                                 labels=["tier"])
+    used = GaugeMetricFamily("kvpool_used_bytes", "Allocated bytes per tier", labels=["tier"])
+    for tier in Tier:
+        capacity.add_metric([tier.name], stats.tier_to_capacity_bytes.get(tier, 0))
+        used.add_metric([tier.name], stats.tier_to_used_bytes.get(tier, 0))
+    yield capacity
+    yield used
+    labels = ["segment", "client", "tier"]
+    seg_capacity = GaugeMetricFamily("kvpool_segment_capacity_bytes", "Capacity per segment",
+                                     labels=labels)
+    seg_used = GaugeMetricFamily("kvpool_segment_used_bytes", "Allocated bytes per segment",
+                                 labels=labels)
+    seg_largest = GaugeMetricFamily("kvpool_segment_largest_free_bytes",
+                                    "Largest free extent per segment (fragmentation)",
+                                    labels=labels)
+    for s in stats.segments:
+        values = [s.segment_id, s.client_id, s.tier.name]
+        seg_capacity.add_metric(values, s.capacity_bytes)
+        seg_used.add_metric(values, s.used_bytes)
+        seg_largest.add_metric(values, s.largest_free_bytes)
+    yield seg_capacity
+    yield seg_used
+    yield seg_largest
+    for field_name, (name, help_text) in _COUNTERS.items():
+        yield CounterMetricFamily(name, help_text, value=getattr(stats, field_name))
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+_MAX_REQUEST_HEAD_BYTES = 8192
+_REQUEST_TIMEOUT_S = 5.0
+
+
+class HttpEndpoint:
+    """Minimal HTTP/1.1 GET server for /metrics, /healthz and /status on the event loop."""
+
+    def __init__(self, metrics: MasterMetrics) -> None:
+        self._metrics = metrics
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; return the bound port."""
+        self._server = await asyncio.start_server(self._handle, host, port,
+                                                  limit=_MAX_REQUEST_HEAD_BYTES)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    def _route(self, path: str) -> tuple[int, str, bytes]:
+        path = path.split("?", 1)[0]
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, self._metrics.exposition()
+        if path == "/healthz":
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if path == "/status":
+            body = json.dumps(self._metrics.status(), indent=2, sort_keys=True) + "\n"
+            return 200, "application/json", body.encode()
+        return 404, "text/plain; charset=utf-8", b"not found: try /metrics, /healthz, /status\n"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
+                code, ctype, body = 405, "text/plain; charset=utf-8", b"only GET\n"
+            else:
+                code, ctype, body = self._route(parts[1])
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[code]
+            writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+            if parts and parts[0] != "HEAD":
+                writer.write(body)
+            await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ConnectionError, UnicodeDecodeError):
+            pass
+        except Exception:
+            log.exception("HTTP request failed")
+        finally:
+            writer.close()

@@ -1,0 +1,282 @@
+"""The only master code that touches protobuf: requests -> domain values -> responses.
+
+Rules of this file:
+- ``decode_*`` take a parsed request message and return plain domain values; ``encode_*`` take
+  domain values and return a response message. Nothing here calls the core.
+- Hot calls (exist, get_replicas, query_prefix, put_*) avoid per-key Python objects where the
+  protobuf runtime allows: repeated scalar fields are copied with ``list(...)`` and answers are
+  built by passing whole lists to the message constructor.
+- A field that cannot be turned into a domain value raises :class:`BadRequest`; the servicer
+  answers it with INVALID_ARGUMENT for the whole call and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+
+from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client.rpc import RPC_METHODS, RpcMethod
+from kvpool_client.status import Status
+from kvpool_client.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    Placement,
+    PutOptions,
+    ReadResult,
+    SegmentId,
+    SegmentInfo,
+    Tier,
+)
+
+#: Longest client id, host id, hostname, segment id or endpoint accepted, in characters.
+MAX_NAME_CHARS = 512
+#: Longest remove-by-regex pattern accepted, in characters.
+MAX_PATTERN_CHARS = 4096
+MAX_REPLICA_NUM = 16
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served at all; the message says which field is wrong."""
+
+
+def parse_request(method: RpcMethod, payload: bytes) -> Message:
+    """Parse the protobuf bytes of ``method``'s request; raise BadRequest when malformed."""
+    try:
+        return method.request_type.FromString(payload)  # type: ignore[no-any-return]
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise BadRequest(f"malformed {method.name} request: {exc}") from None
+
+
+def serialize(message: Message) -> bytes:
+    """Protobuf bytes of an answer."""
+    return message.SerializeToString()
+
+
+def _name(value: str, what: str, *, required: bool = True) -> str:
+    if required and not value:
+        raise BadRequest(f"{what} is empty")
+    if len(value) > MAX_NAME_CHARS:
+        raise BadRequest(f"{what} is longer than {MAX_NAME_CHARS} characters")
+    return value
+
+
+# --- clients and segments ----------------------------------------------------------------------
+
+def decode_register_client(request: Any) -> tuple[ClientId, str, str]:
+    """(client_id, host_id, hostname) of a RegisterClient request."""
+    return (ClientId(_name(request.client_id, "client_id")),
+            _name(request.host_id, "host_id", required=False),
+            _name(request.hostname, "hostname", required=False))
+
+
+def encode_register_client(status: Status, *, client_ttl_s: float, capability_key: bytes,
+                           fast_port: int, master_id: str,
+                           default_lease_ttl_s: float) -> pb.RegisterClientResponse:
+    """The RegisterClient answer."""
+    return pb.RegisterClientResponse(
+        status=status, client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
+        fast_port=max(fast_port, 0), master_id=master_id,
+        default_lease_ttl_ms=round(default_lease_ttl_s * 1000))
+
+
+def decode_client_id(request: Any) -> ClientId:
+    """The client id of a request that carries only that (Heartbeat)."""
+    return ClientId(_name(request.client_id, "client_id"))
+
+
+def status_response(response_type: type[Message], status: Status) -> Message:
+    """An answer whose only field is ``status``."""
+    return response_type(status=status)
+
+
+def _segment_info(descriptor: Any, client_id: str) -> SegmentInfo:
+    try:
+        tier = Tier(descriptor.tier)
+    except ValueError:
+        raise BadRequest(f"unknown tier {descriptor.tier}") from None
+    owner = descriptor.client_id or client_id
+    return SegmentInfo(
+        segment_id=SegmentId(_name(descriptor.segment_id, "segment.segment_id")),
+        client_id=ClientId(_name(owner, "segment.client_id")),
+        size_bytes=int(descriptor.size_bytes),
+        tier=tier,
+        host_id=_name(descriptor.host_id, "segment.host_id", required=False),
+        shm_name=_name(descriptor.shm_name, "segment.shm_name", required=False),
+        tcp_endpoint=_name(descriptor.tcp_endpoint, "segment.tcp_endpoint", required=False),
+        engine_endpoint=_name(descriptor.engine_endpoint, "segment.engine_endpoint",
+                              required=False),
+    )
+
+
+def decode_mount_segment(request: Any) -> tuple[ClientId, SegmentInfo]:
+    """(caller, segment) of a MountSegment request; the segment's owner defaults to the caller."""
+    client_id = ClientId(_name(request.client_id, "client_id"))
+    if not request.HasField("segment"):
+        raise BadRequest("segment is missing")
+    return client_id, _segment_info(request.segment, client_id)
+
+
+def decode_unmount_segment(request: Any) -> tuple[ClientId, SegmentId]:
+    """(client_id, segment_id) of an UnmountSegment request."""
+    return (ClientId(_name(request.client_id, "client_id")),
+            SegmentId(_name(request.segment_id, "segment_id")))
+
+
+def decode_get_segments(request: Any) -> list[str]:
+    """Segment ids asked for."""
+    return list(request.segment_ids)
+
+
+def _descriptor(info: SegmentInfo) -> pb.SegmentDescriptor:
+    return pb.SegmentDescriptor(
+        segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
+        tier=int(info.tier), host_id=info.host_id, shm_name=info.shm_name,
+        tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint)
+
+
+def encode_get_segments(infos: Sequence[SegmentInfo | None]) -> pb.GetSegmentsResponse:
+    """One status and descriptor per asked id (SEGMENT_NOT_FOUND + empty descriptor if absent)."""
+    empty = pb.SegmentDescriptor()
+    return pb.GetSegmentsResponse(
+        statuses=[Status.OK if info else Status.SEGMENT_NOT_FOUND for info in infos],
+        segments=[_descriptor(info) if info else empty for info in infos])
+
+
+# --- objects -------------------------------------------------------------------------------------
+
+def decode_keys(request: Any) -> tuple[str, list[ObjectKey]]:
+    """(client_id, keys) of a keyed request; the client id may be empty for reads."""
+    return request.client_id, list(request.keys)
+
+
+def _put_options(options: Any) -> PutOptions:
+    try:
+        pin = Pin(options.pin)
+    except ValueError:
+        raise BadRequest(f"unknown pin {options.pin}") from None
+    replica_num = options.replica_num or 1
+    if replica_num > MAX_REPLICA_NUM:
+        raise BadRequest(f"replica_num {replica_num} is above {MAX_REPLICA_NUM}")
+    return PutOptions(replica_num=replica_num,
+                      preferred_segment=_name(options.preferred_segment, "preferred_segment",
+                                              required=False),
+                      prefer_same_host=options.prefer_same_host, pin=pin)
+
+
+def decode_put_start(request: Any) -> tuple[ClientId, list[ObjectKey], list[int], PutOptions,
+                                            list[bytes] | None]:
+    """(client_id, keys, sizes_bytes, options, parent_keys or None) of a PutStart request."""
+    parent_keys = list(request.parent_keys) if len(request.parent_keys) else None
+    return (ClientId(request.client_id), list(request.keys), list(request.sizes_bytes),
+            _put_options(request.options), parent_keys)
+
+
+def encode_placements(placements: Sequence[Placement], expiry_ms: int,
+                      capability_of: Callable[[Placement], bytes]) -> pb.Replicas:
+    """The replicas of one key, each signed by ``capability_of``."""
+    return pb.Replicas(placements=[
+        pb.Placement(segment_id=p.segment_id, offset=p.offset, length=p.length,
+                     capability_expiry_ms=expiry_ms, capability=capability_of(p))
+        for p in placements])
+
+
+def encode_put_start(results: Sequence[tuple[Status, Sequence[Placement]]], expiry_ms: int,
+                     capability_of: Callable[[Placement], bytes]) -> pb.PutStartResponse:
+    """One status and signed replica list per key."""
+    empty = pb.Replicas()
+    return pb.PutStartResponse(
+        statuses=[status for status, _ in results],
+        replicas=[encode_placements(placements, expiry_ms, capability_of) if placements
+                  else empty for _, placements in results])
+
+
+def decode_put_end(request: Any) -> tuple[ClientId, list[ObjectKey], list[int] | None]:
+    """(client_id, keys, checksums or None) of a PutEnd request."""
+    checksums = list(request.checksums) if len(request.checksums) else None
+    return ClientId(request.client_id), list(request.keys), checksums
+
+
+def encode_statuses(response_type: type[Message], statuses: Sequence[int]) -> Message:
+    """An answer whose only field is the per-key ``statuses``."""
+    return response_type(statuses=statuses)
+
+
+def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,
+                        capability_of: Callable[[Placement], bytes]) -> pb.GetReplicasResponse:
+    """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds."""
+    empty = pb.Replicas()
+    return pb.GetReplicasResponse(
+        statuses=[r.status for r in results],
+        sizes_bytes=[r.size_bytes for r in results],
+        replicas=[encode_placements(r.placements, expiry_ms, capability_of) if r.placements
+                  else empty for r in results],
+        checksums=[r.checksum for r in results],
+        lease_ttl_ms=round(lease_ttl_s * 1000))
+
+
+def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int]) -> pb.ExistResponse:
+    """Per key: OK or NOT_FOUND, and the size."""
+    return pb.ExistResponse(statuses=statuses, sizes_bytes=sizes_bytes)
+
+
+def encode_query_prefix(status: Status, num_ready: int) -> pb.QueryPrefixResponse:
+    """How many leading keys are READY."""
+    return pb.QueryPrefixResponse(status=status, num_ready=num_ready)
+
+
+def decode_remove(request: Any) -> tuple[str, list[ObjectKey], bool]:
+    """(client_id, keys, force) of a Remove request."""
+    return request.client_id, list(request.keys), bool(request.force)
+
+
+def decode_remove_all(request: Any) -> tuple[str, bool]:
+    """(client_id, force) of a RemoveAll request."""
+    return request.client_id, bool(request.force)
+
+
+def decode_remove_by_regex(request: Any) -> tuple[str, str, bool]:
+    """(client_id, pattern, force) of a RemoveByRegex request."""
+    if len(request.pattern) > MAX_PATTERN_CHARS:
+        raise BadRequest(f"pattern is longer than {MAX_PATTERN_CHARS} characters")
+    return request.client_id, request.pattern, bool(request.force)
+
+
+def encode_num_removed(response_type: type[Message], status: Status, num_removed: int) -> Message:
+    """A RemoveAll / RemoveByRegex answer."""
+    return response_type(status=status, num_removed=num_removed)
+
+
+def encode_stats(status: Status, document: str) -> pb.GetStatsResponse:
+    """The GetStats answer: the /status JSON document."""
+    return pb.GetStatsResponse(status=status, json=document)
+
+
+def decode_auth(payload: bytes) -> str:
+    """The token of a lean-framing METHOD_AUTH frame; BadRequest when malformed."""
+    try:
+        return str(pb.AuthRequest.FromString(payload).token)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise BadRequest(f"malformed AuthRequest: {exc}") from None
+
+
+def encode_auth(status: Status) -> bytes:
+    """Bytes of an AuthResponse."""
+    return pb.AuthResponse(status=status).SerializeToString()
+
+
+_RESPONSE_BY_REQUEST: dict[Any, Any] = {m.request_type: m.response_type
+                                         for m in RPC_METHODS.values()}
+
+
+def response_type_of(request: Message) -> type[Message]:
+    """The answer message type of a request message."""
+    return _RESPONSE_BY_REQUEST[type(request)]  # type: ignore[no-any-return]
+
+
+def method_by_id() -> dict[int, RpcMethod]:
+    """Lean-framing method id -> method."""
+    return {method.method_id: method for method in RPC_METHODS.values()}

@@ -1,0 +1,228 @@
+"""The batch handlers of the Master service, shared by the gRPC and the lean-framing transports.
+
+Rules of this file:
+- ``Servicer.serve(method, payload, transport)`` is the one path every request takes: parse
+  (``convert``), call the core with the serving clock's ``now``, sign placements, encode, time it,
+  count it, drain the core's events. Transports only move bytes and map failures.
+- Handlers are synchronous: the core never awaits, so each request is atomic on the event loop.
+- Expected outcomes travel in-band as ``Status`` values. A request that cannot be served at all
+  raises :class:`BadRequest` (INVALID_ARGUMENT for the call); anything else escaping a handler is
+  a bug and raises :class:`InternalError` after being logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvpool_client import capability
+from kvpool_client.rpc import RpcMethod
+from kvpool_client.status import Status
+from kvpool_client.types import ClientId, Op, Placement
+from kvpool_master.clock import ServingClock
+from kvpool_master.core.events import Event
+from kvpool_master.core.master import MasterCore
+from kvpool_master.rpc import convert
+from kvpool_master.rpc.convert import BadRequest
+
+log = logging.getLogger("kvpool.master.rpc")
+
+__all__ = ["BadRequest", "InternalError", "RpcObserver", "Servicer"]
+
+
+class InternalError(RuntimeError):
+    """A handler failed unexpectedly (a bug); the call answers INTERNAL and the master goes on."""
+
+
+class RpcObserver(Protocol):
+    """What the servicer reports per call (implemented by ``kvpool_master.metrics``)."""
+
+    def rpc_done(self, method: str, transport: str, duration_s: float, failed: bool) -> None: ...
+
+
+class Servicer:
+    """Serves every Master RPC against one core."""
+
+    def __init__(self, core: MasterCore, clock: ServingClock, observer: RpcObserver, *,
+                 master_id: str, on_events: Callable[[list[Event]], None],
+                 status_document: Callable[[], str],
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._core = core
+        self._clock = clock
+        self._observer = observer
+        self._master_id = master_id
+        self._on_events = on_events
+        self._status_document = status_document
+        self._wall_clock = wall_clock
+        self.fast_port = 0  # advertised to clients once the lean port is bound
+        self._handlers: dict[str, Callable[[Any], Any]] = {
+            "RegisterClient": self._register_client,
+            "Heartbeat": self._heartbeat,
+            "MountSegment": self._mount_segment,
+            "UnmountSegment": self._unmount_segment,
+            "GetSegments": self._get_segments,
+            "PutStart": self._put_start,
+            "PutEnd": self._put_end,
+            "PutRevoke": self._put_revoke,
+            "GetReplicas": self._get_replicas,
+            "Exist": self._exist,
+            "QueryPrefix": self._query_prefix,
+            "Remove": self._remove,
+            "RemoveAll": self._remove_all,
+            "RemoveByRegex": self._remove_by_regex,
+            "GetStats": self._get_stats,
+        }
+
+    def serve(self, method: RpcMethod, payload: bytes, transport: str) -> bytes:
+        """Answer one request given as protobuf bytes; return the answer's protobuf bytes.
+
+        Raises BadRequest (malformed or unusable request; nothing changed) or InternalError.
+        """
+        started_s = time.perf_counter()
+        failed = True
+        try:
+            request = convert.parse_request(method, payload)
+            response = self._handlers[method.name](request)
+            failed = False
+            return convert.serialize(response)
+        except BadRequest:
+            raise
+        except Exception as exc:
+            log.exception("%s failed unexpectedly", method.name)
+            raise InternalError(f"{method.name} failed: {type(exc).__name__}") from None
+        finally:
+            events = self._core.take_events()
+            if events:
+                self._on_events(events)
+            self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
+                                    failed)
+
+    def tick(self) -> None:
+        """Let the core expire clients, reclaim stale PENDING objects and evict in background."""
+        self._core.tick(self._clock.now())
+        events = self._core.take_events()
+        if events:
+            self._on_events(events)
+
+    # -- signing ----------------------------------------------------------------------------------
+
+    def _signer(self, op: Op, expiry_ms: int) -> Callable[[Placement], bytes]:
+        key_of_segment: dict[str, bytes | None] = {}
+        segment_key = self._core.segment_key
+        sign = capability.sign
+
+        def capability_of(p: Placement) -> bytes:
+            key = key_of_segment.get(p.segment_id, b"")
+            if key == b"":
+                key = key_of_segment[p.segment_id] = segment_key(p.segment_id)
+            return sign(key, p.segment_id, p.offset, p.length, op, expiry_ms) if key else b""
+        return capability_of
+
+    def _check_batch(self, keys: Sequence[object]) -> None:
+        if len(keys) > self._core.config.max_batch_keys:
+            raise BadRequest(f"batch of {len(keys)} items is above max_batch_keys "
+                             f"{self._core.config.max_batch_keys}")
+
+    # -- clients and segments ---------------------------------------------------------------------
+
+    def _register_client(self, request: Any) -> Any:
+        client_id, host_id, _hostname = convert.decode_register_client(request)
+        status, key = self._core.register_client(client_id, host_id,
+                                                 os.urandom(capability.KEY_BYTES),
+                                                 self._clock.now())
+        config = self._core.config
+        return convert.encode_register_client(
+            status, client_ttl_s=config.client_ttl_s, capability_key=key,
+            fast_port=self.fast_port, master_id=self._master_id,
+            default_lease_ttl_s=config.default_lease_ttl_s)
+
+    def _heartbeat(self, request: Any) -> Any:
+        status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
+        return convert.status_response(_response_of(request), status)
+
+    def _mount_segment(self, request: Any) -> Any:
+        client_id, segment = convert.decode_mount_segment(request)
+        if segment.client_id != client_id:
+            status = Status.PERMISSION_DENIED  # a client mounts only its own segments
+        else:
+            status = self._core.mount_segment(segment, self._clock.now())
+        return convert.status_response(_response_of(request), status)
+
+    def _unmount_segment(self, request: Any) -> Any:
+        client_id, segment_id = convert.decode_unmount_segment(request)
+        status = self._core.unmount_segment(client_id, segment_id, self._clock.now())
+        return convert.status_response(_response_of(request), status)
+
+    def _get_segments(self, request: Any) -> Any:
+        segment_ids = convert.decode_get_segments(request)
+        self._check_batch(segment_ids)
+        return convert.encode_get_segments(self._core.get_segments(segment_ids))
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def _put_start(self, request: Any) -> Any:
+        client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
+        results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
+                                       self._clock.now(), parent_keys)
+        expiry_ms = int((self._wall_clock() + self._core.config.put_start_discard_timeout_s)
+                        * 1000)
+        return convert.encode_put_start(results, expiry_ms, self._signer(Op.WRITE, expiry_ms))
+
+    def _put_end(self, request: Any) -> Any:
+        client_id, keys, checksums = convert.decode_put_end(request)
+        statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
+        return convert.encode_statuses(_response_of(request), statuses)
+
+    def _put_revoke(self, request: Any) -> Any:
+        client_id, keys = convert.decode_keys(request)
+        statuses = self._core.put_revoke(ClientId(client_id), keys, self._clock.now())
+        return convert.encode_statuses(_response_of(request), statuses)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def _get_replicas(self, request: Any) -> Any:
+        _client_id, keys = convert.decode_keys(request)
+        results = self._core.get_replicas(keys, self._clock.now())
+        lease_ttl_s = self._core.config.default_lease_ttl_s
+        expiry_ms = int((self._wall_clock() + lease_ttl_s) * 1000)
+        return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms,
+                                           self._signer(Op.READ, expiry_ms))
+
+    def _exist(self, request: Any) -> Any:
+        _client_id, keys = convert.decode_keys(request)
+        statuses, sizes_bytes = self._core.exist(keys, self._clock.now())
+        return convert.encode_exist(statuses, sizes_bytes)
+
+    def _query_prefix(self, request: Any) -> Any:
+        _client_id, keys = convert.decode_keys(request)
+        if len(keys) > self._core.config.max_batch_keys:
+            return convert.encode_query_prefix(Status.INVALID_ARGUMENT, 0)
+        num_ready = self._core.query_prefix(keys, self._clock.now())
+        return convert.encode_query_prefix(Status.OK, num_ready)
+
+    # -- removal and admin ------------------------------------------------------------------------
+
+    def _remove(self, request: Any) -> Any:
+        _client_id, keys, force = convert.decode_remove(request)
+        statuses = self._core.remove(keys, force, self._clock.now())
+        return convert.encode_statuses(_response_of(request), statuses)
+
+    def _remove_all(self, request: Any) -> Any:
+        _client_id, force = convert.decode_remove_all(request)
+        num_removed = self._core.remove_all(force, self._clock.now())
+        return convert.encode_num_removed(_response_of(request), Status.OK, num_removed)
+
+    def _remove_by_regex(self, request: Any) -> Any:
+        _client_id, pattern, force = convert.decode_remove_by_regex(request)
+        status, num_removed = self._core.remove_by_regex(pattern, force, self._clock.now())
+        return convert.encode_num_removed(_response_of(request), status, num_removed)
+
+    def _get_stats(self, request: Any) -> Any:
+        return convert.encode_stats(Status.OK, self._status_document())
+
+
+def _response_of(request: Any) -> Any:
+    return convert.response_type_of(request)

@@ -1,0 +1,276 @@
+"""Wiring of the master daemon: one core, one event loop, three listeners, one tick.
+
+Rules of this file:
+- Everything runs on one uvloop event loop; the core is called only from it, so every request
+  is atomic without locks.
+- The core sees the serving clock (``clock.py``), never wall time.
+- Side effects leave the core as events; ``_fan_out`` sends them to logs, metrics and the state
+  store, in that order, before the answer of the request that caused them is written.
+- SIGTERM/SIGINT: stop accepting, let in-flight gRPC calls finish (bounded grace), flush the
+  lean connections, close the state store, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import ssl
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client.rpc import RPC_METHODS, RpcMethod
+from kvpool_master.clock import ServingClock
+from kvpool_master.config import MasterConfig, load_auth_token
+from kvpool_master.core import events as ev
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.metrics import HttpEndpoint, MasterMetrics
+from kvpool_master.rpc.lean import LeanServer
+from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
+
+log = logging.getLogger("kvpool.master")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Master"].full_name
+TICK_INTERVAL_S = 0.1
+STALL_THRESHOLD_S = 0.5
+SHUTDOWN_GRACE_S = 10.0
+
+
+def core_config(config: MasterConfig) -> CoreConfig:
+    """The core's settings taken from the daemon's."""
+    return CoreConfig(
+        client_ttl_s=config.client_ttl_s,
+        default_lease_ttl_s=config.default_kv_lease_ttl_ms / 1000,
+        put_start_discard_timeout_s=config.put_start_discard_timeout_s,
+        eviction_high_watermark_ratio=config.eviction_high_watermark_ratio,
+        eviction_ratio=config.eviction_ratio,
+        eviction_policy=config.eviction_policy,
+        max_key_bytes=config.max_key_bytes,
+        max_batch_keys=config.max_batch_keys,
+    )
+
+
+class MasterServer:
+    """The running daemon: ``await start()``, then ``await serve_until_stopped()``."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.clock = ServingClock(stall_threshold_s=STALL_THRESHOLD_S)
+        self.core = MasterCore(core_config(config))
+        self.master_id = uuid.uuid4().hex
+        self.store: Any = None
+        self.metrics = MasterMetrics(self.core, self.clock, master_id=self.master_id)
+        self._auth_token = load_auth_token(config)
+        self.servicer = Servicer(self.core, self.clock, self.metrics, master_id=self.master_id,
+                                 on_events=self._fan_out,
+                                 status_document=self.metrics.status_json)
+        self._grpc: grpc.aio.Server | None = None
+        self._lean: LeanServer | None = None
+        self._http: HttpEndpoint | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self.grpc_port = 0
+        self.fast_port = 0
+        self.metrics_port = 0
+
+    # -- start ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Restore state, bind every listener, start the tick, write the ready file."""
+        self._restore()
+        await self._start_grpc()
+        if self.config.fast_port >= 0:
+            self._lean = LeanServer(
+                self.servicer, max_connections=self.config.max_connections,
+                max_frame_bytes=self.config.max_message_bytes, auth_token=self._auth_token,
+                ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused)
+            self.fast_port = await self._lean.start(self.config.host, self.config.fast_port)
+            self.servicer.fast_port = self.fast_port
+        if self.config.metrics_port >= 0:
+            self._http = HttpEndpoint(self.metrics)
+            self.metrics_port = await self._http.start(self.config.metrics_host,
+                                                       self.config.metrics_port)
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
+        log.info("kvpool-master %s serving: grpc %s:%d, lean %s, metrics %s", self.master_id,
+                 self.config.host, self.grpc_port,
+                 f"{self.config.host}:{self.fast_port}" if self._lean else "off",
+                 f"http://{self.config.metrics_host}:{self.metrics_port}/metrics"
+                 if self._http else "off")
+        self._write_ready_file()
+
+    def _grpc_credentials(self) -> grpc.ServerCredentials | None:
+        config = self.config
+        if not config.tls_cert:
+            return None
+        ca = Path(config.tls_ca).read_bytes() if config.tls_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+            root_certificates=ca, require_client_auth=ca is not None)
+
+    def _lean_ssl_context(self) -> ssl.SSLContext | None:
+        config = self.config
+        if not config.tls_cert:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+        if config.tls_ca:
+            context.load_verify_locations(config.tls_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    async def _start_grpc(self) -> None:
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[("grpc.max_send_message_length", limit),
+                     ("grpc.max_receive_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=self.config.max_inflight_requests)
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._grpc_behavior(method))
+                    for name, method in RPC_METHODS.items()}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = self._grpc_credentials()
+        if credentials is None:
+            self.grpc_port = server.add_insecure_port(address)
+        else:
+            self.grpc_port = server.add_secure_port(address, credentials)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._grpc = server
+
+    def _grpc_behavior(self, method: RpcMethod) -> Any:
+        servicer = self.servicer
+        expected = f"Bearer {self._auth_token}" if self._auth_token else ""
+        refused = self.metrics.refused
+
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            if expected and not _has_token(context, expected):
+                refused("grpc", "bad_token")
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "missing or wrong token: send 'authorization: Bearer <token>'")
+            try:
+                return servicer.serve(method, request, "grpc")
+            except BadRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except InternalError as exc:
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            raise AssertionError("unreachable")  # abort() raises
+        return behavior
+
+    def _restore(self) -> None:
+        if not self.config.state_dir:
+            return
+        raise NotImplementedError("--state-dir needs kvpool_master/persist.py")
+
+    def _write_ready_file(self) -> None:
+        if not self.config.ready_file:
+            return
+        document = {"grpc_port": self.grpc_port, "fast_port": self.fast_port,
+                    "metrics_port": self.metrics_port, "pid": os.getpid(),
+                    "master_id": self.master_id}
+        path = Path(self.config.ready_file)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(document))
+        os.replace(tmp, path)  # readers never see a half-written file
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_INTERVAL_S)
+            try:
+                self.servicer.tick()
+            except Exception:
+                log.exception("tick failed")
+
+    def _fan_out(self, events: list[ev.Event]) -> None:
+        for event in events:
+            _log_event(event)
+        if self.store is not None:
+            self.store.append(events)
+
+    def request_stop(self) -> None:
+        """Ask the server to shut down (what SIGTERM/SIGINT do)."""
+        self._stop.set()
+
+    async def serve_until_stopped(self) -> None:
+        """Serve until SIGTERM/SIGINT or request_stop(), then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        await self._stop.wait()
+        log.info("shutting down: finishing in-flight calls")
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop listening, finish in-flight calls, close persistence."""
+        if self._grpc is not None:
+            await self._grpc.stop(SHUTDOWN_GRACE_S)
+        if self._lean is not None:
+            await self._lean.close()
+        if self._http is not None:
+            await self._http.close()
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+        if self.store is not None:
+            self.store.close()
+        if self.config.ready_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.ready_file)
+        log.info("stopped")
+
+
+def _has_token(context: grpc.aio.ServicerContext, expected: str) -> bool:
+    import hmac
+
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return hmac.compare_digest(value.encode(), expected.encode())
+    return False
+
+
+_INFO_EVENTS = (ev.ClientRegistered, ev.ClientExpired, ev.ClientUnregistered,
+                ev.SegmentMounted, ev.SegmentUnmounted)
+
+
+def _log_event(event: ev.Event) -> None:
+    if isinstance(event, ev.ClientRegistered):
+        log.info("client %s registered (host %s)", event.client_id, event.host_id)
+    elif isinstance(event, ev.ClientExpired):
+        log.warning("client %s expired: no heartbeat within client_ttl", event.client_id)
+    elif isinstance(event, ev.ClientUnregistered):
+        log.info("client %s unregistered", event.client_id)
+    elif isinstance(event, ev.SegmentMounted):
+        log.info("segment %s of %s mounted (%d bytes)", event.segment.segment_id,
+                 event.segment.client_id, event.segment.size_bytes)
+    elif isinstance(event, ev.SegmentUnmounted):
+        log.info("segment %s of %s unmounted", event.segment_id, event.client_id)
+    elif isinstance(event, ev.EvictionPass):
+        log.debug("eviction pass: %d objects, %d bytes", event.num_objects, event.num_bytes)
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", event)
+
+
+async def run(config: MasterConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT; return the exit code."""
+    server = MasterServer(config)
+    await server.start()
+    await server.serve_until_stopped()
+    return 0

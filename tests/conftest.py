@@ -1,0 +1,154 @@
+"""Shared fixtures: a real `kvpool-master` process on 127.0.0.1.
+
+Fixtures:
+- ``start_master(*args, env=None, executable=None, timeout_s=30, **flags) -> MasterProcess``:
+  starts ``python -m kvpool_master.cli --host 127.0.0.1 --port 0 --fast-port 0 --metrics-port 0
+  --ready-file F`` plus ``--flag value`` for each keyword (``eviction_ratio=0.1`` ->
+  ``--eviction-ratio 0.1``) and the raw ``args``; waits for the ready file. Every process it
+  started is stopped (SIGTERM, then SIGKILL) by pid when the test ends.
+- ``master``: one master with default settings.
+
+A MasterProcess has ``.address`` ("127.0.0.1:PORT"), ``.grpc_port``, ``.fast_port``,
+``.metrics_port``, ``.metrics_url`` ("http://127.0.0.1:PORT"), ``.pid``, ``.proc``,
+``.log_path`` / ``.log()`` (its stderr), ``.stop(timeout_s=10) -> exit code`` and ``.kill()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+HOST = "127.0.0.1"
+
+
+class MasterProcess:
+    """A running master started by :func:`launch_master`."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], ready: dict[str, Any], log_path: Path,
+                 workdir: Path) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.grpc_port = int(ready["grpc_port"])
+        self.fast_port = int(ready["fast_port"])
+        self.metrics_port = int(ready["metrics_port"])
+        self.master_id = str(ready.get("master_id", ""))
+        self.log_path = log_path
+        self.workdir = workdir
+
+    @property
+    def address(self) -> str:
+        """gRPC address, "127.0.0.1:PORT"."""
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Base URL of /metrics, /healthz and /status."""
+        return f"http://{HOST}:{self.metrics_port}"
+
+    def log(self) -> str:
+        """What the master wrote to stderr so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; return the exit code."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return int(self.proc.wait(timeout_s))
+
+    def kill(self) -> None:
+        """SIGKILL (also continues a SIGSTOPped process) and reap."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def launch_master(workdir: Path, *args: str, env: dict[str, str] | None = None,
+                  executable: Sequence[str] | None = None, timeout_s: float = 30.0,
+                  default_ports: bool = True, **flags: Any) -> MasterProcess:
+    """Start a master process and wait until its ready file appears (see the module doc)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, ready_name = tempfile.mkstemp(prefix="ready-", suffix=".json", dir=workdir)
+    os.close(fd)
+    os.unlink(ready_name)
+    ready_path = Path(ready_name)
+    log_path = ready_path.with_suffix(".log")
+    command = list(executable or [sys.executable, "-m", "kvpool_master.cli"])
+    if default_ports:
+        command += ["--host", HOST, "--port", "0", "--fast-port", "0", "--metrics-port", "0"]
+    command += ["--ready-file", str(ready_path)]
+    for name, value in flags.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    command += list(args)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_MASTER_")}
+    full_env.update(env or {})
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
+                                stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready_path.exists():
+            try:
+                ready = json.loads(ready_path.read_text())
+            except ValueError:
+                ready = None
+            if ready is not None:
+                return MasterProcess(proc, ready, log_path, workdir)
+        if proc.poll() is not None:
+            raise RuntimeError(f"master exited with {proc.returncode} before it was ready:\n"
+                               f"{log_path.read_text(errors='replace')}")
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(f"master not ready within {timeout_s} s:\n"
+                       f"{log_path.read_text(errors='replace')}")
+
+
+class StartMaster(Protocol):
+    def __call__(self, *args: str, env: dict[str, str] | None = None,
+                 executable: Sequence[str] | None = None, timeout_s: float = 30.0,
+                 default_ports: bool = True, **flags: Any) -> MasterProcess: ...
+
+
+@pytest.fixture
+def start_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartMaster]:
+    """Factory of master processes; each is stopped by pid at the end of the test."""
+    started: list[MasterProcess] = []
+    workdir = tmp_path_factory.mktemp("master")
+
+    def start(*args: str, env: dict[str, str] | None = None,
+              executable: Sequence[str] | None = None, timeout_s: float = 30.0,
+              default_ports: bool = True, **flags: Any) -> MasterProcess:
+        process = launch_master(workdir, *args, env=env, executable=executable,
+                                timeout_s=timeout_s, default_ports=default_ports, **flags)
+        started.append(process)
+        return process
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            if process.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGCONT)  # in case a test left it stopped
+                process.stop(timeout_s=10)
+
+
+@pytest.fixture
+def master(start_master: StartMaster) -> MasterProcess:
+    """A master with default settings on 127.0.0.1 (ephemeral ports)."""
+    return start_master()

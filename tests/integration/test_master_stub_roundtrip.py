@@ -1,0 +1,123 @@
+"""MasterRpc against a real master process, over gRPC and over the lean framing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvpool_client import capability
+from kvpool_client.rpc import MasterRpc
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
+
+SEGMENT_BYTES = 1 << 20
+
+
+def _segment(client_id: str, index: int = 0) -> SegmentInfo:
+    return SegmentInfo(SegmentId(f"{client_id}-seg{index}"), ClientId(client_id), SEGMENT_BYTES,
+                       host_id="host-a", shm_name=f"/kvpool-test-{client_id}-{index}",
+                       tcp_endpoint="127.0.0.1:1")
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_put_read_remove_round_trip(master, use_fast_path: bool) -> None:
+    rpc = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
+    try:
+        registration = await rpc.register_client("c1", "host-a", "127.0.0.1:1")
+        assert len(registration.capability_key) == capability.KEY_BYTES
+        assert registration.fast_port == master.fast_port
+        assert registration.client_ttl_s == 10.0
+        assert registration.default_lease_ttl_s == 5.0
+        assert registration.master_id == master.master_id
+        assert rpc.fast_port == (master.fast_port if use_fast_path else 0)
+        # Re-registering keeps the key the master already holds.
+        again = await rpc.register_client("c1", "host-a", "127.0.0.1:1")
+        assert again.capability_key == registration.capability_key
+
+        segment = _segment("c1")
+        assert await rpc.mount_segment("c1", segment) == Status.OK
+        assert await rpc.get_segments([segment.segment_id, "nope"]) == [segment, None]
+        assert await rpc.heartbeat("c1") == Status.OK
+        assert await rpc.heartbeat("ghost") == Status.UNKNOWN_CLIENT
+
+        keys = [b"k0", b"k1", b"k2"]
+        started = await rpc.put_start("c1", keys, [100, 200, 300], PutOptions())
+        assert [s for s, _ in started] == [Status.OK] * 3
+        for (_, placements), size in zip(started, [100, 200, 300], strict=True):
+            (placement,) = placements
+            assert placement.segment_id == segment.segment_id
+            assert placement.length == size
+            assert capability.verify(registration.capability_key, placement.capability,
+                                     placement.segment_id, placement.offset, placement.length,
+                                     Op.WRITE, placement.capability_expiry_ms,
+                                     placement.capability_expiry_ms - 1)
+        # PENDING objects are invisible to readers.
+        statuses, _ = await rpc.exist("c1", keys)
+        assert statuses == [Status.NOT_FOUND] * 3
+        assert await rpc.put_end("c1", keys[:2], [7, 8]) == [Status.OK, Status.OK]
+        assert await rpc.put_revoke("c1", keys[2:]) == [Status.OK]
+
+        statuses, sizes = await rpc.exist("c1", keys)
+        assert statuses == [Status.OK, Status.OK, Status.NOT_FOUND]
+        assert sizes == [100, 200, 0]
+        results, lease_ttl_s = await rpc.get_replicas("c1", keys)
+        assert lease_ttl_s == 5.0
+        assert [r.status for r in results] == [Status.OK, Status.OK, Status.NOT_FOUND]
+        assert [r.checksum for r in results[:2]] == [7, 8]
+        placement = results[0].placements[0]
+        assert capability.verify(registration.capability_key, placement.capability,
+                                 placement.segment_id, placement.offset, placement.length,
+                                 Op.READ, placement.capability_expiry_ms,
+                                 placement.capability_expiry_ms - 1)
+        assert await rpc.query_prefix("c1", keys) == 2
+        assert await rpc.query_prefix("c1", [b"zz", *keys]) == 0
+
+        assert await rpc.remove("c1", [b"k0"]) == [Status.HAS_LEASE]
+        assert await rpc.remove("c1", [b"k0", b"absent"], force=True) == [Status.OK,
+                                                                           Status.NOT_FOUND]
+        assert await rpc.remove_by_regex("c1", "^k1$", force=True) == 1
+        with pytest.raises(KVPoolError) as err:
+            await rpc.remove_by_regex("c1", "([", force=True)
+        assert err.value.status == Status.INVALID_ARGUMENT
+        assert await rpc.remove_all("c1", force=True) == 0
+
+        stats = await rpc.get_stats()
+        assert stats["clients"] == 1 and stats["segments"]["mounted"] == 1
+        assert await rpc.unmount_segment("c1", segment.segment_id) == Status.OK
+        assert await rpc.unmount_segment("c1", segment.segment_id) == Status.SEGMENT_NOT_FOUND
+    finally:
+        await rpc.close()
+
+
+async def test_put_end_nowait_is_ordered_before_later_calls(master) -> None:
+    rpc = MasterRpc(master.address)
+    try:
+        await rpc.register_client("w", "host-a", "")
+        assert await rpc.mount_segment("w", _segment("w")) == Status.OK
+        keys = [f"n{i}".encode() for i in range(50)]
+        started = await rpc.put_start("w", keys, [64] * len(keys), PutOptions())
+        assert all(s == Status.OK for s, _ in started)
+        commits = [rpc.put_end_nowait("w", [key]) for key in keys]
+        # Sent after the commits on the same connection: must see every one of them.
+        statuses, _ = await rpc.exist("w", keys)
+        assert statuses == [Status.OK] * len(keys)
+        assert [await c for c in commits] == [[Status.OK]] * len(keys)
+    finally:
+        await rpc.close()
+
+
+async def test_calls_fail_fast_when_the_master_is_gone(start_master) -> None:
+    master = start_master()
+    rpc = MasterRpc(master.address, timeout_s=2.0)
+    try:
+        await rpc.register_client("gone", "h", "")
+        assert master.stop() == 0
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        with pytest.raises(KVPoolError) as err:
+            await rpc.exist("gone", [b"a"])
+        assert err.value.status in (Status.RPC_FAILED, Status.TIMEOUT)
+        assert loop.time() - started_s < 3.0
+    finally:
+        await rpc.close()
