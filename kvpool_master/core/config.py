@@ -1,0 +1,40 @@
+"""CoreConfig: the tunables of the master core (flags of the same names on kvpool-master)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool_client.types import MAX_KEY_BYTES
+from kvpool_master.core.eviction import POLICIES
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Tunables of the core; ``ValueError`` naming the field when one is out of range."""
+
+    client_ttl_s: float = 10.0
+    default_lease_ttl_s: float = 5.0
+    put_start_discard_timeout_s: float = 30.0
+    eviction_high_watermark_ratio: float = 0.95
+    eviction_ratio: float = 0.05
+    eviction_policy: str = "lru"          # or "prefix-lru"
+    max_key_bytes: int = 1024
+    max_batch_keys: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, "
+                             f"got {self.eviction_policy!r}")
+        if not isinstance(self.max_key_bytes, int) or not 0 < self.max_key_bytes <= MAX_KEY_BYTES:
+            raise ValueError(f"max_key_bytes must be in [1, {MAX_KEY_BYTES}], "
+                             f"got {self.max_key_bytes!r}")
+        if not isinstance(self.max_batch_keys, int) or self.max_batch_keys < 1:
+            raise ValueError(f"max_batch_keys must be >= 1, got {self.max_batch_keys!r}")

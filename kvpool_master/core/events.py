@@ -1,0 +1,101 @@
+"""Side effects of the master core, drained by the server with ``MasterCore.take_events()``.
+
+Rules of this file:
+- Every event is a frozen, slotted dataclass; the core appends them in the order the changes
+  happened, so replaying them in order (``kvpool_master/persist.py``) rebuilds the same index.
+- Events describe durable facts only (clients, segments, committed objects, removals). Reads,
+  leases and PENDING objects are not events: they are either too hot or not worth keeping
+  across a restart.
+- ``SegmentUnmounted`` implies that every replica on that segment is gone; the objects that
+  lost their only replica are announced before it with ``ObjectRemoved(reason="segment_lost")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvpool_client.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo
+
+RemoveReason = Literal["remove", "evict", "segment_lost", "revoke", "reclaim"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRegistered:
+    """A client registered (or re-registered after a restore) with this capability key."""
+
+    client_id: ClientId
+    host_id: str
+    capability_key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ClientExpired:
+    """A client was silent for longer than ``client_ttl_s`` (or never came back after a restore)."""
+
+    client_id: ClientId
+
+
+@dataclass(frozen=True, slots=True)
+class ClientUnregistered:
+    """A client closed gracefully."""
+
+    client_id: ClientId
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentMounted:
+    """A segment became usable (a fresh mount, or the remount of a restored one)."""
+
+    segment: SegmentInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUnmounted:
+    """A segment and every replica on it are gone."""
+
+    segment_id: SegmentId
+    client_id: ClientId
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectCommitted:
+    """An object became READY (``put_end``)."""
+
+    key: ObjectKey
+    size_bytes: int
+    placements: tuple[Placement, ...]
+    checksum: int
+    pin: Pin
+    parent_key: ObjectKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRemoved:
+    """A READY or PENDING object left the index; ``reason`` says why."""
+
+    key: ObjectKey
+    size_bytes: int
+    reason: RemoveReason
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionPass:
+    """One eviction pass finished (synchronous inside ``put_start`` or from ``tick``).
+
+    Carries no duration: the core has no clock; the server times the call that ran it.
+    """
+
+    num_objects: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReclaimed:
+    """A PENDING object was dropped: its writer vanished or did not commit in time."""
+
+    key: ObjectKey
+
+
+Event = (ClientRegistered | ClientExpired | ClientUnregistered | SegmentMounted
+         | SegmentUnmounted | ObjectCommitted | ObjectRemoved | EvictionPass | PendingReclaimed)

@@ -1,0 +1,134 @@
+"""Choosing eviction victims: LRU over READY, un-leased objects, soft pins last.
+
+Rules of this file:
+- Candidates are walked in the order of ``ObjectTable.key_to_object`` (least recently used
+  first). A candidate is READY, has no live lease (``lease_expiry_s <= now``) and is not
+  hard-pinned; it must hold bytes on a mounted segment of the tier being relieved.
+- First pass: unpinned objects only. Only if that frees too little does a second pass also take
+  soft-pinned objects (in the same LRU order). Hard-pinned objects are never victims.
+- ``prefix-lru``: an object that still has a cached chain successor (a READY object whose
+  ``parent_key`` is this key) waits until that successor is chosen. A waiting object that
+  becomes a leaf during the pass is older than every object not yet scanned, so it goes next
+  (oldest first). A chain is therefore evicted tail first.
+- Selection does not mutate the table (an OrderedDict cannot change while it is walked); the
+  caller removes the victims in the returned order. Hard-pinned and PENDING objects met on the
+  way are moved to the recent end afterwards, so later passes do not rescan them.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from kvpool_client.types import ObjectKey, Pin, Tier
+from kvpool_master.core.allocator import aligned
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.segments import SegmentTable
+
+POLICIES = ("lru", "prefix-lru")
+
+
+class _Pass:
+    """State of one selection: the victims so far and (prefix-lru) the objects waiting."""
+
+    __slots__ = ("victims", "freed_bytes", "need_bytes", "evicted_children", "waiting", "ready",
+                 "scan_index", "skipped")
+
+    def __init__(self, need_bytes: int) -> None:
+        self.victims: dict[ObjectKey, ObjectEntry] = {}
+        self.freed_bytes = 0
+        self.need_bytes = need_bytes
+        self.evicted_children: dict[ObjectKey, int] = {}
+        self.waiting: dict[ObjectKey, tuple[int, ObjectEntry, int]] = {}
+        self.ready: list[tuple[int, ObjectKey]] = []  # heap of waiting objects that became leaves
+        self.scan_index = 0
+        self.skipped: list[ObjectKey] = []
+
+
+def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_bytes: int,
+                   now: float, prefix_lru: bool) -> list[ObjectKey]:
+    """Return keys to evict, in eviction order, freeing at least ``need_bytes`` of ``tier``.
+
+    Returns fewer when not enough is evictable (possibly none).
+    """
+    state = _Pass(need_bytes)
+    # Fast path: every mounted segment is on this tier and none is restored, so an object's
+    # bytes on the tier are simply its aligned size times its number of replicas.
+    simple = segments.num_restored == 0 and all(s.info.tier == tier for s in segments.mounted)
+    for allowed in ((Pin.NONE,), (Pin.NONE, Pin.SOFT)):
+        # Each pass rescans from the oldest object, so waiting objects are found again in order.
+        state.waiting.clear()
+        state.ready.clear()
+        _scan(table, segments, tier, now, prefix_lru, simple, allowed, state)
+        if state.freed_bytes >= need_bytes:
+            break
+    key_to_object = table.key_to_object
+    for key in state.skipped:
+        if key in key_to_object and key not in state.victims:
+            key_to_object.move_to_end(key)
+    return list(state.victims)
+
+
+def _scan(table: ObjectTable, segments: SegmentTable, tier: Tier, now: float, prefix_lru: bool,
+          simple: bool, allowed: tuple[Pin, ...], state: _Pass) -> None:
+    victims = state.victims
+    counts = table.parent_to_num_children
+    evicted_children = state.evicted_children
+    waiting = state.waiting
+    hard = Pin.HARD
+    for key, entry in table.key_to_object.items():
+        if entry.writer_id is not None or entry.pin is hard:
+            state.skipped.append(key)
+            continue
+        if entry.pin not in allowed or entry.lease_expiry_s > now or key in victims:
+            continue
+        if simple:
+            num_bytes = aligned(entry.size_bytes) * len(entry.placements)
+        else:
+            num_bytes = _bytes_on_tier(segments, entry, tier)
+            if not num_bytes:
+                continue
+        if prefix_lru:
+            if counts.get(key, 0) - evicted_children.get(key, 0) > 0:
+                if key not in waiting:
+                    waiting[key] = (state.scan_index, entry, num_bytes)
+                    state.scan_index += 1
+                continue
+            _take(state, key, entry, num_bytes, counts)
+            _drain_ready(state, counts)
+        else:
+            victims[key] = entry
+            state.freed_bytes += num_bytes
+        if state.freed_bytes >= state.need_bytes:
+            return
+    _drain_ready(state, counts)
+
+
+def _take(state: _Pass, key: ObjectKey, entry: ObjectEntry, num_bytes: int,
+          counts: dict[ObjectKey, int]) -> None:
+    state.victims[key] = entry
+    state.freed_bytes += num_bytes
+    parent = entry.parent_key
+    if parent is None:
+        return
+    evicted = state.evicted_children.get(parent, 0) + 1
+    state.evicted_children[parent] = evicted
+    waiting = state.waiting.get(parent)
+    if waiting is not None and counts.get(parent, 0) - evicted <= 0:
+        heapq.heappush(state.ready, (waiting[0], parent))
+
+
+def _drain_ready(state: _Pass, counts: dict[ObjectKey, int]) -> None:
+    while state.ready and state.freed_bytes < state.need_bytes:
+        _, key = heapq.heappop(state.ready)
+        _, entry, num_bytes = state.waiting.pop(key)
+        _take(state, key, entry, num_bytes, counts)
+
+
+def _bytes_on_tier(segments: SegmentTable, entry: ObjectEntry, tier: Tier) -> int:
+    id_to_segment = segments.id_to_segment
+    num_bytes = 0
+    for placement in entry.placements:
+        state = id_to_segment.get(placement.segment_id)
+        if state is not None and state.mounted and state.info.tier == tier:
+            num_bytes += aligned(placement.length)
+    return num_bytes

@@ -1,0 +1,255 @@
+"""MasterCore: the pure, synchronous state machine of kvpool-master.
+
+Rules of this file:
+- No I/O, no clock, no threads. Every method takes ``now`` (seconds, from a clock the server
+  keeps monotonic and stall-corrected) and runs to completion, so each call is atomic.
+- Batch-shaped: one Status per item. A batch longer than ``max_batch_keys`` or with mismatched
+  list lengths answers INVALID_ARGUMENT for every item; a bad item changes nothing.
+- Side effects leave as events (``take_events``); counters and gauges as ``stats()``.
+- Ownership: a PENDING object belongs to its writer; only that client may commit or revoke it.
+  A put_start on a key some other client is still writing answers ALREADY_EXISTS (first writer
+  wins: keys name content, so the other copy is the same bytes, and the client treats
+  ALREADY_EXISTS as success).
+- Sizes: zero, negative or non-integer sizes are INVALID_ARGUMENT; a size larger than every
+  mounted segment is NO_SPACE without evicting anything (no eviction can make it fit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool_client.status import Status
+from kvpool_client.types import (
+    ClientId,
+    ObjectKey,
+    ReadResult,
+    SegmentId,
+    SegmentInfo,
+)
+from kvpool_master.core import leases
+from kvpool_master.core.clients import ClientState, ClientTable, registration_error
+from kvpool_master.core.config import CoreConfig
+from kvpool_master.core.events import (
+    ClientExpired,
+    ClientRegistered,
+    ClientUnregistered,
+    Event,
+    SegmentMounted,
+)
+from kvpool_master.core.mutations import Mutations
+from kvpool_master.core.objects import ObjectTable
+from kvpool_master.core.segments import SegmentTable, segment_info_error
+from kvpool_master.core.stats import CoreStats, Counters
+
+__all__ = ["CoreConfig", "MasterCore"]
+
+class MasterCore(Mutations):
+    """Where every object lives: clients, segments, objects, leases, eviction."""
+
+    def __init__(self, config: CoreConfig) -> None:
+        self._config = config
+        self._clients = ClientTable()
+        self._segments = SegmentTable()
+        self._objects = ObjectTable(track_children=config.eviction_policy == "prefix-lru")
+        self._deferred = leases.DeferredFrees()
+        self._lease_counters = leases.LeaseCounters()
+        self._counters = Counters()
+        self._events: list[Event] = []
+
+    @property
+    def config(self) -> CoreConfig:
+        """The configuration this core was built with."""
+        return self._config
+
+    # ---- clients -------------------------------------------------------------------------
+
+    def register_client(self, client_id: ClientId, host_id: str, capability_key: bytes,
+                        now: float) -> tuple[Status, bytes]:
+        """Register (or re-register) a client; return (OK, the key it must use).
+
+        A client already known (live, or restored from persisted state) keeps its existing key.
+        Fails with INVALID_ARGUMENT (malformed id or key; key returned empty).
+        """
+        if registration_error(client_id, host_id, capability_key):
+            return Status.INVALID_ARGUMENT, b""
+        client = self._clients.get(client_id)
+        if client is not None and not client.restored:
+            client.last_heartbeat_s = now
+            return Status.OK, client.capability_key
+        if client is None:
+            client = ClientState(client_id, host_id, capability_key, now)
+            self._clients.add(client)
+        client.restored = False
+        client.host_id = host_id
+        client.last_heartbeat_s = now
+        self._counters.clients_registered += 1
+        self._events.append(ClientRegistered(client_id, host_id, client.capability_key))
+        return Status.OK, client.capability_key
+
+    def heartbeat(self, client_id: ClientId, now: float) -> Status:
+        """Mark the client alive. Returns OK, or UNKNOWN_CLIENT (re-register and remount)."""
+        client = self._clients.live(client_id)
+        if client is None:
+            return Status.UNKNOWN_CLIENT
+        client.last_heartbeat_s = now
+        return Status.OK
+
+    def unregister_client(self, client_id: ClientId, now: float) -> Status:
+        """Close a client gracefully: its segments, their objects and its PENDING puts go.
+
+        Returns OK or UNKNOWN_CLIENT.
+        """
+        if self._clients.get(client_id) is None:
+            return Status.UNKNOWN_CLIENT
+        self._drop_client(client_id, now)
+        self._events.append(ClientUnregistered(client_id))
+        return Status.OK
+
+    # ---- segments ------------------------------------------------------------------------
+
+    def mount_segment(self, segment: SegmentInfo, now: float) -> Status:
+        """Make ``segment`` usable for placements. Idempotent for an identical remount.
+
+        Remounting a restored segment with the same descriptor keeps its objects; with a
+        different descriptor they are dropped first (the memory behind it is new).
+        Fails with INVALID_ARGUMENT, UNKNOWN_CLIENT (owner not registered) or
+        SEGMENT_ALREADY_EXISTS (a mounted segment with this id and another descriptor).
+        """
+        if not isinstance(segment, SegmentInfo) or segment_info_error(segment):
+            return Status.INVALID_ARGUMENT
+        if self._clients.live(segment.client_id) is None:
+            return Status.UNKNOWN_CLIENT
+        existing = self._segments.get(segment.segment_id)
+        if existing is not None:
+            if existing.mounted:
+                return Status.OK if existing.info == segment else Status.SEGMENT_ALREADY_EXISTS
+            if existing.info == segment:
+                self._segments.mark_mounted(existing)
+                self._events.append(SegmentMounted(segment))
+                return Status.OK
+            self._lose_segment(existing, now)
+        self._mount_fresh(segment)
+        return Status.OK
+
+    def unmount_segment(self, client_id: ClientId, segment_id: SegmentId, now: float) -> Status:
+        """Withdraw a segment; objects whose every replica sat on it are dropped atomically.
+
+        Fails with UNKNOWN_CLIENT, SEGMENT_NOT_FOUND or PERMISSION_DENIED (not the owner).
+        """
+        if self._clients.live(client_id) is None:
+            return Status.UNKNOWN_CLIENT
+        state = self._segments.get(segment_id) if isinstance(segment_id, str) else None
+        if state is None:
+            return Status.SEGMENT_NOT_FOUND
+        if state.info.client_id != client_id:
+            return Status.PERMISSION_DENIED
+        self._lose_segment(state, now)
+        return Status.OK
+
+    def get_segments(self, segment_ids: Sequence[str]) -> list[SegmentInfo | None]:
+        """Return the descriptor of each mounted segment, None for unknown or not mounted."""
+        if len(segment_ids) > self._config.max_batch_keys:
+            return [None] * len(segment_ids)
+        get = self._segments.id_to_segment.get
+        result: list[SegmentInfo | None] = []
+        for segment_id in segment_ids:
+            state = get(SegmentId(segment_id)) if isinstance(segment_id, str) else None
+            result.append(state.info if state is not None and state.mounted else None)
+        return result
+
+    def segment_key(self, segment_id: SegmentId) -> bytes | None:
+        """Return the capability key of the segment's owner, or None when either is unknown."""
+        state = self._segments.get(segment_id) if isinstance(segment_id, str) else None
+        if state is None:
+            return None
+        client = self._clients.get(state.info.client_id)
+        return client.capability_key if client is not None else None
+
+    # ---- reads (each OK item grants or extends a read lease) -------------------------------
+
+    def get_replicas(self, keys: Sequence[ObjectKey], now: float) -> list[ReadResult]:
+        """Return one ReadResult per key: OK with placements, NOT_FOUND (absent or PENDING),
+        INVALID_KEY, or INVALID_ARGUMENT for an oversized batch."""
+        if len(keys) > self._config.max_batch_keys:
+            return [ReadResult(int(Status.INVALID_ARGUMENT))] * len(keys)
+        counters = self._lease_counters
+        before = counters.leases_granted
+        results = leases.get_replicas(self._objects, self._segments, keys, now,
+                                      self._config.default_lease_ttl_s,
+                                      self._config.max_key_bytes, counters)
+        self._counters.read_keys += len(keys)
+        self._counters.read_hit_keys += counters.leases_granted - before
+        return results
+
+    def exist(self, keys: Sequence[ObjectKey], now: float) -> tuple[list[Status], list[int]]:
+        """Return (statuses, sizes_bytes): OK | NOT_FOUND | INVALID_KEY per key (INVALID_ARGUMENT
+        for an oversized batch); size is 0 unless OK."""
+        if len(keys) > self._config.max_batch_keys:
+            return [Status.INVALID_ARGUMENT] * len(keys), [0] * len(keys)
+        counters = self._lease_counters
+        before = counters.leases_granted
+        result = leases.exist(self._objects, self._segments, keys, now,
+                              self._config.default_lease_ttl_s, self._config.max_key_bytes,
+                              counters)
+        self._counters.read_keys += len(keys)
+        self._counters.read_hit_keys += counters.leases_granted - before
+        return result
+
+    def query_prefix(self, keys: Sequence[ObjectKey], now: float) -> int:
+        """Return how many leading keys are READY, leasing those. An oversized batch answers 0
+        and changes nothing."""
+        if len(keys) > self._config.max_batch_keys:
+            return 0
+        count = leases.query_prefix(self._objects, self._segments, keys, now,
+                                    self._config.default_lease_ttl_s, self._lease_counters)
+        counters = self._counters
+        counters.lookup_queries += 1
+        counters.lookup_keys += len(keys)
+        counters.lookup_hit_keys += count
+        return count
+
+    # ---- housekeeping --------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Expire silent clients, drop restored state past its grace period, reclaim stale
+        PENDING objects, free extents whose lease ended, and run a background eviction pass
+        on every tier above its high watermark."""
+        self._deferred.release_due(self._segments, now)
+        for client_id in self._clients.find_expired(now, self._config.client_ttl_s):
+            self._drop_client(client_id, now)
+            self._counters.clients_expired += 1
+            self._events.append(ClientExpired(client_id))
+        for state in [s for s in self._segments.id_to_segment.values()
+                      if not s.mounted and now > s.restore_deadline_s]:
+            self._lose_segment(state, now)
+        self._reclaim_stale(now)
+        self._evict_above_watermark(now)
+
+    def take_events(self) -> list[Event]:
+        """Return and forget the events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> CoreStats:
+        """Return a copy of every counter and gauge (see ``core/stats.py``)."""
+        return self._build_stats()
+
+    # ---- helpers shared with mutations.py ------------------------------------------------
+
+    def _drop_client(self, client_id: ClientId, now: float) -> None:
+        for key in [k for k, started in self._objects.pending_key_to_started_s.items()
+                    if self._objects.key_to_object[k].writer_id == client_id]:
+            self._reclaim(key)
+        for state in self._segments.owned_by(client_id):
+            self._lose_segment(state, now)
+        self._clients.discard(client_id)
+
+    def _reclaim_stale(self, now: float) -> None:
+        timeout_s = self._config.put_start_discard_timeout_s
+        stale: list[ObjectKey] = []
+        for key, started_s in self._objects.pending_key_to_started_s.items():
+            if now - started_s <= timeout_s:
+                break  # started in order: everything after is younger
+            stale.append(key)
+        for key in stale:
+            self._reclaim(key)

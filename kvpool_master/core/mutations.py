@@ -1,0 +1,431 @@
+"""Writes of the master core: two-phase puts, removes, eviction passes, losing segments.
+
+Rules of this file:
+- ``Mutations`` is the half of ``MasterCore`` that changes objects; ``master.py`` holds the
+  other half (clients, segments, reads, housekeeping). They share state through the attributes
+  declared below, which ``MasterCore.__init__`` sets.
+- Every object leaves through ``_drop`` (one ``ObjectRemoved`` event each, extents freed, or
+  parked in ``DeferredFrees`` while a read lease on them is live).
+- Eviction inside ``put_start``: when an allocation fails, passes run (DRAM first) until it
+  fits or nothing evictable is left; after a successful allocation that pushes a tier above
+  its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
+  with nothing (more) to evict is not rescanned for the rest of the call: within one call
+  nothing can become evictable.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from kvpool_client.status import Status
+from kvpool_client.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    Placement,
+    PutOptions,
+    SegmentInfo,
+    Tier,
+)
+from kvpool_master.core.allocator import Allocator, aligned
+from kvpool_master.core.clients import ClientTable
+from kvpool_master.core.config import CoreConfig
+from kvpool_master.core.events import (
+    Event,
+    EvictionPass,
+    ObjectCommitted,
+    ObjectRemoved,
+    PendingReclaimed,
+    RemoveReason,
+    SegmentMounted,
+    SegmentUnmounted,
+)
+from kvpool_master.core.eviction import select_victims
+from kvpool_master.core.leases import DeferredFrees, LeaseCounters
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_master.core.stats import CoreStats, Counters, SegmentStats
+
+#: Longest regex accepted by remove_by_regex.
+MAX_PATTERN_CHARS = 4096
+#: Most replicas one object may ask for.
+MAX_REPLICAS = 16
+_MAX_CHECKSUM = (1 << 64) - 1
+
+PutResult = tuple[Status, tuple[Placement, ...]]
+
+
+class Mutations:
+    """Puts, removes and eviction; mixed into ``MasterCore``."""
+
+    # Set by MasterCore.__init__.
+    _config: CoreConfig
+    _clients: ClientTable
+    _segments: SegmentTable
+    _objects: ObjectTable
+    _deferred: DeferredFrees
+    _lease_counters: LeaseCounters
+    _counters: Counters
+    _events: list[Event]
+
+    # ---- two-phase put -------------------------------------------------------------------
+
+    def put_start(self, client_id: ClientId, keys: Sequence[ObjectKey],
+                  sizes_bytes: Sequence[int], options: PutOptions, now: float,
+                  parent_keys: Sequence[ObjectKey] | None = None) -> list[PutResult]:
+        """Allocate space for new objects; return (status, placements) per key.
+
+        OK with placements (the writer now writes the bytes, then calls put_end); the same
+        answer again for a key this client already has PENDING with the same size.
+        Fails per key with ALREADY_EXISTS (READY, or PENDING by another writer), NO_SPACE
+        (nothing evictable left, or larger than any segment), INVALID_KEY, INVALID_ARGUMENT;
+        for the whole call with UNKNOWN_CLIENT or INVALID_ARGUMENT (bad batch or options).
+        """
+        n = len(keys)
+        config = self._config
+        if (n > config.max_batch_keys or len(sizes_bytes) != n
+                or (parent_keys is not None and len(parent_keys) != n)):
+            return [(Status.INVALID_ARGUMENT, ())] * n
+        client = self._clients.live(client_id)
+        if client is None:
+            return [(Status.UNKNOWN_CLIENT, ())] * n
+        pin, replica_num = _options(options)
+        if pin is None:
+            return [(Status.INVALID_ARGUMENT, ())] * n
+        self._deferred.release_due(self._segments, now)
+        same_host_id = client.host_id if options.prefer_same_host else ""
+        # No eviction can place an object larger than every segment, or more replicas than
+        # there are segments: those answer NO_SPACE at once.
+        largest_bytes = self._segments.largest_segment_bytes()
+        num_segments = len(self._segments.mounted)
+        max_key_bytes = config.max_key_bytes
+        get = self._objects.key_to_object.get
+        exhausted: set[Tier] = set()
+        results: list[PutResult] = []
+        started = no_space = 0
+        for i, key in enumerate(keys):
+            size = sizes_bytes[i]
+            parent = parent_keys[i] if parent_keys is not None else None
+            if not (type(key) is bytes and 0 < len(key) <= max_key_bytes):
+                results.append((Status.INVALID_KEY, ()))
+                continue
+            if type(size) is not int or size <= 0:
+                results.append((Status.INVALID_ARGUMENT, ()))
+                continue
+            if parent is not None and len(parent) == 0:
+                parent = None
+            if parent is not None and not (type(parent) is bytes and len(parent) <= max_key_bytes):
+                results.append((Status.INVALID_KEY, ()))
+                continue
+            entry = get(key)
+            if entry is not None:
+                if entry.writer_id != client_id:
+                    results.append((Status.ALREADY_EXISTS, ()))
+                elif entry.size_bytes == size:
+                    results.append((Status.OK, entry.placements))  # the writer retrying
+                else:
+                    results.append((Status.INVALID_ARGUMENT, ()))
+                continue
+            placements = None
+            if aligned(size) <= largest_bytes and replica_num <= num_segments:
+                placements = self._allocate(size, replica_num, options.preferred_segment,
+                                            same_host_id, now, exhausted)
+            if placements is None:
+                no_space += 1
+                results.append((Status.NO_SPACE, ()))
+                continue
+            self._objects.add_pending(key, ObjectEntry(size, placements, client_id, pin, parent),
+                                      now)
+            started += 1
+            results.append((Status.OK, placements))
+        self._counters.put_started += started
+        self._counters.put_no_space += no_space
+        return results
+
+    def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
+                checksums: Sequence[int] | None = None) -> list[Status]:
+        """Commit PENDING objects: they become READY and visible. OK per key (also for a key
+        already READY: a retried commit). Fails per key with NOT_FOUND (reclaimed, revoked or
+        never started), PERMISSION_DENIED (another client's put), INVALID_KEY, INVALID_ARGUMENT
+        (checksum not a u64); for the call with UNKNOWN_CLIENT or INVALID_ARGUMENT."""
+        n = len(keys)
+        if n > self._config.max_batch_keys or (checksums is not None and len(checksums) != n):
+            return [Status.INVALID_ARGUMENT] * n
+        if self._clients.live(client_id) is None:
+            return [Status.UNKNOWN_CLIENT] * n
+        objects = self._objects
+        get = objects.key_to_object.get
+        events = self._events
+        statuses: list[Status] = []
+        committed = 0
+        for i, key in enumerate(keys):
+            checksum = checksums[i] if checksums is not None else 0
+            if type(checksum) is not int or not 0 <= checksum <= _MAX_CHECKSUM:
+                statuses.append(Status.INVALID_ARGUMENT)
+                continue
+            entry = get(key)
+            if entry is None:
+                statuses.append(self._missing(key))
+            elif entry.writer_id is None:
+                statuses.append(Status.OK)
+            elif entry.writer_id != client_id:
+                statuses.append(Status.PERMISSION_DENIED)
+            else:
+                objects.commit(key, entry, checksum)
+                events.append(ObjectCommitted(key, entry.size_bytes, entry.placements, checksum,
+                                              entry.pin, entry.parent_key))
+                committed += 1
+                statuses.append(Status.OK)
+        self._counters.put_committed += committed
+        return statuses
+
+    def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
+                   now: float) -> list[Status]:
+        """Abandon PENDING objects of this client; their space is freed at once. OK per key.
+        Fails per key with NOT_FOUND, INVALID_ARGUMENT (already READY: too late to revoke),
+        PERMISSION_DENIED (another client's put), INVALID_KEY; for the call with UNKNOWN_CLIENT
+        or INVALID_ARGUMENT."""
+        n = len(keys)
+        if n > self._config.max_batch_keys:
+            return [Status.INVALID_ARGUMENT] * n
+        if self._clients.live(client_id) is None:
+            return [Status.UNKNOWN_CLIENT] * n
+        get = self._objects.key_to_object.get
+        statuses: list[Status] = []
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                statuses.append(self._missing(key))
+            elif entry.writer_id is None:
+                statuses.append(Status.INVALID_ARGUMENT)
+            elif entry.writer_id != client_id:
+                statuses.append(Status.PERMISSION_DENIED)
+            else:
+                self._drop(key, "revoke", now)
+                self._counters.put_revoked += 1
+                statuses.append(Status.OK)
+        return statuses
+
+    # ---- removal -------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[ObjectKey], force: bool, now: float) -> list[Status]:
+        """Remove READY objects. OK per key; NOT_FOUND, NOT_READY (PENDING), HAS_LEASE (a read
+        lease is live and not ``force``), INVALID_KEY; INVALID_ARGUMENT for an oversized batch.
+        A forced remove hides the object at once; its bytes are reused only after the lease."""
+        if len(keys) > self._config.max_batch_keys:
+            return [Status.INVALID_ARGUMENT] * len(keys)
+        get = self._objects.key_to_object.get
+        statuses: list[Status] = []
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                statuses.append(self._missing(key))
+            elif entry.writer_id is not None:
+                statuses.append(Status.NOT_READY)
+            elif entry.lease_expiry_s > now and not force:
+                statuses.append(Status.HAS_LEASE)
+            else:
+                self._drop(key, "remove", now)
+                self._counters.removed_objects += 1
+                statuses.append(Status.OK)
+        return statuses
+
+    def remove_all(self, force: bool, now: float) -> int:
+        """Remove every READY object (leased ones only with ``force``); return how many."""
+        return self._remove_matching(None, force, now)
+
+    def remove_by_regex(self, pattern: str, force: bool, now: float) -> tuple[Status, int]:
+        """Remove READY objects whose key contains a match of ``pattern`` (Python ``re``, on
+        the key bytes; leased ones only with ``force``). Returns (OK, how many), or
+        (INVALID_ARGUMENT, 0) for a pattern that does not compile or is over 4096 chars."""
+        compiled = _compile(pattern)
+        if compiled is None:
+            return Status.INVALID_ARGUMENT, 0
+        return Status.OK, self._remove_matching(compiled, force, now)
+
+    def _remove_matching(self, compiled: re.Pattern[bytes] | None, force: bool, now: float) -> int:
+        doomed = [key for key, entry in self._objects.key_to_object.items()
+                  if entry.writer_id is None and (force or entry.lease_expiry_s <= now)
+                  and (compiled is None or compiled.search(key) is not None)]
+        for key in doomed:
+            self._drop(key, "remove", now)
+        self._counters.removed_objects += len(doomed)
+        return len(doomed)
+
+    # ---- shared machinery ----------------------------------------------------------------
+
+    def _missing(self, key: object) -> Status:
+        ok = type(key) is bytes and 0 < len(key) <= self._config.max_key_bytes
+        return Status.NOT_FOUND if ok else Status.INVALID_KEY
+
+    def _drop(self, key: ObjectKey, reason: RemoveReason, now: float) -> None:
+        entry = self._objects.pop(key)
+        lease_s = entry.lease_expiry_s
+        if lease_s > now:
+            # A reader may still be copying these bytes: reuse them only after its lease.
+            get = self._segments.id_to_segment.get
+            for p in entry.placements:
+                state = get(p.segment_id)
+                if state is not None:
+                    self._deferred.add(lease_s, state, p.offset, p.length)
+        else:
+            if lease_s > 0.0:
+                self._lease_counters.leases_lapsed += 1
+            self._segments.free(entry.placements)
+        self._events.append(ObjectRemoved(key, entry.size_bytes, reason))
+
+    def _reclaim(self, key: ObjectKey) -> None:
+        entry = self._objects.pop(key)
+        self._segments.free(entry.placements)
+        self._counters.pending_reclaimed += 1
+        self._events.append(ObjectRemoved(key, entry.size_bytes, "reclaim"))
+        self._events.append(PendingReclaimed(key))
+
+    def _mount_fresh(self, segment: SegmentInfo) -> None:
+        self._segments.add(SegmentState(segment, Allocator(segment.size_bytes), mounted=True))
+        self._events.append(SegmentMounted(segment))
+
+    def _lose_segment(self, state: SegmentState, now: float) -> None:
+        """Forget a segment; objects whose every replica sat on it are dropped, the others
+        only lose that replica."""
+        self._segments.discard(state)
+        segment_id = state.info.segment_id
+        lost: list[ObjectKey] = []
+        for key, entry in self._objects.key_to_object.items():
+            placements = entry.placements
+            if len(placements) == 1:
+                if placements[0].segment_id == segment_id:
+                    lost.append(key)
+            elif any(p.segment_id == segment_id for p in placements):
+                kept = tuple(p for p in placements if p.segment_id != segment_id)
+                if kept:
+                    entry.placements = kept
+                else:
+                    lost.append(key)
+        for key in lost:
+            self._drop(key, "segment_lost", now)
+        self._counters.segment_lost_objects += len(lost)
+        self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
+
+    def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
+                  same_host_id: str, now: float,
+                  exhausted: set[Tier]) -> tuple[Placement, ...] | None:
+        segments = self._segments
+        placements = segments.allocate(size_bytes, replica_num, preferred_segment, same_host_id)
+        while placements is None:
+            need_bytes = aligned(size_bytes) * replica_num
+            for tier in Tier:
+                capacity = segments.tier_to_capacity_bytes[tier]
+                if tier in exhausted or not capacity:
+                    continue
+                wanted = max(need_bytes, math.ceil(self._config.eviction_ratio * capacity))
+                if self._evict_pass(tier, wanted, now) < wanted:
+                    exhausted.add(tier)
+                break
+            else:
+                return None
+            placements = segments.allocate(size_bytes, replica_num, preferred_segment,
+                                           same_host_id)
+        id_to_segment = segments.id_to_segment
+        for tier in {id_to_segment[p.segment_id].info.tier for p in placements}:
+            if tier not in exhausted and self._above_watermark(tier):
+                wanted = math.ceil(self._config.eviction_ratio
+                                   * segments.tier_to_capacity_bytes[tier])
+                if self._evict_pass(tier, wanted, now) < wanted:
+                    exhausted.add(tier)
+        return placements
+
+    def _above_watermark(self, tier: Tier) -> bool:
+        capacity = self._segments.tier_to_capacity_bytes[tier]
+        return bool(capacity) and (self._segments.tier_to_used_bytes[tier]
+                                   > self._config.eviction_high_watermark_ratio * capacity)
+
+    def _evict_above_watermark(self, now: float) -> None:
+        for tier in Tier:
+            if self._above_watermark(tier):
+                capacity = self._segments.tier_to_capacity_bytes[tier]
+                self._evict_pass(tier, math.ceil(self._config.eviction_ratio * capacity), now)
+
+    def _evict_pass(self, tier: Tier, need_bytes: int, now: float) -> int:
+        """Evict victims freeing at least ``need_bytes`` of ``tier`` if possible; return the
+        bytes of that tier actually freed."""
+        victims = select_victims(self._objects, self._segments, tier, need_bytes, now,
+                                 self._objects.track_children)
+        if not victims:
+            return 0
+        used = self._segments.tier_to_used_bytes
+        before = used[tier]
+        total_before = sum(used.values())
+        for key in victims:
+            self._drop(key, "evict", now)
+        counters = self._counters
+        counters.eviction_passes += 1
+        counters.evicted_objects += len(victims)
+        counters.evicted_bytes += total_before - sum(used.values())
+        self._events.append(EvictionPass(len(victims), total_before - sum(used.values())))
+        return before - used[tier]
+
+    def _build_stats(self) -> CoreStats:
+        segments = self._segments
+        objects = self._objects
+        counters = self._counters
+        leases = self._lease_counters
+        return CoreStats(
+            num_clients=len(self._clients),
+            num_segments=len(segments.mounted),
+            num_restored_segments=segments.num_restored,
+            num_objects=len(objects) - len(objects.pending_key_to_started_s),
+            num_pending=len(objects.pending_key_to_started_s),
+            ready_bytes=objects.ready_bytes,
+            deferred_free_bytes=self._deferred.num_bytes,
+            tier_to_capacity_bytes=dict(segments.tier_to_capacity_bytes),
+            tier_to_used_bytes=dict(segments.tier_to_used_bytes),
+            segments=tuple(
+                SegmentStats(s.info.segment_id, s.info.client_id, s.info.tier, s.mounted,
+                             s.allocator.size_bytes, s.allocator.used_bytes,
+                             s.allocator.num_free_extents, s.allocator.largest_free_bytes)
+                for s in segments.id_to_segment.values()),
+            put_started_total=counters.put_started,
+            put_committed_total=counters.put_committed,
+            put_revoked_total=counters.put_revoked,
+            put_no_space_total=counters.put_no_space,
+            evicted_objects_total=counters.evicted_objects,
+            evicted_bytes_total=counters.evicted_bytes,
+            eviction_passes_total=counters.eviction_passes,
+            removed_objects_total=counters.removed_objects,
+            segment_lost_objects_total=counters.segment_lost_objects,
+            pending_reclaimed_total=counters.pending_reclaimed,
+            clients_registered_total=counters.clients_registered,
+            clients_expired_total=counters.clients_expired,
+            leases_granted_total=leases.leases_granted,
+            leases_lapsed_total=leases.leases_lapsed,
+            lookup_queries_total=counters.lookup_queries,
+            lookup_keys_total=counters.lookup_keys,
+            lookup_hit_keys_total=counters.lookup_hit_keys,
+            read_keys_total=counters.read_keys,
+            read_hit_keys_total=counters.read_hit_keys,
+        )
+
+
+def _options(options: PutOptions) -> tuple[Pin | None, int]:
+    """Return (pin, replica_num) of well-formed options, or (None, 0)."""
+    if not isinstance(options, PutOptions) or not isinstance(options.preferred_segment, str):
+        return None, 0
+    replica_num = options.replica_num or 1
+    if type(replica_num) is not int or not 1 <= replica_num <= MAX_REPLICAS:
+        return None, 0
+    try:
+        return Pin(options.pin), replica_num
+    except ValueError:
+        return None, 0
+
+
+def _compile(pattern: object) -> re.Pattern[bytes] | None:
+    if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
+        return None
+    try:
+        return re.compile(pattern.encode("utf-8", "surrogatepass"))
+    except (re.error, UnicodeEncodeError, OverflowError, RecursionError):
+        return None

@@ -1,0 +1,97 @@
+"""The object table: every PENDING and READY object, kept in recency order.
+
+Rules of this file:
+- ``key_to_object`` is an ``OrderedDict`` whose order IS the LRU order: a put appends, a commit
+  or a successful read moves the key to the end, so eviction walks it from the front. One
+  structure serves lookups and recency, which keeps a million objects small (see
+  ``benchmarks/master_core.py``).
+- An object is PENDING while ``writer_id`` is set (only its writer may commit or revoke it;
+  readers never see it) and READY once ``writer_id`` is None. Objects are write-once.
+- Per-object state is one slotted ``ObjectEntry`` holding the placements tuple that reads hand
+  out as is (no per-read allocation of placements).
+- ``parent_to_num_children`` counts READY children per parent key; only the prefix-lru policy
+  needs it, so it is kept only then.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvpool_client.types import ClientId, ObjectKey, Pin, Placement
+
+
+class ObjectEntry:
+    """One object. ``lease_expiry_s`` is 0.0 until its first read."""
+
+    __slots__ = ("size_bytes", "placements", "writer_id", "lease_expiry_s", "pin", "checksum",
+                 "parent_key")
+
+    def __init__(self, size_bytes: int, placements: tuple[Placement, ...],
+                 writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
+                 checksum: int = 0, lease_expiry_s: float = 0.0) -> None:
+        self.size_bytes = size_bytes
+        self.placements = placements
+        self.writer_id = writer_id
+        self.lease_expiry_s = lease_expiry_s
+        self.pin = pin
+        self.checksum = checksum
+        self.parent_key = parent_key
+
+
+class ObjectTable:
+    """Objects by key in recency order, PENDING objects by start time, chain child counts."""
+
+    def __init__(self, track_children: bool) -> None:
+        self.key_to_object: OrderedDict[ObjectKey, ObjectEntry] = OrderedDict()
+        self.pending_key_to_started_s: OrderedDict[ObjectKey, float] = OrderedDict()
+        self.parent_to_num_children: dict[ObjectKey, int] = {}
+        self.track_children = track_children
+        self.ready_bytes = 0  # logical bytes of READY objects (one copy each)
+
+    def __len__(self) -> int:
+        return len(self.key_to_object)
+
+    def add_pending(self, key: ObjectKey, entry: ObjectEntry, now: float) -> None:
+        """Insert a new PENDING object (its key must be absent)."""
+        self.key_to_object[key] = entry
+        self.pending_key_to_started_s[key] = now
+
+    def commit(self, key: ObjectKey, entry: ObjectEntry, checksum: int) -> None:
+        """Make a PENDING object READY and most recently used."""
+        entry.writer_id = None
+        entry.checksum = checksum
+        del self.pending_key_to_started_s[key]
+        self.key_to_object.move_to_end(key)
+        self.ready_bytes += entry.size_bytes
+        if self.track_children and entry.parent_key is not None:
+            counts = self.parent_to_num_children
+            counts[entry.parent_key] = counts.get(entry.parent_key, 0) + 1
+
+    def add_ready(self, key: ObjectKey, entry: ObjectEntry) -> None:
+        """Insert a READY object at the most recent end (restore and tests)."""
+        self.key_to_object[key] = entry
+        self.ready_bytes += entry.size_bytes
+        if self.track_children and entry.parent_key is not None:
+            counts = self.parent_to_num_children
+            counts[entry.parent_key] = counts.get(entry.parent_key, 0) + 1
+
+    def pop(self, key: ObjectKey) -> ObjectEntry:
+        """Remove ``key`` (which must be present) from every index and return its entry."""
+        entry = self.key_to_object.pop(key)
+        if entry.writer_id is not None:
+            del self.pending_key_to_started_s[key]
+            return entry
+        self.ready_bytes -= entry.size_bytes
+        parent = entry.parent_key
+        if self.track_children and parent is not None:
+            counts = self.parent_to_num_children
+            remaining = counts[parent] - 1
+            if remaining:
+                counts[parent] = remaining
+            else:
+                del counts[parent]
+        return entry
+
+    def num_children(self, key: ObjectKey) -> int:
+        """Return how many READY objects name ``key`` as their parent (prefix-lru only)."""
+        return self.parent_to_num_children.get(key, 0)

@@ -1,0 +1,168 @@
+"""Segments: the memory clients contribute, one allocator each, and where replicas go.
+
+Rules of this file:
+- A segment is *mounted* (usable, counted in its tier's capacity) or *restored* (known from a
+  persisted index, waiting for its owner to mount it again before a deadline). Restored
+  segments hold their objects' extents but serve no reads and take no new allocations.
+- All allocation and freeing goes through ``SegmentTable`` so per-tier used bytes stay exact
+  without summing over segments on the hot path.
+- Placement: the preferred segment first, then (``prefer_same_host``) segments on the writer's
+  host, then the rest; within each group DRAM before SSD and most free bytes first, which
+  spreads a stream of puts evenly. Replicas of one object always sit on distinct segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvpool_client.types import ClientId, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_master.core.allocator import MAX_SEGMENT_BYTES, Allocator, aligned
+
+#: Longest segment id accepted (segment ids travel in every placement).
+MAX_SEGMENT_ID_BYTES = 256
+
+
+class SegmentState:
+    """One segment: its descriptor, its allocator, and whether it is mounted."""
+
+    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s")
+
+    def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
+                 restore_deadline_s: float = 0.0) -> None:
+        self.info = info
+        self.allocator = allocator
+        self.mounted = mounted
+        self.restore_deadline_s = restore_deadline_s
+
+
+def segment_info_error(info: SegmentInfo) -> str:
+    """Return why ``info`` cannot be mounted, or "" when it is well formed."""
+    if not isinstance(info.segment_id, str) or not 0 < len(info.segment_id) <= MAX_SEGMENT_ID_BYTES:
+        return "segment_id must be a non-empty string of at most 256 characters"
+    if not isinstance(info.client_id, str) or not info.client_id:
+        return "client_id must be a non-empty string"
+    if (not isinstance(info.size_bytes, int) or isinstance(info.size_bytes, bool)
+            or not 0 < info.size_bytes <= MAX_SEGMENT_BYTES):
+        return f"size_bytes must be in (0, 2**48], got {info.size_bytes!r}"
+    if not isinstance(info.tier, Tier):
+        return f"unknown tier {info.tier!r}"
+    return ""
+
+
+class SegmentTable:
+    """Every known segment, per-tier capacity and usage, and replica placement."""
+
+    def __init__(self) -> None:
+        self.id_to_segment: dict[SegmentId, SegmentState] = {}
+        self.mounted: list[SegmentState] = []  # mount order: ties in placement go to the first
+        self.tier_to_capacity_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
+        self.tier_to_used_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
+        self.num_restored = 0  # restored segments still waiting for their owner
+
+    def get(self, segment_id: SegmentId) -> SegmentState | None:
+        """Return the segment (mounted or restored) with this id, or None."""
+        return self.id_to_segment.get(segment_id)
+
+    def owned_by(self, client_id: ClientId) -> list[SegmentState]:
+        """Return the segments (mounted or restored) whose owner is ``client_id``."""
+        return [s for s in self.id_to_segment.values() if s.info.client_id == client_id]
+
+    def add(self, state: SegmentState) -> None:
+        """Track ``state`` (its id must be new); count it in its tier when mounted."""
+        self.id_to_segment[state.info.segment_id] = state
+        if state.mounted:
+            self._count(state, +1)
+        else:
+            self.num_restored += 1
+
+    def mark_mounted(self, state: SegmentState) -> None:
+        """Turn a restored segment into a mounted one, keeping its allocator."""
+        if not state.mounted:
+            state.mounted = True
+            self.num_restored -= 1
+            self._count(state, +1)
+
+    def discard(self, state: SegmentState) -> None:
+        """Forget ``state``; its allocator and every extent in it are gone."""
+        del self.id_to_segment[state.info.segment_id]
+        if state.mounted:
+            self._count(state, -1)
+        else:
+            self.num_restored -= 1
+        state.mounted = False
+
+    def allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
+                 same_host_id: str) -> tuple[Placement, ...] | None:
+        """Return ``replica_num`` placements on distinct mounted segments, or None if none fit.
+
+        Nothing is allocated when None is returned.
+        """
+        placements: list[Placement] = []
+        for state in self._candidates(replica_num, preferred_segment, same_host_id):
+            offset = state.allocator.allocate(size_bytes)
+            if offset < 0:
+                continue
+            self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes)
+            placements.append(Placement(state.info.segment_id, offset, size_bytes))
+            if len(placements) == replica_num:
+                return tuple(placements)
+        self.free(placements)
+        return None
+
+    def free(self, placements: tuple[Placement, ...] | list[Placement]) -> None:
+        """Free the extents of ``placements`` that sit on segments still known."""
+        id_to_segment = self.id_to_segment
+        for placement in placements:
+            state = id_to_segment.get(placement.segment_id)
+            if state is not None:
+                self.free_on(state, placement.offset, placement.length)
+
+    def free_on(self, state: SegmentState, offset: int, size_bytes: int) -> None:
+        """Free one extent of ``state`` (no-op when the segment has been discarded since)."""
+        if self.id_to_segment.get(state.info.segment_id) is not state:
+            return
+        state.allocator.free(offset, size_bytes)
+        if state.mounted:
+            self.tier_to_used_bytes[state.info.tier] -= aligned(size_bytes)
+
+    def largest_segment_bytes(self) -> int:
+        """Return the size of the largest mounted segment (0 when none)."""
+        return max((s.allocator.size_bytes for s in self.mounted), default=0)
+
+    def _count(self, state: SegmentState, sign: int) -> None:
+        tier = state.info.tier
+        self.tier_to_capacity_bytes[tier] += sign * state.allocator.size_bytes
+        self.tier_to_used_bytes[tier] += sign * state.allocator.used_bytes
+        if sign > 0:
+            self.mounted.append(state)
+        else:
+            self.mounted.remove(state)
+
+    def _candidates(self, replica_num: int, preferred_segment: str,
+                    same_host_id: str) -> Iterator[SegmentState]:
+        seen: set[str] = set()
+        preferred = self.id_to_segment.get(SegmentId(preferred_segment))
+        if preferred is not None and preferred.mounted:
+            seen.add(preferred_segment)
+            yield preferred
+        mounted = self.mounted
+        if replica_num == 1 and not same_host_id and len(mounted) > 1:
+            # Fast path for the common put: one probe of the emptiest segment, O(segments).
+            best = max(mounted, key=_placement_rank)
+            if best.info.segment_id not in seen:
+                seen.add(best.info.segment_id)
+                yield best
+        ranked = sorted(mounted, key=_placement_rank, reverse=True)
+        if same_host_id:
+            for state in ranked:
+                if state.info.host_id == same_host_id and state.info.segment_id not in seen:
+                    seen.add(state.info.segment_id)
+                    yield state
+        for state in ranked:
+            if state.info.segment_id not in seen:
+                seen.add(state.info.segment_id)
+                yield state
+
+
+def _placement_rank(state: SegmentState) -> tuple[int, int]:
+    return (-int(state.info.tier), state.allocator.free_bytes)

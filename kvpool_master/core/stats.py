@@ -1,0 +1,92 @@
+"""Counters and gauges of the master core, read by ``metrics.py`` and ``/status``.
+
+Rules of this file:
+- The core bumps plain integer counters (``Counters``) on its own paths; batch paths bump once
+  per batch, never per key. ``MasterCore.stats()`` copies them, with gauges computed on demand,
+  into one frozen ``CoreStats``. The core never reads metrics back.
+- Counters only grow (Prometheus ``_total`` semantics) for the lifetime of one core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvpool_client.types import ClientId, SegmentId, Tier
+
+
+class Counters:
+    """Monotonic counters of one core."""
+
+    __slots__ = ("put_started", "put_committed", "put_revoked", "put_no_space", "evicted_objects",
+                 "evicted_bytes", "eviction_passes", "removed_objects", "segment_lost_objects",
+                 "pending_reclaimed", "clients_registered", "clients_expired",
+                 "lookup_queries", "lookup_keys", "lookup_hit_keys", "read_keys", "read_hit_keys")
+
+    def __init__(self) -> None:
+        self.put_started = 0
+        self.put_committed = 0
+        self.put_revoked = 0
+        self.put_no_space = 0
+        self.evicted_objects = 0
+        self.evicted_bytes = 0
+        self.eviction_passes = 0
+        self.removed_objects = 0
+        self.segment_lost_objects = 0
+        self.pending_reclaimed = 0
+        self.clients_registered = 0
+        self.clients_expired = 0
+        self.lookup_queries = 0
+        self.lookup_keys = 0
+        self.lookup_hit_keys = 0
+        self.read_keys = 0
+        self.read_hit_keys = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStats:
+    """Capacity and usage of one segment."""
+
+    segment_id: SegmentId
+    client_id: ClientId
+    tier: Tier
+    mounted: bool  # False: restored from a persisted index, waiting for its owner
+    capacity_bytes: int
+    used_bytes: int
+    num_free_extents: int
+    largest_free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    """A consistent copy of every counter and gauge of the core at one moment."""
+
+    num_clients: int
+    num_segments: int                 # mounted
+    num_restored_segments: int        # restored, waiting for a remount
+    num_objects: int                  # READY
+    num_pending: int
+    ready_bytes: int                  # logical bytes of READY objects, one copy each
+    deferred_free_bytes: int          # bytes of force-removed objects still under a read lease
+    tier_to_capacity_bytes: Mapping[Tier, int]
+    tier_to_used_bytes: Mapping[Tier, int]
+    segments: tuple[SegmentStats, ...]
+    put_started_total: int            # keys answered OK by put_start (fresh placements)
+    put_committed_total: int
+    put_revoked_total: int
+    put_no_space_total: int           # keys answered NO_SPACE
+    evicted_objects_total: int
+    evicted_bytes_total: int          # allocated bytes freed by eviction (all replicas)
+    eviction_passes_total: int
+    removed_objects_total: int        # by remove / remove_all / remove_by_regex
+    segment_lost_objects_total: int
+    pending_reclaimed_total: int
+    clients_registered_total: int
+    clients_expired_total: int
+    leases_granted_total: int         # successful reads (each grants or extends a lease)
+    leases_lapsed_total: int          # leases seen to have run out unrenewed
+    lookup_queries_total: int         # query_prefix calls
+    lookup_keys_total: int            # keys asked by query_prefix
+    lookup_hit_keys_total: int        # leading READY keys answered by query_prefix
+    read_keys_total: int              # keys asked by get_replicas and exist
+    read_hit_keys_total: int          # of which OK

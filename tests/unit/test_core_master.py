@@ -1,0 +1,375 @@
+"""MasterCore API: clients, segments, two-phase put, reads, removal, events, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool_client.status import Status
+from kvpool_client.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    PutOptions,
+    SegmentId,
+    SegmentInfo,
+)
+from kvpool_master.core.events import (
+    ClientExpired,
+    ClientRegistered,
+    ClientUnregistered,
+    ObjectCommitted,
+    ObjectRemoved,
+    PendingReclaimed,
+    SegmentMounted,
+    SegmentUnmounted,
+)
+from kvpool_master.core.master import CoreConfig, MasterCore
+
+KEY = b"k" * 32
+A, B = ClientId("client-a"), ClientId("client-b")
+MIB = 1 << 20
+
+
+def seg(name: str, client: ClientId, size: int = MIB, host: str = "host-1") -> SegmentInfo:
+    return SegmentInfo(SegmentId(name), client, size, host_id=host)
+
+
+def core_with(*clients: ClientId, config: CoreConfig | None = None,
+              size: int = MIB) -> MasterCore:
+    core = MasterCore(config or CoreConfig())
+    for client in clients:
+        assert core.register_client(client, "host-1", KEY, 0.0) == (Status.OK, KEY)
+        assert core.mount_segment(seg(f"seg-{client}", client, size), 0.0) == Status.OK
+    core.take_events()
+    return core
+
+
+def put(core: MasterCore, client: ClientId, keys: list[bytes], size: int = 1000,
+        now: float = 1.0, **options: object) -> list[Status]:
+    started = core.put_start(client, [ObjectKey(k) for k in keys], [size] * len(keys),
+                             PutOptions(**options), now)  # type: ignore[arg-type]
+    ok = [ObjectKey(k) for k, (status, _) in zip(keys, started, strict=True)
+          if status == Status.OK]
+    core.put_end(client, ok, now)
+    return [status for status, _ in started]
+
+
+# ---- clients ---------------------------------------------------------------------------------
+
+def test_register_keeps_the_first_key_and_heartbeat_keeps_alive() -> None:
+    core = MasterCore(CoreConfig(client_ttl_s=10.0))
+    assert core.register_client(A, "h", KEY, 0.0) == (Status.OK, KEY)
+    assert core.register_client(A, "h", b"x" * 32, 1.0) == (Status.OK, KEY)
+    assert core.heartbeat(A, 9.0) == Status.OK
+    core.tick(18.0)
+    assert core.heartbeat(A, 18.0) == Status.OK
+    core.tick(28.5)
+    assert core.heartbeat(A, 28.5) == Status.UNKNOWN_CLIENT
+    events = core.take_events()
+    assert events == [ClientRegistered(A, "h", KEY), ClientExpired(A)]
+
+
+def test_expiry_is_strictly_older_than_ttl() -> None:
+    core = MasterCore(CoreConfig(client_ttl_s=10.0))
+    core.register_client(A, "h", KEY, 0.0)
+    core.tick(10.0)
+    assert core.heartbeat(A, 10.0) == Status.OK
+    core.tick(20.0001)
+    assert core.heartbeat(A, 20.0001) == Status.UNKNOWN_CLIENT
+
+
+def test_a_clock_jump_the_server_corrected_expires_nobody() -> None:
+    # The server feeds a clock that stops while the master is stalled; the core only
+    # compares now with the last heartbeat, so after a tick at 5 the next tick at 14.9
+    # (a long master stall already subtracted by the server) expires nobody.
+    core = core_with(A, config=CoreConfig(client_ttl_s=10.0))
+    core.tick(5.0)
+    core.tick(9.9)
+    assert core.heartbeat(A, 9.9) == Status.OK
+    core.tick(19.8)
+    assert core.heartbeat(A, 19.8) == Status.OK
+    assert core.stats().clients_expired_total == 0
+
+
+@pytest.mark.parametrize(("client_id", "host_id", "key"), [
+    ("", "h", KEY), ("x" * 257, "h", KEY), ("a", "h", b""), ("a", "h", b"short"),
+    ("a", 5, KEY), (None, "h", KEY), ("a", "h", "not-bytes"),
+])
+def test_malformed_registration_changes_nothing(client_id: object, host_id: object,
+                                                key: object) -> None:
+    core = MasterCore(CoreConfig())
+    assert core.register_client(client_id, host_id, key, 0.0) == (  # type: ignore[arg-type]
+        Status.INVALID_ARGUMENT, b"")
+    assert core.stats().num_clients == 0
+    assert core.take_events() == []
+
+
+def test_unregister_drops_segments_objects_and_pending() -> None:
+    core = core_with(A, B)
+    put(core, A, [b"done"])
+    core.put_start(A, [ObjectKey(b"open")], [10], PutOptions(), 1.0)
+    core.take_events()
+    assert core.unregister_client(A, 2.0) == Status.OK
+    assert core.unregister_client(A, 2.0) == Status.UNKNOWN_CLIENT
+    events = core.take_events()
+    assert events == [
+        ObjectRemoved(ObjectKey(b"open"), 10, "reclaim"), PendingReclaimed(ObjectKey(b"open")),
+        ObjectRemoved(ObjectKey(b"done"), 1000, "segment_lost"),
+        SegmentUnmounted(SegmentId("seg-client-a"), A), ClientUnregistered(A)]
+    assert core.exist([ObjectKey(b"done")], 3.0)[0] == [Status.NOT_FOUND]
+
+
+# ---- segments --------------------------------------------------------------------------------
+
+def test_mount_is_idempotent_and_conflicts_are_refused() -> None:
+    core = core_with(A)
+    assert core.mount_segment(seg("seg-client-a", A), 1.0) == Status.OK
+    assert core.mount_segment(seg("seg-client-a", A, size=2 * MIB), 1.0) == (
+        Status.SEGMENT_ALREADY_EXISTS)
+    assert core.mount_segment(seg("s2", ClientId("nobody")), 1.0) == Status.UNKNOWN_CLIENT
+    assert core.mount_segment(seg("", A), 1.0) == Status.INVALID_ARGUMENT
+    assert core.mount_segment(seg("s3", A, size=0), 1.0) == Status.INVALID_ARGUMENT
+    assert core.mount_segment(seg("s3", A, size=-5), 1.0) == Status.INVALID_ARGUMENT
+    assert core.mount_segment("not a segment", 1.0) == Status.INVALID_ARGUMENT  # type: ignore[arg-type]
+    assert core.take_events() == []
+    assert core.stats().tier_to_capacity_bytes[0] == MIB
+
+
+def test_unmount_checks_owner_and_drops_only_sole_replicas() -> None:
+    core = core_with(A, B)
+    assert put(core, A, [b"two"], replica_num=2) == [Status.OK]
+    put(core, A, [b"one"], preferred_segment="seg-client-b")
+    assert core.unmount_segment(A, SegmentId("seg-client-b"), 2.0) == Status.PERMISSION_DENIED
+    assert core.unmount_segment(A, SegmentId("nope"), 2.0) == Status.SEGMENT_NOT_FOUND
+    assert core.unmount_segment(ClientId("x"), SegmentId("seg-client-b"), 2.0) == (
+        Status.UNKNOWN_CLIENT)
+    core.take_events()
+    assert core.unmount_segment(B, SegmentId("seg-client-b"), 2.0) == Status.OK
+    assert core.take_events() == [ObjectRemoved(ObjectKey(b"one"), 1000, "segment_lost"),
+                                  SegmentUnmounted(SegmentId("seg-client-b"), B)]
+    [result] = core.get_replicas([ObjectKey(b"two")], 3.0)
+    assert result.status == Status.OK
+    assert [p.segment_id for p in result.placements] == ["seg-client-a"]
+    assert core.get_segments(["seg-client-a", "seg-client-b", 7]) == [  # type: ignore[list-item]
+        seg("seg-client-a", A), None, None]
+    assert core.segment_key(SegmentId("seg-client-a")) == KEY
+    assert core.segment_key(SegmentId("seg-client-b")) is None
+
+
+# ---- two-phase put ---------------------------------------------------------------------------
+
+def test_pending_is_invisible_and_commit_makes_it_readable() -> None:
+    core = core_with(A)
+    [(status, placements)] = core.put_start(A, [ObjectKey(b"x")], [100], PutOptions(), 1.0)
+    assert status == Status.OK and placements[0].length == 100
+    assert core.get_replicas([ObjectKey(b"x")], 1.0)[0].status == Status.NOT_FOUND
+    assert core.exist([ObjectKey(b"x")], 1.0) == ([Status.NOT_FOUND], [0])
+    assert core.query_prefix([ObjectKey(b"x")], 1.0) == 0
+    assert core.remove([ObjectKey(b"x")], True, 1.0) == [Status.NOT_READY]
+    assert core.put_end(A, [ObjectKey(b"x")], 1.0, checksums=[42]) == [Status.OK]
+    [result] = core.get_replicas([ObjectKey(b"x")], 2.0)
+    assert (result.status, result.size_bytes, result.placements, result.checksum) == (
+        Status.OK, 100, placements, 42)
+    assert core.take_events() == [ObjectCommitted(ObjectKey(b"x"), 100, placements, 42,
+                                                  Pin.NONE, None)]
+
+
+def test_write_once_retry_and_ownership() -> None:
+    core = core_with(A, B)
+    first = core.put_start(A, [ObjectKey(b"x")], [100], PutOptions(), 1.0)
+    assert core.put_start(A, [ObjectKey(b"x")], [100], PutOptions(), 1.5) == first
+    assert core.put_start(A, [ObjectKey(b"x")], [200], PutOptions(), 1.5) == [
+        (Status.INVALID_ARGUMENT, ())]
+    assert core.put_start(B, [ObjectKey(b"x")], [100], PutOptions(), 1.5) == [
+        (Status.ALREADY_EXISTS, ())]
+    assert core.put_end(B, [ObjectKey(b"x")], 2.0) == [Status.PERMISSION_DENIED]
+    assert core.put_revoke(B, [ObjectKey(b"x")], 2.0) == [Status.PERMISSION_DENIED]
+    assert core.put_end(A, [ObjectKey(b"x")], 2.0) == [Status.OK]
+    assert core.put_end(A, [ObjectKey(b"x")], 2.0) == [Status.OK]  # retried commit
+    assert core.put_revoke(A, [ObjectKey(b"x")], 2.0) == [Status.INVALID_ARGUMENT]
+    assert core.put_start(A, [ObjectKey(b"x")], [100], PutOptions(), 3.0) == [
+        (Status.ALREADY_EXISTS, ())]
+    assert core.stats().put_started_total == 1
+
+
+def test_revoke_frees_space_at_once() -> None:
+    core = core_with(A)
+    core.put_start(A, [ObjectKey(b"x")], [4096], PutOptions(), 1.0)
+    assert core.stats().tier_to_used_bytes[0] == 4096
+    assert core.put_revoke(A, [ObjectKey(b"x"), ObjectKey(b"y")], 1.0) == [
+        Status.OK, Status.NOT_FOUND]
+    assert core.stats().tier_to_used_bytes[0] == 0
+    assert core.put_end(A, [ObjectKey(b"x")], 1.0) == [Status.NOT_FOUND]
+
+
+def test_stale_pending_is_reclaimed_after_the_discard_timeout() -> None:
+    core = core_with(A, config=CoreConfig(put_start_discard_timeout_s=30.0, client_ttl_s=100))
+    core.put_start(A, [ObjectKey(b"old")], [10], PutOptions(), 0.0)
+    core.put_start(A, [ObjectKey(b"new")], [10], PutOptions(), 20.0)
+    core.take_events()
+    core.tick(30.0)
+    assert core.stats().num_pending == 2
+    core.tick(30.5)
+    assert core.take_events() == [ObjectRemoved(ObjectKey(b"old"), 10, "reclaim"),
+                                  PendingReclaimed(ObjectKey(b"old"))]
+    assert core.put_end(A, [ObjectKey(b"old"), ObjectKey(b"new")], 31.0) == [
+        Status.NOT_FOUND, Status.OK]
+
+
+def test_pending_of_an_expired_writer_is_reclaimed() -> None:
+    core = core_with(A, B, config=CoreConfig(client_ttl_s=10.0))
+    core.put_start(A, [ObjectKey(b"x")], [10], PutOptions(), 1.0)
+    core.heartbeat(B, 9.0)
+    core.tick(10.5)
+    assert core.stats().num_pending == 0
+    assert core.put_start(B, [ObjectKey(b"x")], [10], PutOptions(), 11.0)[0][0] == Status.OK
+
+
+# ---- reads, leases, removal ------------------------------------------------------------------
+
+def test_query_prefix_counts_leading_ready_keys() -> None:
+    core = core_with(A)
+    put(core, A, [b"b0", b"b1", b"b3"])
+    keys = [ObjectKey(k) for k in (b"b0", b"b1", b"b2", b"b3")]
+    assert core.query_prefix(keys, 2.0) == 2
+    assert core.query_prefix([], 2.0) == 0
+    stats = core.stats()
+    assert (stats.lookup_queries_total, stats.lookup_keys_total, stats.lookup_hit_keys_total) == (
+        2, 4, 2)
+    # The two leading blocks are leased, the one after the gap is not.
+    assert core.remove([keys[0], keys[1], keys[3]], False, 3.0) == [
+        Status.HAS_LEASE, Status.HAS_LEASE, Status.OK]
+
+
+def test_every_read_extends_the_lease_to_max() -> None:
+    core = core_with(A, config=CoreConfig(default_lease_ttl_s=5.0))
+    put(core, A, [b"x"])
+    x = [ObjectKey(b"x")]
+    core.exist(x, 10.0)                       # lease until 15
+    assert core.remove(x, False, 14.9) == [Status.HAS_LEASE]
+    core.get_replicas(x, 12.0)                # until 17
+    assert core.remove(x, False, 16.9) == [Status.HAS_LEASE]
+    assert core.remove(x, False, 17.0) == [Status.OK]
+    assert core.remove(x, False, 17.0) == [Status.NOT_FOUND]
+
+
+def test_forced_remove_of_a_leased_object_defers_reuse_of_its_bytes() -> None:
+    core = core_with(A, size=4096, config=CoreConfig(default_lease_ttl_s=5.0,
+                                                     eviction_high_watermark_ratio=1.0))
+    put(core, A, [b"x"], size=4096)
+    core.get_replicas([ObjectKey(b"x")], 10.0)
+    assert core.remove([ObjectKey(b"x")], True, 11.0) == [Status.OK]
+    assert core.exist([ObjectKey(b"x")], 11.0)[0] == [Status.NOT_FOUND]
+    # Hidden at once, but the bytes stay reserved until the lease ran out at 15.
+    assert core.put_start(A, [ObjectKey(b"y")], [4096], PutOptions(), 14.0)[0][0] == (
+        Status.NO_SPACE)
+    assert core.stats().deferred_free_bytes == 4096
+    assert core.put_start(A, [ObjectKey(b"y")], [4096], PutOptions(), 15.0)[0][0] == Status.OK
+
+
+def test_remove_all_and_by_regex() -> None:
+    core = core_with(A)
+    put(core, A, [b"model-a/1", b"model-a/2", b"model-b/1", b"leased"])
+    core.exist([ObjectKey(b"leased")], 2.0)
+    assert core.remove_by_regex("^model-a/", False, 2.0) == (Status.OK, 2)
+    assert core.remove_by_regex("([unclosed", False, 2.0) == (Status.INVALID_ARGUMENT, 0)
+    assert core.remove_by_regex("x" * 5000, False, 2.0) == (Status.INVALID_ARGUMENT, 0)
+    assert core.remove_all(False, 2.0) == 1
+    assert core.remove_all(True, 2.0) == 1
+    assert core.stats().num_objects == 0
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+def test_bad_items_get_their_own_status_and_change_nothing() -> None:
+    core = core_with(A, config=CoreConfig(max_key_bytes=64))
+    keys = [b"", b"x" * 65, "str-key", b"ok", b"zero", b"neg", b"float", b"huge", b"badparent"]
+    sizes = [10, 10, 10, 10, 0, -1, 1.5, 1 << 60, 10]
+    parents = [b"", b"", b"", b"", b"", b"", b"", b"", b"p" * 65]
+    results = core.put_start(A, keys, sizes, PutOptions(), 1.0, parent_keys=parents)  # type: ignore[arg-type]
+    assert [status for status, _ in results] == [
+        Status.INVALID_KEY, Status.INVALID_KEY, Status.INVALID_KEY, Status.OK,
+        Status.INVALID_ARGUMENT, Status.INVALID_ARGUMENT, Status.INVALID_ARGUMENT,
+        Status.NO_SPACE, Status.INVALID_KEY]
+    assert core.stats().num_pending == 1
+    assert core.get_replicas([b"", b"x" * 65, b"missing"], 1.0)[0].status == Status.INVALID_KEY  # type: ignore[list-item]
+    assert core.exist([b"", b"missing"], 1.0)[0] == [Status.INVALID_KEY, Status.NOT_FOUND]  # type: ignore[list-item]
+    assert core.remove([b""], False, 1.0) == [Status.INVALID_KEY]  # type: ignore[list-item]
+    assert core.put_end(A, [ObjectKey(b"ok")], 1.0, checksums=[-1]) == [Status.INVALID_ARGUMENT]
+    assert core.put_end(A, [ObjectKey(b"ok")], 1.0, checksums=[1 << 64]) == [
+        Status.INVALID_ARGUMENT]
+    assert core.stats().num_objects == 0
+
+
+def test_bad_batches_answer_invalid_argument_for_every_item() -> None:
+    core = core_with(A, config=CoreConfig(max_batch_keys=4))
+    five = [ObjectKey(b"k%d" % i) for i in range(5)]
+    assert core.put_start(A, five, [1] * 5, PutOptions(), 1.0) == [
+        (Status.INVALID_ARGUMENT, ())] * 5
+    assert core.put_start(A, five[:2], [1], PutOptions(), 1.0) == [
+        (Status.INVALID_ARGUMENT, ())] * 2
+    assert core.put_start(A, five[:2], [1, 1], PutOptions(), 1.0, parent_keys=[b""]) == [  # type: ignore[list-item]
+        (Status.INVALID_ARGUMENT, ())] * 2
+    assert core.put_end(A, five[:2], 1.0, checksums=[1]) == [Status.INVALID_ARGUMENT] * 2
+    assert core.put_end(A, five, 1.0) == [Status.INVALID_ARGUMENT] * 5
+    assert core.put_revoke(A, five, 1.0) == [Status.INVALID_ARGUMENT] * 5
+    assert [r.status for r in core.get_replicas(five, 1.0)] == [Status.INVALID_ARGUMENT] * 5
+    assert core.exist(five, 1.0) == ([Status.INVALID_ARGUMENT] * 5, [0] * 5)
+    assert core.query_prefix(five, 1.0) == 0
+    assert core.remove(five, True, 1.0) == [Status.INVALID_ARGUMENT] * 5
+    assert core.get_segments(["a"] * 5) == [None] * 5
+    assert core.stats().put_started_total == 0
+
+
+@pytest.mark.parametrize("options", [
+    PutOptions(replica_num=-1), PutOptions(replica_num=17), PutOptions(pin=7),  # type: ignore[arg-type]
+    PutOptions(preferred_segment=5),  # type: ignore[arg-type]
+])
+def test_bad_options_refuse_the_whole_call(options: PutOptions) -> None:
+    core = core_with(A)
+    assert core.put_start(A, [ObjectKey(b"x")], [1], options, 1.0) == [
+        (Status.INVALID_ARGUMENT, ())]
+    assert core.stats().num_pending == 0
+
+
+def test_unknown_client_writes_nothing() -> None:
+    core = core_with(A)
+    ghost = ClientId("ghost")
+    assert core.put_start(ghost, [ObjectKey(b"x")], [1], PutOptions(), 1.0) == [
+        (Status.UNKNOWN_CLIENT, ())]
+    assert core.put_end(ghost, [ObjectKey(b"x")], 1.0) == [Status.UNKNOWN_CLIENT]
+    assert core.put_revoke(ghost, [ObjectKey(b"x")], 1.0) == [Status.UNKNOWN_CLIENT]
+    assert core.heartbeat(ghost, 1.0) == Status.UNKNOWN_CLIENT
+    assert core.unmount_segment(ghost, SegmentId("seg-client-a"), 1.0) == Status.UNKNOWN_CLIENT
+
+
+def test_config_rejects_out_of_range_values() -> None:
+    for bad in ({"client_ttl_s": 0}, {"eviction_ratio": 1.5}, {"eviction_policy": "fifo"},
+                {"max_key_bytes": 0}, {"max_batch_keys": 0},
+                {"eviction_high_watermark_ratio": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CoreConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_stats_report_capacity_and_usage_per_segment() -> None:
+    core = core_with(A)
+    put(core, A, [b"x"], size=100)
+    stats = core.stats()
+    assert (stats.num_clients, stats.num_segments, stats.num_objects, stats.ready_bytes) == (
+        1, 1, 1, 100)
+    [segment] = stats.segments
+    assert (segment.capacity_bytes, segment.used_bytes, segment.mounted) == (MIB, 128, True)
+    assert core.take_events() == [ObjectCommitted(ObjectKey(b"x"), 100, segment_placements(core),
+                                                  0, Pin.NONE, None)]
+
+
+def segment_placements(core: MasterCore) -> tuple:  # type: ignore[type-arg]
+    return core.get_replicas([ObjectKey(b"x")], 0.0)[0].placements
+
+
+def test_segment_mounted_event_carries_the_descriptor() -> None:
+    core = MasterCore(CoreConfig())
+    core.register_client(A, "h", KEY, 0.0)
+    core.take_events()
+    core.mount_segment(seg("s", A), 0.0)
+    assert core.take_events() == [SegmentMounted(seg("s", A))]
