@@ -1,0 +1,163 @@
+"""Master RPC latency and throughput on loopback against a real `kvpool-master` process.
+
+Measures, over gRPC and over the lean framing, through the client stub (``MasterRpc``):
+- single-key ``Exist``: p50 / p99 latency of sequential calls;
+- batched ``Exist`` with 1,000 keys per call: keys/s, one call at a time and with a few calls
+  in flight (pipelined on the one lean connection / multiplexed on the gRPC channel).
+Targets (issue 2): batched >= 1,000,000 keys/s, single p50 <= 150 µs.
+
+    .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from kvpool_client.rpc import MasterRpc
+from kvpool_client.status import Status
+from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+
+BATCH_KEYS = 1000
+TARGET_KEYS_PER_S = 1_000_000
+TARGET_P50_US = 150.0
+
+
+def start_master(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    ready = workdir / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_master.cli", "--host", "127.0.0.1", "--port", "0",
+         "--fast-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
+         "--log-level", "warning"], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if ready.exists():
+            return proc, json.loads(ready.read_text())
+        if proc.poll() is not None:
+            raise SystemExit(f"master exited with {proc.returncode}")
+        time.sleep(0.02)
+    proc.kill()
+    raise SystemExit("master not ready in 30 s")
+
+
+async def populate(address: str, keys: list[bytes]) -> None:
+    rpc = MasterRpc(address)
+    await rpc.register_client("bench", "bench-host", "")
+    segment = SegmentInfo(SegmentId("bench-seg"), ClientId("bench"), 1 << 30)
+    assert await rpc.mount_segment("bench", segment) == Status.OK
+    for i in range(0, len(keys), BATCH_KEYS):
+        chunk = keys[i:i + BATCH_KEYS]
+        started = await rpc.put_start("bench", chunk, [4096] * len(chunk), PutOptions())
+        assert all(s == Status.OK for s, _ in started)
+        assert all(s == Status.OK for s in await rpc.put_end("bench", chunk))
+    await rpc.close()
+
+
+async def single_latency(rpc: MasterRpc, key: bytes, seconds: float) -> dict[str, float]:
+    for _ in range(200):  # warm up connection, caches
+        await rpc.exist("bench", [key])
+    samples = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end and len(samples) < 200_000:
+        t0 = time.perf_counter()
+        statuses, _ = await rpc.exist("bench", [key])
+        samples.append(time.perf_counter() - t0)
+    assert statuses == [Status.OK]
+    samples.sort()
+    return {"calls": len(samples),
+            "p50_us": samples[len(samples) // 2] * 1e6,
+            "p99_us": samples[int(len(samples) * 0.99)] * 1e6,
+            "mean_us": statistics.fmean(samples) * 1e6}
+
+
+async def batched_throughput(rpc: MasterRpc, keys: list[bytes], seconds: float,
+                             in_flight: int) -> dict[str, float]:
+    batches = [keys[i:i + BATCH_KEYS] for i in range(0, len(keys), BATCH_KEYS)]
+    await rpc.exist("bench", batches[0])
+    done_keys = 0
+    end = time.perf_counter() + seconds
+
+    async def worker(offset: int) -> None:
+        nonlocal done_keys
+        i = offset
+        while time.perf_counter() < end:
+            statuses, _ = await rpc.exist("bench", batches[i % len(batches)])
+            done_keys += len(statuses)
+            i += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(in_flight)))
+    elapsed_s = time.perf_counter() - t0
+    return {"in_flight": in_flight, "keys_per_s": done_keys / elapsed_s}
+
+
+async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
+    keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
+    await populate(address, keys)
+    results: dict[str, Any] = {}
+    for transport, fast in (("grpc", False), ("lean", True)):
+        rpc = MasterRpc(address, use_fast_path=fast, timeout_s=30)
+        await rpc.register_client("bench-reader-" + transport, "bench-host", "")
+        results[transport] = {
+            "single_exist": await single_latency(rpc, keys[0], seconds),
+            "batched_exist": [await batched_throughput(rpc, keys, seconds, n) for n in (1, 4)],
+        }
+        await rpc.close()
+    return results
+
+
+def report(results: dict[str, Any]) -> None:
+    for transport, r in results.items():
+        single = r["single_exist"]
+        print(f"{transport:5s} single Exist: p50 {single['p50_us']:7.1f} us  "
+              f"p99 {single['p99_us']:7.1f} us  ({single['calls']} calls)")
+        for b in r["batched_exist"]:
+            print(f"{transport:5s} batched Exist x{BATCH_KEYS}, {b['in_flight']} in flight: "
+                  f"{b['keys_per_s'] / 1e6:6.2f} M keys/s")
+    best_p50 = min(r["single_exist"]["p50_us"] for r in results.values())
+    best_rate = max(b["keys_per_s"] for r in results.values() for b in r["batched_exist"])
+    print(f"targets: single p50 <= {TARGET_P50_US:.0f} us -> best {best_p50:.1f} us "
+          f"({'met' if best_p50 <= TARGET_P50_US else 'MISSED'}); batched >= "
+          f"{TARGET_KEYS_PER_S / 1e6:.1f} M keys/s -> best {best_rate / 1e6:.2f} M keys/s "
+          f"({'met' if best_rate >= TARGET_KEYS_PER_S else 'MISSED'})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    parser.add_argument("--keys", type=int, default=20_000, help="objects in the pool")
+    parser.add_argument("--address", default="", help="use a running master instead")
+    parser.add_argument("--json", default="", help="also write the figures here")
+    args = parser.parse_args()
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        address = args.address
+        if not address:
+            proc, ready = start_master(Path(tmp))
+            address = f"127.0.0.1:{ready['grpc_port']}"
+        try:
+            results = uvloop.run(run(address, args.seconds, args.keys))
+        finally:
+            if proc is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
