@@ -1,0 +1,70 @@
+"""deploy/ stays true: alert rules parse, and every metric they and the dashboard use is served."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+ALERTS = DEPLOY / "prometheus" / "kvpool-alerts.yaml"
+DASHBOARD = DEPLOY / "grafana" / "kvpool-dashboard.json"
+_METRIC = re.compile(r"\bkvpool_[a-z_]+")
+_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def _served_names(metrics_url: str) -> set[str]:
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    # Families are declared by `# TYPE` even before they have samples (labelled counters,
+    # per-segment gauges); expand each into the sample names Prometheus will store.
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ", 3)
+            names.add(family)
+            if kind == "counter":
+                names.add(family + "_total")
+            if kind == "histogram":
+                names.update(family + s for s in _SUFFIXES)
+    return names
+
+
+def _used_names() -> set[str]:
+    exprs = [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"]
+             for rule in group["rules"]]
+    exprs += [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    return {name for expr in exprs for name in _METRIC.findall(expr)}
+
+
+def test_dashboard_json_is_generated_from_script(tmp_path: Path) -> None:
+    script = DEPLOY / "grafana" / "make_dashboard.py"
+    copy = tmp_path / "make_dashboard.py"
+    shutil.copy(script, copy)
+    subprocess.run([sys.executable, str(copy)], check=True, capture_output=True)
+    assert (tmp_path / "kvpool-dashboard.json").read_text() == DASHBOARD.read_text(), \
+        "run: python deploy/grafana/make_dashboard.py"
+
+
+def test_alert_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_metric_used_by_deploy_is_served(master: Any) -> None:
+    served = _served_names(master.metrics_url)
+    missing = sorted(name for name in _used_names() if name not in served)
+    assert not missing, f"deploy/ uses metrics the master does not serve: {missing}"
