@@ -471,6 +471,12 @@ class MasterRpc:
                                     pb.HeartbeatRequest(client_id=client_id))
         return _status(response.status)
 
+    async def unregister_client(self, client_id: str) -> Status:
+        """Graceful close: OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""
+        response = await self._call(RPC_METHODS["UnregisterClient"],
+                                    pb.UnregisterClientRequest(client_id=client_id))
+        return _status(response.status)
+
     async def mount_segment(self, client_id: str, segment: SegmentInfo) -> Status:
         """Mount (or identically remount) a segment this client owns."""
         descriptor = pb.SegmentDescriptor(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -305,6 +305,8 @@ def load_auth_token(config: MasterConfig) -> str:
     return config.auth_token
 
 
-def config_fields() -> Sequence[str]:
-    """Names of MasterConfig's fields (for /status and tests)."""
-    return [f.name for f in fields(MasterConfig)]
+def public_settings(config: MasterConfig) -> dict[str, Any]:
+    """Every setting except secrets, for /status (the token shows only as set or not)."""
+    settings = {f.name: getattr(config, f.name) for f in fields(MasterConfig)}
+    settings["auth_token"] = "<set>" if config.auth_token else ""
+    return settings

@@ -40,8 +40,10 @@ LATENCY_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.0
 class MasterMetrics:
     """The master's registry, fed by the servicer and the event fan-out."""
 
-    def __init__(self, core: MasterCore, clock: ServingClock, *, master_id: str) -> None:
+    def __init__(self, core: MasterCore, clock: ServingClock, *, master_id: str,
+                 settings: dict[str, Any] | None = None) -> None:
         self._core = core
+        self._settings = dict(settings or {})
         self._clock = clock
         self._master_id = master_id
         self._started_wall_s = time.time()
@@ -96,6 +98,7 @@ class MasterMetrics:
         document["master_id"] = self._master_id
         document["uptime_s"] = round(time.time() - self._started_wall_s, 3)
         document["stalled_s"] = round(self._clock.stalled_s, 3)
+        document["settings"] = self._settings
         return document
 
     def status_json(self) -> str:

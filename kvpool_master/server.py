@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client.rpc import RPC_METHODS, RpcMethod
 from kvpool_master.clock import ServingClock
-from kvpool_master.config import MasterConfig, load_auth_token
+from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.metrics import HttpEndpoint, MasterMetrics
@@ -68,7 +68,8 @@ class MasterServer:
         self.core = MasterCore(core_config(config))
         self.master_id = uuid.uuid4().hex
         self.store: Any = None
-        self.metrics = MasterMetrics(self.core, self.clock, master_id=self.master_id)
+        self.metrics = MasterMetrics(self.core, self.clock, master_id=self.master_id,
+                                     settings=public_settings(config))
         self._auth_token = load_auth_token(config)
         self.servicer = Servicer(self.core, self.clock, self.metrics, master_id=self.master_id,
                                  on_events=self._fan_out,

@@ -51,6 +51,7 @@ class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     METHOD_MOUNT_SEGMENT: _ClassVar[Method]
     METHOD_UNMOUNT_SEGMENT: _ClassVar[Method]
     METHOD_GET_SEGMENTS: _ClassVar[Method]
+    METHOD_UNREGISTER_CLIENT: _ClassVar[Method]
     METHOD_PUT_START: _ClassVar[Method]
     METHOD_PUT_END: _ClassVar[Method]
     METHOD_PUT_REVOKE: _ClassVar[Method]
@@ -95,6 +96,7 @@ METHOD_HEARTBEAT: Method
 METHOD_MOUNT_SEGMENT: Method
 METHOD_UNMOUNT_SEGMENT: Method
 METHOD_GET_SEGMENTS: Method
+METHOD_UNREGISTER_CLIENT: Method
 METHOD_PUT_START: Method
 METHOD_PUT_END: Method
 METHOD_PUT_REVOKE: Method
@@ -192,6 +194,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
+
+class UnregisterClientRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterClientResponse(_message.Message):
     __slots__ = ("status",)
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: Status

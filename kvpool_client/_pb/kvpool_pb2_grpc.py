@@ -44,6 +44,11 @@ class MasterStub:
                 request_serializer=kvpool__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvpool__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.UnregisterClient = channel.unary_unary(
+                '/kvpool.v1.Master/UnregisterClient',
+                request_serializer=kvpool__pb2.UnregisterClientRequest.SerializeToString,
+                response_deserializer=kvpool__pb2.UnregisterClientResponse.FromString,
+                _registered_method=True)
         self.MountSegment = channel.unary_unary(
                 '/kvpool.v1.Master/MountSegment',
                 request_serializer=kvpool__pb2.MountSegmentRequest.SerializeToString,
@@ -121,6 +126,12 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterClient(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -216,6 +227,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvpool__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvpool__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'UnregisterClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterClient,
+                    request_deserializer=kvpool__pb2.UnregisterClientRequest.FromString,
+                    response_serializer=kvpool__pb2.UnregisterClientResponse.SerializeToString,
             ),
             'MountSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.MountSegment,
@@ -337,6 +353,33 @@ class Master:
             '/kvpool.v1.Master/Heartbeat',
             kvpool__pb2.HeartbeatRequest.SerializeToString,
             kvpool__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/UnregisterClient',
+            kvpool__pb2.UnregisterClientRequest.SerializeToString,
+            kvpool__pb2.UnregisterClientResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,7 @@ class Servicer:
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "RegisterClient": self._register_client,
             "Heartbeat": self._heartbeat,
+            "UnregisterClient": self._unregister_client,
             "MountSegment": self._mount_segment,
             "UnmountSegment": self._unmount_segment,
             "GetSegments": self._get_segments,
@@ -141,6 +142,11 @@ class Servicer:
 
     def _heartbeat(self, request: Any) -> Any:
         status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
+        return convert.status_response(_response_of(request), status)
+
+    def _unregister_client(self, request: Any) -> Any:
+        status = self._core.unregister_client(convert.decode_client_id(request),
+                                              self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _mount_segment(self, request: Any) -> Any:
