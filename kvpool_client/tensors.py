@@ -354,3 +354,49 @@ class StagedBlockIO:
                 pairs.append((region, staging[offset:offset + region.numel()]))
                 offset += region.numel()
         return self._copy(pairs)
+
+
+# --- transformers glue: a contiguous-KV engine over the paged cache -----------------------
+
+
+def dynamic_cache(cache: PagedKVCache, block_ids: Sequence[int], config: Any = None) -> Any:
+    """A transformers ``DynamicCache`` holding the KV of ``block_ids`` (in order)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=cache.read_sequence(block_ids), config=config)
+
+
+def layer_kv(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k, v)`` ``[batch, heads, seq, head_dim]`` of a transformers cache."""
+    return [(layer.keys, layer.values) for layer in past_key_values.layers]
+
+
+def prefill(model: Any, tokens: Sequence[int], prefix: Any, cache: PagedKVCache,
+            *, async_write: bool = False) -> tuple[torch.Tensor, int]:
+    """Prefill ``tokens`` reusing every cached whole block; return (logits, reused tokens).
+
+    ``prefix`` is a ``TieredPrefixCache`` over ``cache``'s blocks: blocks found on the device
+    or in the pool are loaded and fed to the model as ``past_key_values``; only the rest is
+    computed, written into fresh blocks and saved. At least the last token is always computed
+    (its logits are the answer).
+    """
+    torch = import_torch()
+    match = prefix.match(tokens)
+    try:
+        prefix.load(match)
+        block_size = cache.block_size
+        usable = min(match.num_reused, (len(tokens) - 1) // block_size)
+        start = usable * block_size
+        past = dynamic_cache(cache, match.block_ids[:usable], model.config) if usable else None
+        input_ids = torch.as_tensor([list(tokens[start:])], dtype=torch.long, device=cache.device)
+        with torch.no_grad():
+            out = model(input_ids, past_key_values=past, use_cache=True)
+        new_ids = prefix.allocate(match)
+        if new_ids:
+            first = match.num_reused * block_size
+            kv = [(k[:, :, first:], v[:, :, first:]) for k, v in layer_kv(out.past_key_values)]
+            cache.write_sequence(new_ids, kv)
+        prefix.save(match, async_write=async_write)
+    finally:
+        prefix.release(match)
+    return out.logits, start
