@@ -98,15 +98,16 @@ def simulated_pool(config: ReplayConfig) -> SimulatedPool:
 
 
 @contextlib.contextmanager
-def spawned_master(config: ReplayConfig, workdir: Path) -> Iterator[str]:
-    """A local ``kvpool-master`` with the replay's eviction settings; yields its address."""
+def spawned_master(workdir: Path, extra_args: Sequence[str] = ()) -> Iterator[str]:
+    """A local ``kvpool-master`` on 127.0.0.1 (plus ``extra_args``); yields its address.
+
+    The master is stopped (SIGTERM, then SIGKILL) by pid on exit.
+    """
     ready = workdir / "master-ready.json"
     log_path = workdir / "master.log"
     command = [sys.executable, "-m", "kvpool_master.cli", "--host", "127.0.0.1", "--port", "0",
                "--fast-port", "0", "--metrics-port", "off", "--ready-file", str(ready),
-               "--eviction-high-watermark-ratio", str(config.high_watermark_ratio),
-               "--eviction-ratio", str(config.eviction_ratio),
-               "--default-kv-lease-ttl", str(config.lease_ttl_ms), "--log-level", "warning"]
+               "--log-level", "warning", *extra_args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
@@ -204,7 +205,10 @@ def run_live(requests: Sequence[Sequence[int]], config: ReplayConfig, *,
     workers_of = route(requests, config.num_workers, config.routing)
     with tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp, \
             contextlib.ExitStack() as stack:
-        address = master_address or stack.enter_context(spawned_master(config, Path(tmp)))
+        flags = ["--eviction-high-watermark-ratio", str(config.high_watermark_ratio),
+                 "--eviction-ratio", str(config.eviction_ratio),
+                 "--default-kv-lease-ttl", str(config.lease_ttl_ms)]
+        address = master_address or stack.enter_context(spawned_master(Path(tmp), flags))
         return _drive(requests, workers_of, config, address, progress)
 
 
