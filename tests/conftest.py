@@ -7,6 +7,10 @@ Fixtures:
   ``--eviction-ratio 0.1``) and the raw ``args``; waits for the ready file. Every process it
   started is stopped (SIGTERM, then SIGKILL) by pid when the test ends.
 - ``master``: one master with default settings.
+- ``lean_socket(port, timeout_s=5, ssl_context=None) -> LeanSocket``: a blocking raw
+  lean-framing connection for tests that craft frames: ``.send(method, request_id, payload)``,
+  ``.send_raw(data)``, ``.recv() -> (method, request_id, payload)`` (raises ConnectionError on
+  close), ``.call(method, payload) -> (method, payload)``, ``.close()``. Closed at test end.
 
 A MasterProcess has ``.address`` ("127.0.0.1:PORT"), ``.grpc_port``, ``.fast_port``,
 ``.metrics_port``, ``.metrics_url`` ("http://127.0.0.1:PORT"), ``.pid``, ``.proc``,
@@ -19,6 +23,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import ssl
+import struct
 import subprocess
 import sys
 import tempfile
@@ -118,6 +125,54 @@ def launch_master(workdir: Path, *args: str, env: dict[str, str] | None = None,
                        f"{log_path.read_text(errors='replace')}")
 
 
+class LeanSocket:
+    """A blocking lean-framing connection that sends whatever bytes a test crafts."""
+
+    def __init__(self, port: int, timeout_s: float = 5.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        raw = socket.create_connection((HOST, port), timeout=timeout_s)
+        self.sock = ssl_context.wrap_socket(raw, server_hostname=HOST) if ssl_context else raw
+        self._next_id = 1
+
+    def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are."""
+        self.sock.sendall(data)
+
+    def send(self, method: int, request_id: int, payload: bytes) -> None:
+        """Send one well-framed frame."""
+        self.send_raw(struct.pack("<IBI", len(payload) + 5, method, request_id) + payload)
+
+    def _recv_exact(self, size: int) -> bytes:
+        chunks = []
+        while size:
+            chunk = self.sock.recv(min(size, 1 << 20))
+            if not chunk:
+                raise ConnectionError("lean connection closed by the master")
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    def recv(self) -> tuple[int, int, bytes]:
+        """Read one frame: (method, request_id, payload)."""
+        (length,) = struct.unpack("<I", self._recv_exact(4))
+        body = self._recv_exact(length)
+        method, request_id = struct.unpack_from("<BI", body)
+        return method, request_id, body[5:]
+
+    def call(self, method: int, payload: bytes) -> tuple[int, bytes]:
+        """Send one frame and read its answer: (method, payload)."""
+        request_id = self._next_id
+        self._next_id += 1
+        self.send(method, request_id, payload)
+        answer_method, answer_id, answer = self.recv()
+        assert answer_id == request_id
+        return answer_method, answer
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.sock.close()
+
+
 class StartMaster(Protocol):
     def __call__(self, *args: str, env: dict[str, str] | None = None,
                  executable: Sequence[str] | None = None, timeout_s: float = 30.0,
@@ -146,6 +201,24 @@ def start_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartMast
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGCONT)  # in case a test left it stopped
                 process.stop(timeout_s=10)
+
+
+@pytest.fixture
+def lean_socket() -> Iterator[Any]:
+    """Factory of raw lean-framing connections, closed at the end of the test."""
+    opened: list[LeanSocket] = []
+
+    def connect(port: int, timeout_s: float = 5.0,
+                ssl_context: ssl.SSLContext | None = None) -> LeanSocket:
+        conn = LeanSocket(port, timeout_s, ssl_context)
+        opened.append(conn)
+        return conn
+
+    try:
+        yield connect
+    finally:
+        for conn in opened:
+            conn.close()
 
 
 @pytest.fixture

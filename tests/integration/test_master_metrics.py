@@ -1,0 +1,91 @@
+"""The master's Prometheus exposition on a live process: names, values, promtool lint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+
+from kvpool_client.rpc import MasterRpc
+from kvpool_client.status import Status
+from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+
+SEGMENT_BYTES = 1 << 20
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _value(text: str, sample: str) -> float:
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
+    assert match, f"{sample} not in exposition"
+    return float(match.group(1))
+
+
+async def _traffic(address: str) -> None:
+    rpc = MasterRpc(address)
+    grpc_rpc = MasterRpc(address, use_fast_path=False)
+    try:
+        await rpc.register_client("m", "h", "")
+        segment = SegmentInfo(SegmentId("m/0"), ClientId("m"), SEGMENT_BYTES)
+        assert await rpc.mount_segment("m", segment) == Status.OK
+        keys = [f"b{i}".encode() for i in range(4)]
+        await rpc.put_start("m", keys, [1000] * 4, PutOptions())
+        assert await rpc.put_end("m", keys) == [Status.OK] * 4
+        assert await rpc.query_prefix("m", [*keys[:3], b"miss", keys[3]]) == 3
+        assert await grpc_rpc.query_prefix("m", [b"miss"]) == 0
+        results, _ = await grpc_rpc.get_replicas("m", [keys[0], b"miss"])
+        assert [r.status for r in results] == [Status.OK, Status.NOT_FOUND]
+    finally:
+        await rpc.close()
+        await grpc_rpc.close()
+
+
+async def test_metrics_follow_traffic(master) -> None:
+    await _traffic(master.address)
+    with grpc.insecure_channel(master.address) as channel, pytest.raises(grpc.RpcError):
+        channel.unary_unary("/kvpool.v1.Master/Exist")(b"\xff")
+    text = _scrape(master.metrics_url)
+    assert _value(text, 'kvpool_rpc_requests_total{method="PutStart",transport="lean"}') == 1
+    assert _value(text, 'kvpool_rpc_requests_total{method="QueryPrefix",transport="grpc"}') == 1
+    assert _value(text, 'kvpool_rpc_failures_total{method="Exist",transport="grpc"}') == 1
+    assert _value(text, 'kvpool_rpc_duration_seconds_count{method="PutEnd",transport="lean"}'
+                  ) == 1
+    assert _value(text, "kvpool_lookup_queries_total") == 2
+    assert _value(text, "kvpool_lookup_blocks_total") == 6
+    assert _value(text, "kvpool_lookup_hit_blocks_total") == 3
+    assert _value(text, "kvpool_read_keys_total") == 2
+    assert _value(text, "kvpool_read_hit_keys_total") == 1
+    assert _value(text, 'kvpool_objects{state="ready"}') == 4
+    assert _value(text, 'kvpool_capacity_bytes{tier="DRAM"}') == SEGMENT_BYTES
+    assert _value(text, 'kvpool_used_bytes{tier="DRAM"}') >= 4000
+    assert _value(text, 'kvpool_segment_capacity_bytes{client="m",segment="m/0",tier="DRAM"}'
+                  ) == SEGMENT_BYTES
+    assert _value(text, "kvpool_clients") == 1
+    assert _value(text, "kvpool_puts_committed_total") == 4
+    assert _value(text, "kvpool_clients_registered_total") == 1
+    for name in ("kvpool_evicted_objects_total", "kvpool_evicted_bytes_total",
+                 "kvpool_eviction_passes_total", "kvpool_pending_reclaimed_total",
+                 "kvpool_clients_expired_total", "kvpool_leases_granted_total",
+                 "kvpool_leases_expired_total", "kvpool_master_stalled_seconds_total"):
+        assert re.search(rf"^{name} ", text, re.M), name
+
+
+async def test_promtool_accepts_the_exposition(master) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package `prometheus`; .ci/run "
+                    "installs it)")
+    await _traffic(master.address)
+    text = _scrape(master.metrics_url)
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", \
+        result.stdout + result.stderr
