@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 
 from kvpool_client.types import ObjectKey, Pin, Tier
-from kvpool_master.core.allocator import aligned
+from kvpool_master.core.allocator import ALIGN_BYTES, aligned
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentTable
 
@@ -75,6 +75,7 @@ def _scan(table: ObjectTable, segments: SegmentTable, tier: Tier, now: float, pr
     evicted_children = state.evicted_children
     waiting = state.waiting
     hard = Pin.HARD
+    align_mask = ALIGN_BYTES - 1
     for key, entry in table.key_to_object.items():
         if entry.writer_id is not None or entry.pin is hard:
             state.skipped.append(key)
@@ -82,7 +83,7 @@ def _scan(table: ObjectTable, segments: SegmentTable, tier: Tier, now: float, pr
         if entry.pin not in allowed or entry.lease_expiry_s > now or key in victims:
             continue
         if simple:
-            num_bytes = aligned(entry.size_bytes) * len(entry.placements)
+            num_bytes = ((entry.size_bytes + align_mask) & ~align_mask) * len(entry.placements)
         else:
             num_bytes = _bytes_on_tier(segments, entry, tier)
             if not num_bytes:

@@ -47,6 +47,7 @@ class ObjectTable:
         self.parent_to_num_children: dict[ObjectKey, int] = {}
         self.track_children = track_children
         self.ready_bytes = 0  # logical bytes of READY objects (one copy each)
+        self.size_to_int: dict[int, int] = {}  # interned object sizes (see put_start)
 
     def __len__(self) -> int:
         return len(self.key_to_object)

@@ -13,7 +13,7 @@ Rules of this file:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvpool_client.types import ClientId, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import MAX_SEGMENT_BYTES, Allocator, aligned
@@ -109,13 +109,31 @@ class SegmentTable:
         self.free(placements)
         return None
 
-    def free(self, placements: tuple[Placement, ...] | list[Placement]) -> None:
-        """Free the extents of ``placements`` that sit on segments still known."""
-        id_to_segment = self.id_to_segment
+    def free(self, placements: Iterable[Placement]) -> None:
+        """Free the extents of ``placements`` that sit on segments still known.
+
+        Extents are grouped per segment and freed in one ``Allocator.free_many`` call each.
+        """
+        segment_to_extents: dict[SegmentId, list[tuple[int, int]]] = {}
         for placement in placements:
-            state = id_to_segment.get(placement.segment_id)
-            if state is not None:
-                self.free_on(state, placement.offset, placement.length)
+            extents = segment_to_extents.get(placement.segment_id)
+            if extents is None:
+                segment_to_extents[placement.segment_id] = [(placement.offset, placement.length)]
+            else:
+                extents.append((placement.offset, placement.length))
+        id_to_segment = self.id_to_segment
+        for segment_id, extents in segment_to_extents.items():
+            state = id_to_segment.get(segment_id)
+            if state is None:
+                continue  # the segment is gone, and its extents with it
+            allocator = state.allocator
+            before = allocator.used_bytes
+            if len(extents) == 1:
+                allocator.free(*extents[0])
+            else:
+                allocator.free_many(extents)
+            if state.mounted:
+                self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
 
     def free_on(self, state: SegmentState, offset: int, size_bytes: int) -> None:
         """Free one extent of ``state`` (no-op when the segment has been discarded since)."""
