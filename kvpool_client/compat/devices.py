@@ -1,0 +1,190 @@
+"""Device memory behind raw pointers: CUDA through the CUDA runtime, Ascend NPU through ACL.
+
+Rules of this file:
+- Nothing here is imported or loaded until a pointer that is not host memory is registered: a
+  host-only process never loads a device runtime.
+- A runtime answers two questions: does it own an address (``locate``), and how to move bytes
+  between that device memory and a host buffer (``to_host`` / ``from_host``). kvpool's data plane
+  only moves host bytes, so device regions are staged through host buffers by the caller.
+- When no runtime can claim a pointer, :func:`locate_device` raises ``INVALID_ARGUMENT`` with a
+  message naming what is missing (torch with CUDA, or CANN's ``acl`` module / ``torch_npu``).
+- A copy may run on any thread (MindIE's asyncWrite puts from a background thread): each runtime
+  makes the owning device (CUDA) or context (ACL) current before copying.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpool_client.status import KVPoolError, Status
+
+
+class DeviceRuntime(Protocol):
+    """A device memory runtime that can copy between its memory and host memory."""
+
+    name: str
+
+    def locate(self, address: int) -> Any | None:
+        """Return an opaque handle (device, context) when ``address`` is this runtime's memory."""
+
+    def to_host(self, handle: Any, dst: memoryview, src_address: int) -> None:
+        """Copy ``dst.nbytes`` bytes from device ``src_address`` into ``dst``."""
+
+    def from_host(self, handle: Any, dst_address: int, src: memoryview) -> None:
+        """Copy ``src`` into device memory at ``dst_address``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """Where a registered device pointer lives: the runtime and its handle."""
+
+    runtime: DeviceRuntime
+    handle: Any
+
+
+def buffer_address(view: memoryview) -> int:
+    """Return the address of a writable host view (the staging buffers are ours, so writable)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+
+
+class _CudaPointerAttributes(ctypes.Structure):
+    # CUDA >= 11 layout of cudaPointerAttributes.
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+
+
+_CUDA_DEVICE, _CUDA_MANAGED = 2, 3
+_CUDA_H2D, _CUDA_D2H = 1, 2
+
+
+class CudaRuntime:
+    """CUDA device memory through ``libcudart`` (the copy torch's CUDA build already loaded)."""
+
+    name = "cuda"
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self._lib.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_CudaPointerAttributes),
+                                                       ctypes.c_void_p]
+        self._lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_int]
+        self._lib.cudaSetDevice.argtypes = [ctypes.c_int]
+
+    @classmethod
+    def load(cls) -> CudaRuntime | None:
+        """Return the runtime when a CUDA runtime library can be loaded, else None."""
+        torch = sys.modules.get("torch")
+        if torch is not None and not torch.cuda.is_available():
+            return None
+        for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"):
+            try:
+                return cls(ctypes.CDLL(name))
+            except OSError:
+                continue
+        return None
+
+    def locate(self, address: int) -> int | None:
+        attrs = _CudaPointerAttributes()
+        if self._lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(address)) != 0:
+            self._lib.cudaGetLastError()  # clear the sticky error of an unknown pointer
+            return None
+        return attrs.device if attrs.type in (_CUDA_DEVICE, _CUDA_MANAGED) else None
+
+    def _copy(self, device: int, dst: int, src: int, size_bytes: int, kind: int) -> None:
+        if self._lib.cudaSetDevice(device) != 0:
+            raise KVPoolError(Status.TRANSFER_FAILED, f"cudaSetDevice({device}) failed")
+        err = self._lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), size_bytes, kind)
+        if err != 0:
+            raise KVPoolError(Status.TRANSFER_FAILED, f"cudaMemcpy failed with error {err}")
+
+    def to_host(self, handle: int, dst: memoryview, src_address: int) -> None:
+        self._copy(handle, buffer_address(dst), src_address, dst.nbytes, _CUDA_D2H)
+
+    def from_host(self, handle: int, dst_address: int, src: memoryview) -> None:
+        self._copy(handle, dst_address, buffer_address(src), src.nbytes, _CUDA_H2D)
+
+
+_ACL_H2D, _ACL_D2H = 1, 2
+
+
+class AclRuntime:
+    """Ascend NPU memory through CANN's Python ACL module (``acl``).
+
+    ACL copies need a current context on the calling thread; the context current when the
+    pointer was registered (the worker's device) is made current again before each copy.
+    """
+
+    name = "npu"
+
+    def __init__(self, acl: Any) -> None:
+        self._acl = acl
+
+    @classmethod
+    def load(cls) -> AclRuntime | None:
+        """Return the runtime when CANN's ``acl`` module imports, else None."""
+        if "torch_npu" not in sys.modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module("torch_npu")  # sets up the device context ACL uses
+        try:
+            return cls(importlib.import_module("acl"))
+        except ImportError:
+            return None
+
+    def locate(self, address: int) -> Any | None:
+        # NOTE: pyACL has no portable pointer query; a pointer that is not host memory of this
+        # process is taken to be NPU memory of the current context once ACL is present.
+        context, ret = self._acl.rt.get_context()
+        return context if ret == 0 else None
+
+    def _copy(self, context: Any, dst: int, src: int, size_bytes: int, kind: int) -> None:
+        if self._acl.rt.set_context(context) != 0:
+            raise KVPoolError(Status.TRANSFER_FAILED, "aclrtSetCurrentContext failed")
+        ret = self._acl.rt.memcpy(dst, size_bytes, src, size_bytes, kind)
+        if ret != 0:
+            raise KVPoolError(Status.TRANSFER_FAILED, f"aclrtMemcpy failed with error {ret}")
+
+    def to_host(self, handle: Any, dst: memoryview, src_address: int) -> None:
+        self._copy(handle, buffer_address(dst), src_address, dst.nbytes, _ACL_D2H)
+
+    def from_host(self, handle: Any, dst_address: int, src: memoryview) -> None:
+        self._copy(handle, dst_address, buffer_address(src), src.nbytes, _ACL_H2D)
+
+
+_runtimes: list[DeviceRuntime] | None = None
+
+
+def default_runtimes() -> list[DeviceRuntime]:
+    """Return the device runtimes present in this process, loading them on first use."""
+    global _runtimes
+    if _runtimes is None:
+        found: list[DeviceRuntime] = []
+        for loader in (CudaRuntime.load, AclRuntime.load):
+            runtime = loader()
+            if runtime is not None:
+                found.append(runtime)
+        _runtimes = found
+    return _runtimes
+
+
+def locate_device(address: int, size_bytes: int,
+                  runtimes: list[DeviceRuntime]) -> DeviceMemory:
+    """Return the device memory ``address`` lies in.
+
+    Raises ``INVALID_ARGUMENT`` naming what is missing when no runtime claims the pointer.
+    """
+    for runtime in runtimes:
+        handle = runtime.locate(address)
+        if handle is not None:
+            return DeviceMemory(runtime, handle)
+    present = ", ".join(r.name for r in runtimes) or "none"
+    raise KVPoolError(
+        Status.INVALID_ARGUMENT,
+        f"pointer 0x{address:x} ({size_bytes} bytes) is not readable host memory of this "
+        f"process and no device runtime claims it (device runtimes present: {present}). "
+        "CUDA memory needs torch built with CUDA (libcudart); Ascend NPU memory needs CANN's "
+        "ACL runtime (the 'acl' Python module from CANN, with torch_npu).")

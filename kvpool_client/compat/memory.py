@@ -1,0 +1,280 @@
+"""Registered memory regions behind raw pointers, and the byte views transfers use.
+
+Rules of this file:
+- Mooncake callers pass integers: ``register_buffer(ptr, size)`` once, then pointers inside
+  those regions on every transfer. Every pointer range a transfer names must lie inside one
+  registered region; anything else is ``INVALID_ARGUMENT`` before a byte moves (Mooncake itself
+  would read or write wherever the pointer points).
+- A region is host memory when this process maps it readable (``/proc/self/maps``); otherwise a
+  device runtime (``devices.py``) must claim it. Host regions are viewed in place, without
+  copies; device regions are staged through host buffers around each transfer.
+- Registration is idempotent for the same (ptr, size). Overlapping registrations are allowed
+  (a pointer is resolved in any region that holds the whole range); unregistering an address
+  that was never registered is ``INVALID_ARGUMENT``.
+- The registry is shared by every thread: changes build a new sorted index under the lock and
+  publish it in one assignment, so lookups take no lock and copy nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool_client.compat.devices import (
+    DeviceMemory,
+    DeviceRuntime,
+    default_runtimes,
+    locate_device,
+)
+from kvpool_client.status import KVPoolError, Status
+
+#: a transfer region as Mooncake passes it: (address, size in bytes)
+PointerRange = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered range: host memory (``view`` set) or device memory (``device`` set)."""
+
+    address: int
+    size_bytes: int
+    writable: bool
+    view: memoryview | None = None
+    device: DeviceMemory | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"host"`` or the device runtime's name (``"cuda"``, ``"npu"``)."""
+        return "host" if self.device is None else self.device.runtime.name
+
+    def contains(self, address: int, size_bytes: int) -> bool:
+        """True when ``[address, address+size_bytes)`` lies inside this region."""
+        return self.address <= address and address + size_bytes <= self.address + self.size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessMaps:
+    """This process's memory mappings (``/proc/self/maps``), sorted by address."""
+
+    lows: list[int]
+    highs: list[int]
+    perms: list[str]
+
+    @classmethod
+    def parse(cls, text: str) -> ProcessMaps:
+        """Return the mappings listed in ``text`` (the format of ``/proc/<pid>/maps``)."""
+        lows, highs, perms = [], [], []
+        for line in text.splitlines():
+            fields = line.split(maxsplit=2)
+            if len(fields) < 2:
+                continue
+            low_text, _, high_text = fields[0].partition("-")
+            lows.append(int(low_text, 16))
+            highs.append(int(high_text, 16))
+            perms.append(fields[1])
+        return cls(lows, highs, perms)
+
+    @classmethod
+    def read(cls) -> ProcessMaps | None:
+        """Return the current mappings, or None where ``/proc/self/maps`` does not exist."""
+        try:
+            with open("/proc/self/maps", encoding="ascii") as f:
+                return cls.parse(f.read())
+        except OSError:  # pragma: no cover - Linux always has it
+            return None
+
+    def access(self, address: int, size_bytes: int) -> bool | None:
+        """Return None when part of the range is unmapped or unreadable, else whether all of
+        it is writable."""
+        end = address + max(size_bytes, 1)
+        index = bisect.bisect_right(self.lows, address) - 1
+        if index < 0:
+            return None
+        cursor, writable = address, True
+        while cursor < end:
+            if index >= len(self.lows) or self.lows[index] > cursor or \
+                    self.highs[index] <= cursor or self.perms[index][0] != "r":
+                return None  # a hole in the range, or unreadable pages
+            writable = writable and self.perms[index][1] == "w"
+            cursor = self.highs[index]
+            index += 1
+        return writable
+
+
+def view_at(address: int, size_bytes: int) -> memoryview:
+    """Return an unsigned-byte view of host memory at ``address`` (the caller checked it)."""
+    return memoryview((ctypes.c_ubyte * size_bytes).from_address(address)).cast("B")
+
+
+@dataclass(slots=True)
+class Destination:
+    """Views a read fills, and the device copies that must follow it (see :meth:`finish`)."""
+
+    views: list[memoryview]
+    #: (index in views, device memory, device address) of the views that are staging buffers
+    staged: list[tuple[int, DeviceMemory, int]] = field(default_factory=list)
+
+    def finish(self, nbytes_read: int) -> None:
+        """Copy the first ``nbytes_read`` bytes of staged views to their device memory."""
+        if not self.staged:
+            return
+        offsets = [0]
+        for view in self.views:
+            offsets.append(offsets[-1] + view.nbytes)
+        for index, device, address in self.staged:
+            take = min(self.views[index].nbytes, nbytes_read - offsets[index])
+            if take > 0:
+                device.runtime.from_host(device.handle, address, self.views[index][:take])
+
+
+class RegionRegistry:
+    """The regions registered by one store (or shared by every store of one TransferEngine)."""
+
+    def __init__(self, runtimes: Callable[[], list[DeviceRuntime]] = default_runtimes,
+                 maps_reader: Callable[[], ProcessMaps | None] = ProcessMaps.read) -> None:
+        self._lock = threading.Lock()
+        self._runtimes = runtimes
+        self._maps_reader = maps_reader
+        # (addresses, regions) sorted by address, replaced as a whole on every change
+        self._index: tuple[list[int], list[Region]] = ([], [])
+
+    def register(self, address: int, size_bytes: int) -> Region:
+        """Register ``[address, address+size_bytes)`` and return its region.
+
+        Raises ``INVALID_ARGUMENT`` for a non-positive size, a null address, or memory that is
+        neither host memory of this process nor claimed by a device runtime.
+        """
+        _check_range(address, size_bytes)
+        for region in self._regions_at(address):
+            if region.size_bytes == size_bytes:
+                return region
+        region = self.classify(address, size_bytes, self._maps_reader())
+        with self._lock:
+            addresses, regions = list(self._index[0]), list(self._index[1])
+            index = bisect.bisect_right(addresses, address)
+            addresses.insert(index, address)
+            regions.insert(index, region)
+            self._index = (addresses, regions)
+        return region
+
+    def classify(self, address: int, size_bytes: int, maps: ProcessMaps | None) -> Region:
+        """Return an unregistered region for the range: host memory when ``maps`` shows it
+        readable, else device memory a runtime claims; ``INVALID_ARGUMENT`` otherwise."""
+        writable = True if maps is None else maps.access(address, size_bytes)
+        if writable is not None:
+            return Region(address, size_bytes, writable, view=view_at(address, size_bytes))
+        device = locate_device(address, size_bytes, self._runtimes())
+        return Region(address, size_bytes, True, device=device)
+
+    def unregister(self, address: int) -> None:
+        """Forget every region registered at ``address``; ``INVALID_ARGUMENT`` if there is none."""
+        with self._lock:
+            addresses, regions = self._index
+            low = bisect.bisect_left(addresses, address)
+            high = bisect.bisect_right(addresses, address)
+            if low == high:
+                raise KVPoolError(Status.INVALID_ARGUMENT,
+                                  f"no buffer is registered at 0x{address:x}")
+            self._index = (addresses[:low] + addresses[high:], regions[:low] + regions[high:])
+
+    def clear(self) -> None:
+        """Forget every region."""
+        with self._lock:
+            self._index = ([], [])
+
+    def __len__(self) -> int:
+        return len(self._index[1])
+
+    def find(self, address: int, size_bytes: int) -> Region:
+        """Return a registered region holding the whole range; ``INVALID_ARGUMENT`` when none
+        does."""
+        _check_range(address, size_bytes, allow_empty=True)
+        addresses, regions = self._index
+        index = bisect.bisect_right(addresses, address) - 1
+        while index >= 0:
+            region = regions[index]
+            if region.contains(address, size_bytes):
+                return region
+            index -= 1
+        raise KVPoolError(Status.INVALID_ARGUMENT,
+                          f"range 0x{address:x}+{size_bytes} is not inside a registered buffer "
+                          "(call register_buffer(ptr, size) on the memory first)")
+
+    def sources(self, ranges: Sequence[PointerRange], *,
+                registered_only: bool = True) -> list[memoryview]:
+        """Return views holding the bytes of ``ranges`` (device ranges copied to host first).
+
+        With ``registered_only=False`` a range outside every region is classified on the spot
+        (MindIE's non-direct Ascend calls never register). Raises ``INVALID_ARGUMENT`` for a
+        range nobody can read, ``TRANSFER_FAILED`` when a device copy fails.
+        """
+        locate = self._locator(registered_only)
+        views = []
+        for address, size_bytes in ranges:
+            region = locate(address, size_bytes)
+            if region.view is not None:
+                offset = address - region.address
+                views.append(region.view[offset:offset + size_bytes])
+            else:
+                assert region.device is not None
+                staging = memoryview(bytearray(size_bytes))
+                if size_bytes:
+                    region.device.runtime.to_host(region.device.handle, staging, address)
+                views.append(staging)
+        return views
+
+    def destination(self, ranges: Sequence[PointerRange], *,
+                    registered_only: bool = True) -> Destination:
+        """Return the views a read fills for ``ranges``; call ``finish`` after the read.
+
+        Raises ``INVALID_ARGUMENT`` for a range outside every region or in read-only memory.
+        """
+        locate = self._locator(registered_only)
+        dest = Destination([])
+        for address, size_bytes in ranges:
+            region = locate(address, size_bytes)
+            if not region.writable:
+                raise KVPoolError(Status.INVALID_ARGUMENT,
+                                  f"range 0x{address:x}+{size_bytes} is read-only memory")
+            if region.view is not None:
+                offset = address - region.address
+                dest.views.append(region.view[offset:offset + size_bytes])
+            else:
+                assert region.device is not None
+                dest.staged.append((len(dest.views), region.device, address))
+                dest.views.append(memoryview(bytearray(size_bytes)))
+        return dest
+
+    def _locator(self, registered_only: bool) -> Callable[[int, int], Region]:
+        if registered_only:
+            return self.find
+        maps: list[ProcessMaps | None] = []
+
+        def locate(address: int, size_bytes: int) -> Region:
+            _check_range(address, size_bytes, allow_empty=True)
+            try:
+                return self.find(address, size_bytes)
+            except KVPoolError:
+                if not maps:
+                    maps.append(self._maps_reader())  # read once per call
+                return self.classify(address, size_bytes, maps[0])
+
+        return locate
+
+    def _regions_at(self, address: int) -> list[Region]:
+        addresses, regions = self._index
+        low = bisect.bisect_left(addresses, address)
+        high = bisect.bisect_right(addresses, address)
+        return regions[low:high]
+
+
+def _check_range(address: object, size_bytes: object, *, allow_empty: bool = False) -> None:
+    if isinstance(address, bool) or not isinstance(address, int) or \
+            isinstance(size_bytes, bool) or not isinstance(size_bytes, int):
+        raise KVPoolError(Status.INVALID_ARGUMENT, "a pointer and a size are integers")
+    if address <= 0 or size_bytes < 0 or (size_bytes == 0 and not allow_empty):
+        raise KVPoolError(Status.INVALID_ARGUMENT,
+                          f"bad buffer range: address 0x{address:x}, size {size_bytes}")

@@ -1,0 +1,380 @@
+"""``MooncakeDistributedStore`` over kvpool: Mooncake Store's Python surface and return codes.
+
+Rules of this file:
+- Every call engines make (the table in INTEGRATIONS.md) is here, with Mooncake's argument
+  forms and integer results: 0 / negative code per key, bytes read per key, ``b""`` for a
+  missing ``get``, 1/0/<0 for existence. Nothing raises for an expected failure; the reason is
+  logged and the code returned, as Mooncake's binding does.
+- A put of an existing key returns 0 and keeps the first value (kvpool's put is write-once).
+- Raw pointers must lie inside a registered region (``register_buffer`` here or
+  ``register_memory`` on the TransferEngine whose handle was given to ``setup``); anything else
+  is -600 before a byte moves. Device regions are staged through host memory (``memory.py``).
+- An object written from several regions is their concatenation, in order; a multi-buffer get
+  succeeds exactly when it fills every region (``ret == sum(sizes)``), otherwise, as Mooncake
+  0.3.13 answers: -600 when the object is larger than the regions, -800 when smaller.
+- No state is tied to the thread or event loop that called ``setup``: the kvpool client runs
+  its own loop thread and every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvpool_client.compat import codes
+from kvpool_client.compat.engine import EngineHandle, TransferEngine
+from kvpool_client.compat.memory import RegionRegistry
+from kvpool_client.compat.replicate import ReplicateConfig, put_options
+from kvpool_client.compat.setup_args import parse_setup
+from kvpool_client.status import KVPoolError, Status
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class MooncakeDistributedStore:
+    """Mooncake Store's client API, backed by a :class:`kvpool_client.KVPoolClient`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._registry = RegionRegistry()
+        self._segment_name = ""
+
+    # --- lifecycle ---
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """Join the pool; 0, or a negative code (the reason is logged).
+
+        Takes Mooncake's positional/keyword arguments or one config dict (see setup_args.py).
+        """
+        from kvpool_client.client import KVPoolClient
+
+        try:
+            setup = parse_setup(args, kwargs)
+            if setup.engine is not None and not isinstance(setup.engine, EngineHandle):
+                raise KVPoolError(Status.INVALID_ARGUMENT,
+                                  "engine must come from mooncake.engine.TransferEngine()"
+                                  ".get_engine() of this package")
+            with self._lock:
+                if self._client is not None:
+                    raise KVPoolError(Status.INVALID_ARGUMENT, "setup was already called")
+                client = KVPoolClient(setup.config)
+                self._client = client
+                self._segment_name = setup.segment_name
+                if setup.engine is not None:
+                    self._registry = setup.engine.registry
+        except KVPoolError as exc:
+            logger.error("MooncakeDistributedStore.setup failed: %s", exc)
+            return codes.code_of_error(exc)
+        return codes.OK
+
+    def close(self) -> int:
+        """Leave the pool (idempotent); 0."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except KVPoolError as exc:
+                logger.warning("MooncakeDistributedStore.close: %s", exc)
+        return codes.OK
+
+    def get_hostname(self) -> str:
+        """Return ``"ip:port"`` of this client's data server (``""`` before setup)."""
+        client = self._client
+        return str(client.hostname) if client is not None else ""
+
+    def health_check(self) -> int:
+        """0 while set up, -1 otherwise."""
+        return codes.OK if self._client is not None else codes.INTERNAL_ERROR
+
+    # --- memory ---
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        """Register ``[ptr, ptr+size)`` (host, CUDA or NPU memory); 0 or -600."""
+        try:
+            self._registry.register(ptr, size)
+        except KVPoolError as exc:
+            logger.error("register_buffer: %s", exc.message)
+            return codes.code_of_error(exc)
+        return codes.OK
+
+    def unregister_buffer(self, ptr: int) -> int:
+        """Forget the buffer registered at ``ptr``; 0, or -600 when there is none."""
+        try:
+            self._registry.unregister(ptr)
+        except KVPoolError as exc:
+            logger.error("unregister_buffer: %s", exc.message)
+            return codes.code_of_error(exc)
+        return codes.OK
+
+    # --- existence and size ---
+
+    def is_exist(self, key: str) -> int:
+        """1 when ``key`` is readable, 0 when not, a negative code on failure."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 / negative code per key."""
+        return self._batch(len(keys), "batch_is_exist",
+                           lambda c: [1 if found else 0 for found in c.batch_exists(list(keys))])
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or -704 when it does not exist."""
+        size = self._one("get_size", lambda c: c.get_size(key))
+        if size is None:
+            return codes.NOT_FOUND
+        return int(size)
+
+    # --- bytes API ---
+
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` (bytes-like) under ``key``; 0 (also when it exists) or a code."""
+        return self._one("put", lambda c: _ok(
+            c.put(key, value, options=put_options(config, self._own_segment))))
+
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any],
+                  config: ReplicateConfig | None = None) -> int:
+        """Store every value; 0 when all succeeded, else the first failing code."""
+        if len(keys) != len(values):
+            return codes.INVALID_PARAMS
+        results = self._batch(len(keys), "put_batch", lambda c: _codes(
+            c.put_batch(list(keys), list(values),
+                        options=put_options(config, self._own_segment))))
+        return next((r for r in results if r != codes.OK), codes.OK)
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes, or ``b""`` when it is missing (or the read failed)."""
+        data = self._one("get", lambda c: c.get(key))
+        return data if isinstance(data, bytes) else b""
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        """Bytes per key, ``b""`` for each missing one."""
+        client = self._client
+        if client is None:
+            return [b""] * len(keys)
+        try:
+            return [d if d is not None else b"" for d in client.get_batch(list(keys))]
+        except KVPoolError as exc:
+            logger.error("get_batch: %s", exc)
+            return [b""] * len(keys)
+
+    # --- zero-copy API over registered memory ---
+
+    def put_from(self, key: str, ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        """Store ``size`` bytes at ``ptr``; 0 or a negative code."""
+        return self.batch_put_from([key], [ptr], [size], config)[0]
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                       config: ReplicateConfig | None = None) -> list[int]:
+        """0 / negative code per key; each object is ``sizes[i]`` bytes at ``ptrs[i]``."""
+        if not _same_lengths(keys, ptrs, sizes):
+            return [codes.INVALID_PARAMS] * len(keys)
+        return self._put_ranges("batch_put_from", keys,
+                                [[(p, s)] for p, s in zip(ptrs, sizes, strict=True)], config)
+
+    def get_into(self, key: str, ptr: int, size: int) -> int:
+        """Bytes read into ``ptr``; -704 when missing, -600 when ``size`` is too small."""
+        return self.batch_get_into([key], [ptr], [size])[0]
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
+                       sizes: Sequence[int]) -> list[int]:
+        """Bytes read per key, or a negative code."""
+        if not _same_lengths(keys, ptrs, sizes):
+            return [codes.INVALID_PARAMS] * len(keys)
+        return self._get_ranges("batch_get_into", keys,
+                                [[(p, s)] for p, s in zip(ptrs, sizes, strict=True)],
+                                exact=False)
+
+    def batch_put_from_multi_buffers(self, keys: Sequence[str],
+                                     all_buffer_ptrs: Sequence[Sequence[int]],
+                                     all_sizes: Sequence[Sequence[int]],
+                                     config: ReplicateConfig | None = None) -> list[int]:
+        """0 / negative code per key; each object is the concatenation of its regions."""
+        ranges = _multi_ranges(keys, all_buffer_ptrs, all_sizes)
+        if ranges is None:
+            return [codes.INVALID_PARAMS] * len(keys)
+        return self._put_ranges("batch_put_from_multi_buffers", keys, ranges, config)
+
+    def batch_get_into_multi_buffers(self, keys: Sequence[str],
+                                     all_buffer_ptrs: Sequence[Sequence[int]],
+                                     all_sizes: Sequence[Sequence[int]],
+                                     prefer_alloc_in_same_node: bool = False) -> list[int]:
+        """Total bytes read per key (success is exactly ``sum(sizes[i])``), or a negative code.
+
+        ``prefer_alloc_in_same_node`` is accepted for Mooncake's signature; kvpool reads the
+        nearest replica anyway.
+        """
+        ranges = _multi_ranges(keys, all_buffer_ptrs, all_sizes)
+        if ranges is None:
+            return [codes.INVALID_PARAMS] * len(keys)
+        return self._get_ranges("batch_get_into_multi_buffers", keys, ranges, exact=True)
+
+    def batch_put_from_ascend(self, key: str, addrs: Sequence[int],
+                              sizes: Sequence[int]) -> list[int]:
+        """MindIE's non-direct Ascend put of one key's regions: ``[code]``.
+
+        Its pointers are never registered, so ranges outside every registered region are
+        checked against this process's memory (or a device runtime) instead of refused.
+        """
+        ranges = _multi_ranges([key], [addrs], [sizes])
+        if ranges is None:
+            return [codes.INVALID_PARAMS]
+        return self._put_ranges("batch_put_from_ascend", [key], ranges, None,
+                                registered_only=False)
+
+    def batch_get_into_ascend(self, key: str, addrs: Sequence[int],
+                              sizes: Sequence[int]) -> list[int]:
+        """MindIE's non-direct Ascend get of one key: ``[bytes read]`` or ``[code]``."""
+        ranges = _multi_ranges([key], [addrs], [sizes])
+        if ranges is None:
+            return [codes.INVALID_PARAMS]
+        return self._get_ranges("batch_get_into_ascend", [key], ranges, exact=True,
+                                registered_only=False)
+
+    # --- removal ---
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0; -704 when missing; -706 while a read lease is live (unless ``force``)."""
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """0 / -704 / -706 per key."""
+        return self._batch(len(keys), "batch_remove",
+                           lambda c: _codes(c.batch_remove(list(keys), force=force)))
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """How many objects whose key matches were removed, or a negative code."""
+        return int(self._one("remove_by_regex",
+                             lambda c: c.remove_by_regex(regex_pattern, force=force)))
+
+    def remove_all(self, force: bool = False) -> int:
+        """How many objects were removed, or a negative code."""
+        return int(self._one("remove_all", lambda c: c.remove_all(force=force)))
+
+    # --- helpers ---
+
+    def _own_segment(self, name: str) -> str:
+        """Translate a Mooncake segment name to a kvpool segment id (own names -> own segment)."""
+        client = self._client
+        if client is None or not name:
+            return name
+        if name in (self._segment_name, client.hostname):
+            ids = client.segment_ids
+            return str(ids[0]) if ids else ""
+        return name
+
+    def _one(self, op: str, call: Callable[[Any], T]) -> T | int:
+        client = self._client
+        if client is None:
+            logger.error("%s: the store is not set up (call setup first)", op)
+            return codes.INTERNAL_ERROR
+        try:
+            return call(client)
+        except KVPoolError as exc:
+            _log_failure(op, exc)
+            return codes.code_of_error(exc)
+
+    def _batch(self, count: int, op: str, call: Callable[[Any], list[int]]) -> list[int]:
+        result = self._one(op, call)
+        return [result] * count if isinstance(result, int) else result
+
+    def _put_ranges(self, op: str, keys: Sequence[str], ranges: list[list[tuple[int, int]]],
+                    config: ReplicateConfig | None, *, registered_only: bool = True) -> list[int]:
+        try:
+            options = put_options(config, self._own_segment)
+        except KVPoolError as exc:
+            _log_failure(op, exc)
+            return [codes.code_of_error(exc)] * len(keys)
+        results = [codes.OK] * len(keys)
+        batch_keys, batch_regions, positions = [], [], []
+        for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
+            try:
+                batch_regions.append(self._registry.sources(key_ranges,
+                                                            registered_only=registered_only))
+            except KVPoolError as exc:
+                _log_failure(op, exc)
+                results[i] = codes.code_of_error(exc)
+                continue
+            batch_keys.append(key)
+            positions.append(i)
+        if batch_keys:
+            statuses = self._batch(len(batch_keys), op, lambda c: _codes(
+                c.batch_put_regions(batch_keys, batch_regions, options=options)))
+            for i, code in zip(positions, statuses, strict=True):
+                results[i] = code
+        return results
+
+    def _get_ranges(self, op: str, keys: Sequence[str], ranges: list[list[tuple[int, int]]], *,
+                    exact: bool, registered_only: bool = True) -> list[int]:
+        results = [codes.OK] * len(keys)
+        batch_keys, dests, positions = [], [], []
+        for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
+            try:
+                dests.append(self._registry.destination(key_ranges,
+                                                        registered_only=registered_only))
+            except KVPoolError as exc:
+                _log_failure(op, exc)
+                results[i] = codes.code_of_error(exc)
+                continue
+            batch_keys.append(key)
+            positions.append(i)
+        if not batch_keys:
+            return results
+        read = self._batch(len(batch_keys), op, lambda c: list(
+            c.batch_get_regions(batch_keys, [d.views for d in dests])))
+        for i, dest, nbytes in zip(positions, dests, read, strict=True):
+            results[i] = _read_code(int(nbytes), sum(v.nbytes for v in dest.views), exact)
+            if results[i] >= 0:
+                try:
+                    dest.finish(results[i])
+                except KVPoolError as exc:
+                    _log_failure(op, exc)
+                    results[i] = codes.code_of_error(exc)
+        return results
+
+
+def _ok(_: object) -> int:
+    return codes.OK
+
+
+def _codes(statuses: Sequence[int]) -> list[int]:
+    return [codes.OK if s == Status.ALREADY_EXISTS else codes.mooncake_code(s) for s in statuses]
+
+
+def _read_code(nbytes: int, capacity: int, exact: bool) -> int:
+    if nbytes < 0:
+        # kvpool reports a too-small destination as BUFFER_OVERFLOW; Mooncake callers see -600
+        return codes.INVALID_PARAMS if nbytes == Status.BUFFER_OVERFLOW else \
+            codes.mooncake_code(nbytes)
+    if exact and nbytes != capacity:
+        return codes.TRANSFER_FAILED  # Mooncake 0.3.13: regions larger than the object
+    return nbytes
+
+
+def _same_lengths(*lists: Sequence[Any]) -> bool:
+    return len({len(x) for x in lists}) == 1
+
+
+def _multi_ranges(keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]] | None:
+    if not _same_lengths(keys, ptrs, sizes):
+        return None
+    ranges = []
+    for key_ptrs, key_sizes in zip(ptrs, sizes, strict=True):
+        if len(key_ptrs) != len(key_sizes) or not key_ptrs:
+            return None
+        ranges.append(list(zip(key_ptrs, key_sizes, strict=True)))
+    return ranges
+
+
+def _log_failure(op: str, exc: KVPoolError) -> None:
+    if exc.status in (Status.NOT_FOUND, Status.HAS_LEASE):
+        logger.debug("%s: %s", op, exc)
+    else:
+        logger.error("%s: %s", op, exc)

@@ -1,0 +1,138 @@
+"""``MooncakeDistributedStore.setup`` arguments, in every form engines pass them, as a ClientConfig.
+
+Rules of this file:
+- Two forms, as Mooncake's binding has: positional/keyword ``(local_hostname, metadata_server,
+  global_segment_size, local_buffer_size, protocol, rdma_devices, master_server_addr,
+  engine=None, ...)`` and one ``dict`` of the same keys. MindIE passes 7 or 8 positional values
+  (the buffer size as the raw JSON value, so an int or a ``"1gb"`` string); vllm-ascend passes
+  keywords.
+- ``local_hostname`` may carry Mooncake's segment suffixes (``"ip:port"`` from a
+  TransferEngine, ``"ip:port:npu_N"`` from MindIE's non-direct Ascend mode). kvpool only needs
+  the host; the full string is kept as the segment name engines later use as
+  ``ReplicateConfig.preferred_segment``.
+- The file named by ``KVPOOL_CONFIG_PATH`` (kvpool keys such as ``auth_token``, TLS, transport)
+  is the base when set; the setup arguments override its Mooncake keys.
+- A bad value raises :class:`ConfigError` (``INVALID_ARGUMENT``) naming it; nothing is set up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.config import ClientConfig, ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Mooncake's defaults for the optional arguments (16 MiB each, as its dict form documents).
+DEFAULT_SEGMENT_SIZE = 16 * 1024 * 1024
+DEFAULT_MASTER = "127.0.0.1:50051"
+
+_POSITIONAL = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
+               "protocol", "rdma_devices", "master_server_addr", "engine")
+#: accepted, and harmless to ignore (Mooncake features kvpool has no counterpart for)
+_IGNORED = {"ipc_socket_path": "", "tenant_id": "default", "enable_client_http_server": False,
+            "client_http_port": 9300, "ssd_offload_path": ""}
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSetup:
+    """What one ``setup`` call asks for."""
+
+    config: ClientConfig
+    segment_name: str  # local_hostname exactly as given (Mooncake's name for this segment)
+    engine: Any  # the handle from TransferEngine.get_engine(), or None
+
+
+def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                environ: Mapping[str, str] | None = None) -> StoreSetup:
+    """Return the setup a ``setup(*args, **kwargs)`` call describes.
+
+    Raises :class:`ConfigError` naming the bad argument.
+    """
+    if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+        values = _from_dict(args[0])
+    else:
+        values = _from_arguments(args, kwargs)
+    if values.pop("enable_ssd_offload", False):
+        raise ConfigError("setup: enable_ssd_offload is not supported by kvpool (its tiers are "
+                          "managed by the master); set it to false")
+    for key, default in _IGNORED.items():
+        value = values.pop(key, default)
+        if value != default:
+            logger.info("setup: ignoring %s=%r (no kvpool counterpart)", key, value)
+    engine = values.pop("engine", None)
+    segment_name = _text("local_hostname", values.get("local_hostname"))
+    overrides = {
+        "local_hostname": host_of(segment_name),
+        "metadata_server": _text("metadata_server", values.get("metadata_server", "")),
+        "global_segment_size": values.get("global_segment_size", DEFAULT_SEGMENT_SIZE),
+        "local_buffer_size": values.get("local_buffer_size", DEFAULT_SEGMENT_SIZE),
+        "protocol": values.get("protocol", "tcp"),
+        "device_name": values.get("rdma_devices", "") or "",
+        "master_server_address": values.get("master_server_addr", DEFAULT_MASTER),
+    }
+    return StoreSetup(_base_config(environ).replace(**overrides), segment_name, engine)
+
+
+def host_of(local_hostname: str) -> str:
+    """Return the host part of a Mooncake ``local_hostname``.
+
+    ``"10.0.0.1"``, ``"10.0.0.1:17001"``, ``"10.0.0.1:8790:npu_0"`` and ``"[::1]:17001"`` give
+    the address; a bare IPv6 address is returned as it is.
+    """
+    text = local_hostname.strip()
+    if text.startswith("["):
+        return text[1:text.index("]")] if "]" in text else text
+    parts = text.split(":")
+    if len(parts) == 1:
+        return text
+    suffix_ok = len(parts) == 2 or (len(parts) == 3 and parts[2].startswith("npu_"))
+    if parts[1].isdigit() and suffix_ok and parts[0]:
+        return parts[0]
+    return text
+
+
+def _from_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    if len(args) > len(_POSITIONAL):
+        raise ConfigError(f"setup: takes at most {len(_POSITIONAL)} positional arguments, "
+                          f"got {len(args)}")
+    values = dict(zip(_POSITIONAL, args, strict=False))
+    for key, value in kwargs.items():
+        if key in values:
+            raise ConfigError(f"setup: argument {key!r} given twice")
+        if key not in _POSITIONAL and key not in _IGNORED and key != "enable_ssd_offload":
+            raise ConfigError(f"setup: unknown argument {key!r}")
+        values[key] = value
+    for key in ("local_hostname", "metadata_server"):
+        if key not in values:
+            raise ConfigError(f"setup: missing argument {key!r}")
+    return values
+
+
+def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    aliases = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
+    for key, value in config.items():
+        name = aliases.get(key, key)
+        if name not in _POSITIONAL and name not in _IGNORED and name != "enable_ssd_offload":
+            raise ConfigError(f"setup: unknown key {key!r} in the config dict")
+        values[name] = value
+    if "local_hostname" not in values or "metadata_server" not in values:
+        raise ConfigError("setup: the config dict needs 'local_hostname' and 'metadata_server'")
+    return values
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"setup: {name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _base_config(environ: Mapping[str, str] | None) -> ClientConfig:
+    env = os.environ if environ is None else environ
+    path = env.get("KVPOOL_CONFIG_PATH", "")
+    return ClientConfig.from_file(path, environ=env) if path else ClientConfig()

@@ -1,0 +1,189 @@
+"""Registered regions behind raw pointers: host views, bounds, device staging.
+
+CUDA and Ascend NPU memory cannot exist on this machine, so the device tests use a fake
+runtime that stands in for libcudart / ACL (it "owns" a range of addresses no host mapping
+covers and copies to and from a bytearray); the real runtimes are checked on hardware.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from kvpool_client.compat.devices import DeviceMemory, locate_device
+from kvpool_client.compat.memory import ProcessMaps, RegionRegistry
+from kvpool_client.status import KVPoolError, Status
+
+MAPS = """\
+00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3
+00651000-00652000 r--p 00051000 08:02 173521      /usr/bin/python3
+00652000-00655000 rw-p 00052000 08:02 173521      /usr/bin/python3
+00655000-00700000 rw-p 00000000 00:00 0           [heap]
+7f0000000000-7f0000100000 ---p 00000000 00:00 0
+7ffff7dd3000-7ffff7dfc000 r-xp 00000000 08:02 135522  /lib/ld.so
+"""
+
+
+def test_maps_access_covers_adjacent_mappings_and_reports_writability() -> None:
+    maps = ProcessMaps.parse(MAPS)
+    assert maps.access(0x652000, 0x1000) is True
+    assert maps.access(0x654000, 0x2000) is True  # spans rw-p then [heap], both writable
+    assert maps.access(0x651000, 0x2000) is False  # r--p then rw-p: readable, not writable
+    assert maps.access(0x400000, 0x10) is False  # code: r-x
+    assert maps.access(0x6ff000, 0x2000) is None  # runs past the heap into a hole
+    assert maps.access(0x7F0000000000, 16) is None  # reserved, unreadable (---p)
+    assert maps.access(0x1000, 16) is None  # below every mapping
+
+
+def test_maps_of_this_process_see_a_ctypes_buffer() -> None:
+    buf = ctypes.create_string_buffer(4096)
+    maps = ProcessMaps.read()
+    assert maps is not None
+    assert maps.access(ctypes.addressof(buf), 4096) is True
+
+
+def test_register_find_and_views_alias_the_memory() -> None:
+    buf = ctypes.create_string_buffer(b"0123456789abcdef", 16)
+    base = ctypes.addressof(buf)
+    registry = RegionRegistry(runtimes=lambda: [])
+    region = registry.register(base, 16)
+    assert region.kind == "host" and region.writable
+    assert registry.register(base, 16) is region  # idempotent
+    assert len(registry) == 1
+    (view,) = registry.sources([(base + 4, 6)])
+    assert bytes(view) == b"456789"
+    dest = registry.destination([(base + 10, 3)])
+    dest.views[0][:] = b"XYZ"
+    dest.finish(3)
+    assert buf.raw[:16] == b"0123456789XYZdef"
+
+
+def test_ranges_outside_registered_memory_are_refused_before_anything_moves() -> None:
+    buf = ctypes.create_string_buffer(64)
+    base = ctypes.addressof(buf)
+    registry = RegionRegistry(runtimes=lambda: [])
+    registry.register(base, 32)
+    for address, size in ((base + 30, 4), (base + 32, 1), (base - 1, 2), (0, 4)):
+        with pytest.raises(KVPoolError) as info:
+            registry.sources([(address, size)])
+        assert info.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KVPoolError):
+        registry.destination([(base, 8), (base + 40, 8)])
+    assert buf.raw == b"\0" * 64
+
+
+def test_bad_registrations_and_unregister() -> None:
+    buf = ctypes.create_string_buffer(64)
+    base = ctypes.addressof(buf)
+    registry = RegionRegistry(runtimes=lambda: [])
+    for address, size in ((base, 0), (base, -1), (0, 8), ("x", 8), (base, 1.5), (True, 8)):
+        with pytest.raises(KVPoolError) as info:
+            registry.register(address, size)  # type: ignore[arg-type]
+        assert info.value.status == Status.INVALID_ARGUMENT
+    assert len(registry) == 0
+    with pytest.raises(KVPoolError) as info:
+        registry.unregister(base)
+    assert info.value.status == Status.INVALID_ARGUMENT
+    registry.register(base, 64)
+    registry.register(base, 16)  # a second, overlapping region at the same address
+    registry.unregister(base)
+    assert len(registry) == 0
+    with pytest.raises(KVPoolError):
+        registry.find(base, 8)
+
+
+def test_overlapping_regions_resolve_in_the_one_that_holds_the_range() -> None:
+    buf = ctypes.create_string_buffer(bytes(range(64)), 64)
+    base = ctypes.addressof(buf)
+    registry = RegionRegistry(runtimes=lambda: [])
+    registry.register(base, 64)
+    registry.register(base + 8, 8)
+    (view,) = registry.sources([(base + 12, 20)])  # outside the small one, inside the big one
+    assert bytes(view) == bytes(range(12, 32))
+
+
+def test_unmapped_memory_without_a_device_runtime_names_what_is_missing() -> None:
+    registry = RegionRegistry(runtimes=lambda: [])
+    with pytest.raises(KVPoolError) as info:
+        registry.register(0x10, 4096)  # page zero is never mapped
+    assert info.value.status == Status.INVALID_ARGUMENT
+    assert "torch built with CUDA" in info.value.message
+    assert "'acl'" in info.value.message
+
+
+def test_read_only_memory_cannot_be_a_read_destination() -> None:
+    maps = ProcessMaps.parse(MAPS)
+    registry = RegionRegistry(runtimes=lambda: [], maps_reader=lambda: maps)
+    # the r--p page of MAPS; the views are never touched by this test
+    region = registry.register(0x651000, 0x1000)
+    assert not region.writable
+    registry.sources([(0x651000, 0)])
+    with pytest.raises(KVPoolError) as info:
+        registry.destination([(0x651000, 16)])
+    assert "read-only" in info.value.message
+
+
+class FakeDevice:
+    """Stands in for a CUDA/NPU runtime: owns [base, base+size) and keeps its bytes here."""
+
+    name = "fake"
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base = base
+        self.memory = bytearray(size)
+        self.copies: list[str] = []
+
+    def locate(self, address: int) -> object | None:
+        return "ctx" if self.base <= address < self.base + len(self.memory) else None
+
+    def to_host(self, handle: object, dst: memoryview, src_address: int) -> None:
+        assert handle == "ctx"
+        offset = src_address - self.base
+        dst[:] = self.memory[offset:offset + dst.nbytes]
+        self.copies.append("d2h")
+
+    def from_host(self, handle: object, dst_address: int, src: memoryview) -> None:
+        offset = dst_address - self.base
+        self.memory[offset:offset + src.nbytes] = src
+        self.copies.append("h2d")
+
+
+def test_device_regions_are_staged_through_host_memory() -> None:
+    device = FakeDevice(0x7F0000000000, 1024)
+    device.memory[100:110] = b"devicedata"
+    registry = RegionRegistry(runtimes=lambda: [device],
+                              maps_reader=lambda: ProcessMaps.parse(MAPS))
+    region = registry.register(0x7F0000000000, 1024)
+    assert region.kind == "fake" and region.view is None
+    (view,) = registry.sources([(0x7F0000000000 + 100, 10)])
+    assert bytes(view) == b"devicedata" and device.copies == ["d2h"]
+
+    dest = registry.destination([(0x7F0000000000 + 200, 6), (0x7F0000000000 + 300, 6)])
+    dest.views[0][:] = b"abcdef"
+    dest.views[1][:] = b"ghijkl"
+    dest.finish(9)  # only 9 bytes were read: the second staged view is copied back in part
+    assert device.memory[200:206] == b"abcdef"
+    assert device.memory[300:306] == b"ghi\0\0\0"
+
+
+def test_locate_device_uses_the_first_runtime_that_claims_the_pointer() -> None:
+    first, second = FakeDevice(0x1000, 16), FakeDevice(0x2000, 16)
+    found = locate_device(0x2004, 4, [first, second])
+    assert found == DeviceMemory(second, "ctx")
+    with pytest.raises(KVPoolError) as info:
+        locate_device(0x3000, 4, [first, second])
+    assert "present: fake, fake" in info.value.message
+
+
+def test_unregistered_ranges_are_classified_only_when_asked() -> None:
+    buf = ctypes.create_string_buffer(b"hello", 8)
+    registry = RegionRegistry(runtimes=lambda: [])
+    address = ctypes.addressof(buf)
+    with pytest.raises(KVPoolError):
+        registry.sources([(address, 5)])
+    (view,) = registry.sources([(address, 5)], registered_only=False)
+    assert bytes(view) == b"hello"
+    assert len(registry) == 0  # classifying does not register
+    with pytest.raises(KVPoolError):
+        registry.sources([(0x10, 5)], registered_only=False)
