@@ -108,16 +108,18 @@ class FrameDecoder:
         frames = []
         pos = 0
         size = len(view)
-        while size - pos >= 4:
-            (length,) = FRAME_LENGTH.unpack_from(view, pos)
-            if length < FRAME_OVERHEAD_BYTES or length > self._max_frame_bytes:
-                raise FrameError(f"frame length {length} outside [5, {self._max_frame_bytes}]")
-            end = pos + 4 + length
-            if end > size:
-                break
-            method, request_id = FRAME_METHOD_ID.unpack_from(view, pos + 4)
-            frames.append((method, request_id, bytes(view[pos + 9:end])))
-            pos = end
+        with memoryview(view) as whole:  # released before the buffer is resized below
+            while size - pos >= 4:
+                (length,) = FRAME_LENGTH.unpack_from(view, pos)
+                if length < FRAME_OVERHEAD_BYTES or length > self._max_frame_bytes:
+                    raise FrameError(f"frame length {length} outside "
+                                     f"[5, {self._max_frame_bytes}]")
+                end = pos + 4 + length
+                if end > size:
+                    break
+                method, request_id = FRAME_METHOD_ID.unpack_from(view, pos + 4)
+                frames.append((method, request_id, bytes(whole[pos + 9:end])))
+                pos = end
         if view is buffer:
             del buffer[:pos]
         elif pos < size:

@@ -1,0 +1,110 @@
+"""Bounded resources: batch and key sizes, message size, connections, in-flight calls.
+
+Past every limit the answer is a clear status (per item, or for the call), never a crash, and
+the master keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import grpc
+import pytest
+
+from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_client.rpc import MasterRpc
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+
+NUM_KEYS = 100_000
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_100k_keys_of_1_kib_are_answered_per_item(master, use_fast_path) -> None:
+    keys = [i.to_bytes(4, "little") * 256 for i in range(NUM_KEYS)]  # 1 KiB each, distinct
+    rpc = MasterRpc(master.address, use_fast_path=use_fast_path, timeout_s=120)
+    try:
+        await rpc.register_client("big", "h", "")
+        segment = SegmentInfo(SegmentId("big/0"), ClientId("big"), 1 << 30)
+        assert await rpc.mount_segment("big", segment) == Status.OK
+        started_s = time.perf_counter()
+        statuses, sizes = await rpc.exist("big", keys)
+        elapsed_s = time.perf_counter() - started_s
+        print(f"Exist of {NUM_KEYS} keys of 1 KiB ({'lean' if use_fast_path else 'grpc'}): "
+              f"{elapsed_s:.2f} s")
+        assert statuses == [Status.NOT_FOUND] * NUM_KEYS and sizes == [0] * NUM_KEYS
+        over = [*keys, b"one-more"]
+        results = await rpc.put_start("big", over, [64] * len(over), PutOptions())
+        assert {s for s, _ in results} == {Status.INVALID_ARGUMENT}
+        assert len(results) == NUM_KEYS + 1
+        statuses, _ = await rpc.exist("big", keys[:3])
+        assert statuses == [Status.NOT_FOUND] * 3  # nothing changed
+    finally:
+        await rpc.close()
+
+
+def test_message_over_the_limit_is_refused_for_the_call(start_master, lean_socket) -> None:
+    master = start_master(max_message_bytes="1mb")
+    big = pb.ExistRequest(keys=[b"k" * 1000] * 2000).SerializeToString()  # about 2 MB
+    with grpc.insecure_channel(master.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/kvpool.v1.Master/Exist")(big, timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stub = pb_grpc.MasterStub(channel)
+        assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \
+            pb.STATUS_UNKNOWN_CLIENT
+    conn = lean_socket(master.fast_port)
+    # The header alone is refused: the master never buffers a frame longer than the limit.
+    conn.send_raw(struct.pack("<IBI", len(big) + 5, pb.METHOD_EXIST, 7))
+    method, _, payload = conn.recv()
+    assert method == pb.METHOD_ERROR
+    assert payload.startswith(b"INVALID_ARGUMENT: frame length")
+    with pytest.raises(ConnectionError):
+        conn.recv()
+    fresh = lean_socket(master.fast_port)
+    method, _ = fresh.call(pb.METHOD_EXIST, pb.ExistRequest(keys=[b"a"]).SerializeToString())
+    assert method == pb.METHOD_EXIST
+
+
+def test_connections_past_the_limit_are_refused(start_master, lean_socket) -> None:
+    master = start_master(max_connections=2)
+    exist = pb.ExistRequest(keys=[b"a"]).SerializeToString()
+    first, second = lean_socket(master.fast_port), lean_socket(master.fast_port)
+    assert first.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST
+    assert second.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST
+    third = lean_socket(master.fast_port)
+    method, _, payload = third.recv()
+    assert method == pb.METHOD_ERROR
+    assert payload.startswith(b"RESOURCE_EXHAUSTED: too many connections")
+    first.close()
+    deadline = time.monotonic() + 10
+    while True:  # the slot frees once the master has seen the close
+        retry = lean_socket(master.fast_port)
+        try:
+            if retry.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST:
+                break
+        except ConnectionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+async def test_in_flight_calls_past_the_limit_are_resource_exhausted(start_master) -> None:
+    master = start_master(max_inflight_requests=1)
+    rpc = MasterRpc(master.address, use_fast_path=False, timeout_s=30)
+    keys = [f"k{i}".encode() for i in range(5000)]
+    try:
+        outcomes = await asyncio.gather(*(rpc.exist("c", keys) for _ in range(64)),
+                                        return_exceptions=True)
+        refused = [o for o in outcomes if isinstance(o, KVPoolError)]
+        served = [o for o in outcomes if not isinstance(o, BaseException)]
+        assert len(refused) + len(served) == len(outcomes)
+        assert all(e.status == Status.RESOURCE_EXHAUSTED for e in refused)
+        assert refused and served
+        print(f"max_inflight_requests 1, 64 concurrent calls: {len(served)} served, "
+              f"{len(refused)} refused with RESOURCE_EXHAUSTED")
+        assert await rpc.heartbeat("c") == Status.UNKNOWN_CLIENT
+    finally:
+        await rpc.close()
