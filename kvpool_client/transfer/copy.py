@@ -1,0 +1,99 @@
+"""Fast memory copies between caller buffers and mapped segments.
+
+Measured here: one thread copies 4 KiB pieces issued one by one from Python at about 10 GB/s
+with memoryview slice assignment (the cheapest call, but it holds the GIL), and large pieces at
+about 20 GB/s with ``numpy.copyto`` (which releases the GIL, so two threads overlap their
+copies, but costs a few microseconds per call). So small pieces, and batches too small to be
+worth a thread hand-off, are copied at once on the caller's thread; the large pieces of a
+larger batch are cut into two halves of equal byte count, copied by two worker threads while
+the event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+
+import numpy as np
+
+Copy = tuple[memoryview, memoryview]  # (destination, source), flat byte views of equal size
+
+#: Total size below which a batch is copied at once on the calling thread: a thread hand-off
+#: costs tens of microseconds, more than copying this much.
+INLINE_MAX_BYTES = 512 << 10
+#: Pieces smaller than this are always copied inline: per call, slice assignment is cheaper
+#: than numpy, and the GIL it holds is held for less time than a thread hand-off takes.
+#: Pieces are not cut smaller than this when a batch is split across threads either.
+MIN_SPLIT_BYTES = 64 << 10
+
+
+def copy_now(copies: Sequence[Copy]) -> None:
+    """Copy every pair on this thread, holding the GIL (cheapest per call for small pieces)."""
+    for dst, src in copies:
+        dst[:] = src
+
+
+def copy_nogil(copies: Sequence[Copy]) -> None:
+    """Copy every pair with the GIL released (numpy.copyto on flat uint8 arrays)."""
+    for dst, src in copies:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def split_by_bytes(copies: Sequence[Copy], parts: int) -> list[list[Copy]]:
+    """Cut ``copies`` into at most ``parts`` lists of nearly equal byte counts, splitting a
+    large pair where needed; order within each list follows the input."""
+    total_bytes = sum(dst.nbytes for dst, _ in copies)
+    share_bytes = max(MIN_SPLIT_BYTES, -(-total_bytes // max(parts, 1)))
+    result: list[list[Copy]] = [[]]
+    room_bytes = share_bytes
+    for dst, src in copies:
+        start = 0
+        while start < dst.nbytes:
+            if room_bytes == 0:
+                result.append([])
+                room_bytes = share_bytes
+            take = min(room_bytes, dst.nbytes - start)
+            result[-1].append((dst[start:start + take], src[start:start + take]))
+            start += take
+            room_bytes -= take
+    return [part for part in result if part]
+
+
+class ParallelCopier:
+    """Runs batches of copies: small ones inline, large ones on ``num_threads`` worker threads."""
+
+    def __init__(self, num_threads: int = 2, inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
+        self.num_threads = max(1, num_threads)
+        self.inline_max_bytes = inline_max_bytes
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start(self, copies: Sequence[Copy]) -> asyncio.Future[object]:
+        """Start copying; return a future that completes when every byte has been copied.
+
+        The future completes only after the worker threads are done, even if the task awaiting
+        it is cancelled, so callers can tie the lifetime of mappings to it (await it through
+        ``asyncio.shield``). Must be called on a running event loop.
+        """
+        loop = asyncio.get_running_loop()
+        large = [pair for pair in copies if pair[0].nbytes >= MIN_SPLIT_BYTES]
+        if self.num_threads == 1 or sum(dst.nbytes for dst, _ in large) <= self.inline_max_bytes:
+            large = []
+        copy_now([pair for pair in copies if pair[0].nbytes < MIN_SPLIT_BYTES] if large
+                 else copies)
+        if not large:
+            done: asyncio.Future[object] = loop.create_future()
+            done.set_result(None)
+            return done
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.num_threads, thread_name_prefix="kvpool-copy")
+        executor = self._executor
+        return asyncio.gather(*(loop.run_in_executor(executor, copy_nogil, part)
+                                for part in split_by_bytes(large, self.num_threads)))
+
+    def close(self) -> None:
+        """Stop the worker threads once their current copies are done (idempotent)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None

@@ -1,0 +1,235 @@
+"""Shared-memory transport: reach a segment of any process on this host by mapping its POSIX
+shared memory once and copying directly between the caller's buffers and the mapping.
+
+Rules of this file:
+- A peer's segment is mapped on first use and cached by segment id; it is unmapped on
+  ``close()``, on ``forget()``, when the segment comes back under another shm name (a remount),
+  and when its file has gone (checked at most once per ``recheck_interval_s``).
+- A mapping is never unmapped while a copy into or out of it is running: each mapping counts
+  the copies that use it and is closed by the last one to finish.
+- Only files named like kvpool segments, regular, and owned by this user are mapped. There is
+  no capability check on this path: a process of the same user could map the file anyway; the
+  mode 0600 keeps every other user out.
+- Every placement is bounds-checked against the mapping before any byte moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import stat
+import time
+from collections.abc import Mapping, Sequence
+
+from kvpool_client.segments import SHM_DIR, LocalSegment
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.transfer.base import (
+    Item,
+    Regions,
+    byte_views,
+    check_item,
+    check_range,
+    status_of,
+)
+from kvpool_client.transfer.copy import Copy, ParallelCopier
+from kvpool_client.types import Placement, SegmentInfo
+
+_NAME_PREFIX = "kvpool."
+_MAX_NAME_CHARS = 255
+
+
+class _Mapping:
+    """One peer segment mapped into this process."""
+
+    __slots__ = ("busy", "checked_at_s", "inode", "mapping", "retired", "shm_name", "size_bytes",
+                 "view")
+
+    def __init__(self, shm_name: str, mapping: mmap.mmap | None, view: memoryview,
+                 inode: int, now_s: float) -> None:
+        self.shm_name = shm_name
+        self.mapping = mapping  # None for a segment of this process (its LocalSegment owns it)
+        self.view = view
+        self.size_bytes = view.nbytes
+        self.inode = inode
+        self.busy = 0  # copies running on it
+        self.retired = False
+        self.checked_at_s = now_s
+
+    def unmap(self) -> None:
+        """Unmap now, or, while slices of the view are still referenced, when the last goes
+        (the mmap object unmaps itself when freed; nothing can then point into it)."""
+        mapping, self.mapping = self.mapping, None
+        if mapping is None:
+            return
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            mapping.close()
+
+
+class ShmTransport:
+    """Transport to segments on this host (see the module docstring)."""
+
+    def __init__(self, local_segments: Mapping[str, LocalSegment] | None = None, *,
+                 copier: ParallelCopier | None = None, recheck_interval_s: float = 1.0) -> None:
+        self._local_segments = local_segments if local_segments is not None else {}
+        self._copier = copier if copier is not None else ParallelCopier()
+        self._recheck_interval_s = recheck_interval_s
+        self._segment_id_to_mapping: dict[str, _Mapping] = {}
+        self._closed = False
+
+    async def write(self, segment: SegmentInfo, placement: Placement, src: Regions) -> None:
+        """Copy ``src`` into the placement. Raises KVPoolError INVALID_ARGUMENT (bad regions,
+        out of bounds, not a kvpool segment), SEGMENT_NOT_FOUND, UNAVAILABLE (closed)."""
+        (error,) = await self._run([(segment, placement, src)], writing=True)
+        if error is not None:
+            raise error
+
+    async def read(self, segment: SegmentInfo, placement: Placement, dst: Regions) -> None:
+        """Copy the placement into ``dst``. Raises KVPoolError like write()."""
+        (error,) = await self._run([(segment, placement, dst)], writing=False)
+        if error is not None:
+            raise error
+
+    async def write_batch(self, items: Sequence[Item]) -> list[Status]:
+        """Write every item (copies of the whole batch run together); one Status per item."""
+        return [status_of(error) for error in await self._run(items, writing=True)]
+
+    async def read_batch(self, items: Sequence[Item]) -> list[Status]:
+        """Read every item (copies of the whole batch run together); one Status per item."""
+        return [status_of(error) for error in await self._run(items, writing=False)]
+
+    def forget(self, segment_id: str) -> None:
+        """Drop the mapping of ``segment_id`` (e.g. it was unmounted); unmapped once idle."""
+        mapping = self._segment_id_to_mapping.pop(segment_id, None)
+        if mapping is not None:
+            self._retire(mapping)
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._closed
+
+    @property
+    def num_mappings(self) -> int:
+        """Number of peer segments currently mapped."""
+        return len(self._segment_id_to_mapping)
+
+    async def close(self) -> None:
+        """Unmap every segment once its copies finish and stop the copy threads (idempotent)."""
+        self._closed = True
+        for segment_id in list(self._segment_id_to_mapping):
+            self.forget(segment_id)
+        self._copier.close()
+
+    async def _run(self, items: Sequence[Item], *, writing: bool) -> list[KVPoolError | None]:
+        errors: list[KVPoolError | None] = [None] * len(items)
+        copies: list[Copy] = []
+        used: list[_Mapping] = []
+        for index, (segment, placement, regions) in enumerate(items):
+            try:
+                mapping = self._prepare(segment, placement, regions, writing, copies)
+            except KVPoolError as exc:
+                errors[index] = exc
+                continue
+            mapping.busy += 1
+            used.append(mapping)
+        if not copies:
+            self._release(used)
+            return errors
+        try:
+            done = self._copier.start(copies)
+        except Exception as exc:
+            self._release(used)
+            failure = KVPoolError(Status.TRANSFER_FAILED, f"copy failed: {exc}")
+            return [error if error is not None else failure for error in errors]
+        done.add_done_callback(lambda _: self._release(used))
+        # Shielded: a cancelled caller must not let the mapping go while threads still copy.
+        await asyncio.shield(done)
+        return errors
+
+    def _prepare(self, segment: SegmentInfo, placement: Placement, regions: Regions,
+                 writing: bool, copies: list[Copy]) -> _Mapping:
+        """Validate one item, append its copies; return the mapping it uses."""
+        if self._closed:
+            raise KVPoolError(Status.UNAVAILABLE, "shm transport is closed")
+        views = byte_views(regions, writable=not writing)
+        check_item(segment, placement, views)
+        mapping = self._mapping(segment)
+        check_range(placement.offset, placement.length, mapping.size_bytes)
+        cursor = placement.offset
+        for view in views:
+            target = mapping.view[cursor:cursor + view.nbytes]
+            copies.append((target, view) if writing else (view, target))
+            cursor += view.nbytes
+        return mapping
+
+    def _mapping(self, segment: SegmentInfo) -> _Mapping:
+        """Return the (cached) mapping of ``segment``, mapping it on first use."""
+        now_s = time.monotonic()
+        cached = self._segment_id_to_mapping.get(segment.segment_id)
+        if cached is not None:
+            if cached.shm_name == segment.shm_name and (
+                    now_s - cached.checked_at_s < self._recheck_interval_s
+                    or self._still_there(cached, now_s)):
+                return cached
+            self.forget(segment.segment_id)
+        local = self._local_segments.get(segment.segment_id)
+        if local is not None and not local.closed and local.shm_name == segment.shm_name:
+            mapping = _Mapping(local.shm_name, None, local.buffer, 0, now_s)
+            mapping.checked_at_s = float("inf")  # ours: it cannot vanish under us
+        else:
+            mapping = self._map(segment.segment_id, segment.shm_name, now_s)
+        self._segment_id_to_mapping[segment.segment_id] = mapping
+        return mapping
+
+    @staticmethod
+    def _still_there(mapping: _Mapping, now_s: float) -> bool:
+        try:
+            info = os.stat(os.path.join(SHM_DIR, mapping.shm_name))
+        except OSError:
+            return False
+        mapping.checked_at_s = now_s
+        return info.st_ino == mapping.inode
+
+    @staticmethod
+    def _map(segment_id: str, shm_name: str, now_s: float) -> _Mapping:
+        if (not shm_name.startswith(_NAME_PREFIX) or "/" in shm_name or "\0" in shm_name
+                or len(shm_name) > _MAX_NAME_CHARS):
+            raise KVPoolError(Status.INVALID_ARGUMENT,
+                              f"segment {segment_id!r}: {shm_name!r} is not a kvpool shm name")
+        path = os.path.join(SHM_DIR, shm_name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise KVPoolError(Status.SEGMENT_NOT_FOUND,
+                              f"segment {segment_id!r}: {path} does not exist") from None
+        except OSError as exc:
+            raise KVPoolError(Status.SEGMENT_NOT_FOUND,
+                              f"segment {segment_id!r}: cannot open {path}: {exc}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size <= 0:
+                raise KVPoolError(Status.INVALID_ARGUMENT,
+                                  f"segment {segment_id!r}: {path} is not a segment of this user")
+            try:
+                mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                raise KVPoolError(Status.SEGMENT_NOT_FOUND,
+                                  f"segment {segment_id!r}: cannot map {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        return _Mapping(shm_name, mapped, memoryview(mapped), info.st_ino, now_s)
+
+    def _retire(self, mapping: _Mapping) -> None:
+        mapping.retired = True
+        if mapping.busy == 0:
+            mapping.unmap()
+
+    def _release(self, used: list[_Mapping]) -> None:
+        for mapping in used:
+            mapping.busy -= 1
+            if mapping.retired and mapping.busy == 0:
+                mapping.unmap()

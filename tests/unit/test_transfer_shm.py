@@ -1,0 +1,267 @@
+"""ShmTransport: byte-exact scatter-gather copies into and out of a segment mapped by name,
+bounds and argument checks that change nothing, remapping, and the parallel copy helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import xxhash
+
+from kvpool_client.segments import SHM_DIR, LocalSegment
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.transfer import ShmTransport, TransportRouter, choose
+from kvpool_client.transfer.copy import ParallelCopier, split_by_bytes
+from kvpool_client.types import Placement, SegmentInfo
+
+SEGMENT_BYTES = 8 << 20
+
+
+@pytest.fixture
+def segment() -> Iterator[LocalSegment]:
+    seg = LocalSegment.create(f"test-{uuid.uuid4().hex[:12]}", "owner", 0, SEGMENT_BYTES)
+    try:
+        seg.buffer[:] = os.urandom(SEGMENT_BYTES)
+        yield seg
+    finally:
+        seg.close()
+
+
+@pytest.fixture
+def info(segment: LocalSegment) -> SegmentInfo:
+    return segment.describe("this-host")
+
+
+@pytest.fixture
+async def shm() -> AsyncIterator[ShmTransport]:
+    # No local segments given: the segment is mapped by name, as a peer process would.
+    transport = ShmTransport(copier=ParallelCopier(num_threads=2, inline_max_bytes=64 << 10))
+    try:
+        yield transport
+    finally:
+        await transport.close()
+
+
+def _digest(segment: LocalSegment) -> str:
+    return xxhash.xxh3_128_hexdigest(segment.buffer)
+
+
+def _place(info: SegmentInfo, offset: int, length: int) -> Placement:
+    return Placement(info.segment_id, offset, length)
+
+
+async def test_write_then_read_scatter_gather_byte_exact(segment: LocalSegment,
+                                                         info: SegmentInfo,
+                                                         shm: ShmTransport) -> None:
+    data = os.urandom(300_000)
+    regions = [memoryview(data)[:1], memoryview(data)[1:70_001], memoryview(data)[70_001:]]
+    await shm.write(info, _place(info, 12_345, len(data)), regions)
+    assert bytes(segment.buffer[12_345:12_345 + len(data)]) == data
+    out = bytearray(len(data))
+    view = memoryview(out)
+    await shm.read(info, _place(info, 12_345, len(data)),
+                   [view[:99_999], view[99_999:100_000], view[100_000:]])
+    assert bytes(out) == data
+    assert shm.num_mappings == 1
+
+
+async def test_large_batch_uses_threads_and_stays_byte_exact(segment: LocalSegment,
+                                                             info: SegmentInfo,
+                                                             shm: ShmTransport) -> None:
+    sizes = [1 << 20, 3 << 20, 4096, 1, 2 << 20]
+    datas = [os.urandom(size) for size in sizes]
+    offsets = [0]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    items = [(info, _place(info, off, len(d)), [memoryview(d)])
+             for off, d in zip(offsets, datas, strict=True)]
+    assert await shm.write_batch(items) == [Status.OK] * len(items)
+    outs = [bytearray(size) for size in sizes]
+    read_items = [(info, _place(info, off, len(o)), [memoryview(o)])
+                  for off, o in zip(offsets, outs, strict=True)]
+    assert await shm.read_batch(read_items) == [Status.OK] * len(items)
+    assert [bytes(o) for o in outs] == datas
+
+
+async def test_regions_may_be_any_contiguous_buffer(segment: LocalSegment, info: SegmentInfo,
+                                                    shm: ShmTransport) -> None:
+    import numpy as np
+
+    array = np.arange(1024, dtype=np.float32)  # format 'f', 4096 bytes
+    await shm.write(info, _place(info, 0, array.nbytes), [memoryview(array)])
+    back = np.zeros(1024, dtype=np.float32)
+    await shm.read(info, _place(info, 0, back.nbytes), [memoryview(back)])
+    assert (back == array).all()
+
+
+@pytest.mark.parametrize(("offset", "length"), [
+    (SEGMENT_BYTES - 10, 11), (SEGMENT_BYTES, 1), (-1, 10), (0, 0), (2**63, 1)])
+async def test_out_of_bounds_is_refused_and_changes_nothing(segment: LocalSegment,
+                                                            info: SegmentInfo, shm: ShmTransport,
+                                                            offset: int, length: int) -> None:
+    before = _digest(segment)
+    with pytest.raises(KVPoolError) as err:
+        await shm.write(info, _place(info, offset, length), [memoryview(bytes(max(length, 0)))])
+    assert err.value.status == Status.INVALID_ARGUMENT
+    assert _digest(segment) == before
+
+
+async def test_segment_larger_than_its_file_is_bounded_by_the_mapping(
+        segment: LocalSegment, info: SegmentInfo, shm: ShmTransport) -> None:
+    lying = dataclasses.replace(info, size_bytes=2 * SEGMENT_BYTES)
+    before = _digest(segment)
+    with pytest.raises(KVPoolError) as err:
+        await shm.write(lying, _place(lying, SEGMENT_BYTES, 4096), [memoryview(bytes(4096))])
+    assert err.value.status == Status.INVALID_ARGUMENT
+    assert _digest(segment) == before
+
+
+async def test_bad_arguments_are_refused_per_item(segment: LocalSegment, info: SegmentInfo,
+                                                  shm: ShmTransport) -> None:
+    before = _digest(segment)
+    good = bytearray(4096)
+    items = [
+        (info, _place(info, 0, 4096), [memoryview(bytes(4095))]),  # size mismatch
+        (info, Placement("other-seg", 0, 4096), [memoryview(bytes(4096))]),  # wrong segment
+        (info, _place(info, 0, 4096), [memoryview(good)]),  # fine
+    ]
+    assert await shm.write_batch(items) == [Status.INVALID_ARGUMENT, Status.INVALID_ARGUMENT,
+                                            Status.OK]
+    assert _digest(segment) != before  # only the good item wrote
+    assert bytes(segment.buffer[:4096]) == bytes(good)
+    with pytest.raises(KVPoolError) as err:  # a read needs writable regions
+        await shm.read(info, _place(info, 0, 4096), [memoryview(bytes(4096))])
+    assert err.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KVPoolError) as err:  # non-contiguous region
+        await shm.write(info, _place(info, 0, 2048), [memoryview(bytes(4096))[::2]])
+    assert err.value.status == Status.INVALID_ARGUMENT
+
+
+async def test_unknown_or_foreign_shm_names_are_refused(info: SegmentInfo,
+                                                        shm: ShmTransport) -> None:
+    missing = dataclasses.replace(info, shm_name=info.shm_name + "0")
+    with pytest.raises(KVPoolError) as err:
+        await shm.read(missing, _place(info, 0, 16), [memoryview(bytearray(16))])
+    assert err.value.status == Status.SEGMENT_NOT_FOUND
+    for bad_name in ("../etc/passwd", "not-kvpool", "kvpool.x/../../y", ""):
+        bad = dataclasses.replace(info, shm_name=bad_name)
+        with pytest.raises(KVPoolError) as err:
+            await shm.read(bad, _place(info, 0, 16), [memoryview(bytearray(16))])
+        assert err.value.status == Status.INVALID_ARGUMENT
+
+
+async def test_remount_under_another_name_remaps(segment: LocalSegment, info: SegmentInfo,
+                                                 shm: ShmTransport) -> None:
+    out = bytearray(8)
+    await shm.read(info, _place(info, 0, 8), [memoryview(out)])
+    assert bytes(out) == bytes(segment.buffer[:8])
+    other = LocalSegment.create(f"test-{uuid.uuid4().hex[:12]}", "owner", 0, SEGMENT_BYTES)
+    try:
+        other.buffer[:8] = b"remount!"
+        remounted = dataclasses.replace(info, shm_name=other.shm_name)
+        await shm.read(remounted, _place(info, 0, 8), [memoryview(out)])
+        assert bytes(out) == b"remount!"
+        assert shm.num_mappings == 1
+    finally:
+        other.close()
+
+
+async def test_vanished_segment_is_unmapped_and_then_not_found(info: SegmentInfo) -> None:
+    transport = ShmTransport(recheck_interval_s=0.0)
+    try:
+        await transport.read(info, _place(info, 0, 8), [memoryview(bytearray(8))])
+        os.unlink(os.path.join(SHM_DIR, info.shm_name))  # as when the owner closed it
+        with pytest.raises(KVPoolError) as err:
+            await transport.read(info, _place(info, 0, 8), [memoryview(bytearray(8))])
+        assert err.value.status == Status.SEGMENT_NOT_FOUND
+        assert transport.num_mappings == 0
+    finally:
+        await transport.close()
+
+
+async def test_local_segments_use_their_own_mapping(segment: LocalSegment,
+                                                    info: SegmentInfo) -> None:
+    transport = ShmTransport({segment.segment_id: segment})
+    try:
+        await transport.write(info, _place(info, 8, 4), [memoryview(b"mine")])
+        assert bytes(segment.buffer[8:12]) == b"mine"
+    finally:
+        await transport.close()
+
+
+async def test_forget_and_close(info: SegmentInfo, shm: ShmTransport) -> None:
+    await shm.read(info, _place(info, 0, 8), [memoryview(bytearray(8))])
+    shm.forget(info.segment_id)
+    assert shm.num_mappings == 0
+    await shm.close()
+    with pytest.raises(KVPoolError) as err:
+        await shm.read(info, _place(info, 0, 8), [memoryview(bytearray(8))])
+    assert err.value.status == Status.UNAVAILABLE
+
+
+async def test_cancelled_copy_keeps_the_mapping_until_threads_finish(
+        segment: LocalSegment, info: SegmentInfo, shm: ShmTransport) -> None:
+    data = os.urandom(4 << 20)
+    task = asyncio.ensure_future(shm.write(info, _place(info, 0, len(data)),
+                                           [memoryview(data)]))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    shm.forget(info.segment_id)  # unmapped only once the threads are done: no crash
+    await shm.read(info, _place(info, 0, 16), [memoryview(bytearray(16))])
+
+
+def test_choose_picks_shm_on_the_same_host_unless_forced(info: SegmentInfo) -> None:
+    shm, tcp = ShmTransport(), object()
+    assert choose(info, "this-host", shm=shm, tcp=tcp) is shm  # type: ignore[arg-type]
+    assert choose(info, "this-host", True, shm=shm, tcp=tcp) is tcp  # type: ignore[arg-type]
+    assert choose(info, "other-host", shm=shm, tcp=tcp) is tcp  # type: ignore[arg-type]
+    no_shm = dataclasses.replace(info, shm_name="")
+    assert choose(no_shm, "this-host", shm=shm, tcp=tcp) is tcp  # type: ignore[arg-type]
+
+
+async def test_choose_without_instances_shares_them_per_loop(info: SegmentInfo) -> None:
+    first = choose(info, "this-host")
+    assert choose(info, "this-host") is first
+    assert isinstance(first, ShmTransport)
+    await first.close()
+    assert choose(info, "this-host") is not first  # a closed one is replaced
+    from kvpool_client.transfer import close_shared_transports
+
+    await close_shared_transports()
+
+
+async def test_router_sends_each_item_its_own_way(segment: LocalSegment,
+                                                  info: SegmentInfo) -> None:
+    router = TransportRouter("this-host")
+    try:
+        elsewhere = dataclasses.replace(info, host_id="other-host", tcp_endpoint="")
+        statuses = await router.write_batch([
+            (info, _place(info, 0, 4), [memoryview(b"abcd")]),
+            (elsewhere, _place(info, 4, 4), [memoryview(b"efgh")]),  # tcp, no endpoint
+        ])
+        assert statuses == [Status.OK, Status.INVALID_ARGUMENT]
+        assert bytes(segment.buffer[:4]) == b"abcd"
+    finally:
+        await router.close()
+
+
+def test_split_by_bytes_balances_and_preserves_bytes() -> None:
+    src = bytes(range(256)) * 4096  # 1 MiB
+    dst = bytearray(len(src))
+    s, d = memoryview(src), memoryview(dst)
+    copies = [(d[:1000], s[:1000]), (d[1000:], s[1000:])]
+    parts = split_by_bytes(copies, 2)
+    assert len(parts) == 2
+    sizes = [sum(x.nbytes for x, _ in part) for part in parts]
+    assert sum(sizes) == len(src) and abs(sizes[0] - sizes[1]) <= 1
+    for part in parts:
+        for target, source in part:
+            target[:] = source
+    assert bytes(dst) == src
+    assert split_by_bytes([], 2) == []
