@@ -1,0 +1,220 @@
+"""Object table against a simple model (no eviction), and invariants under eviction pressure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool_client.status import Status
+from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_master.core.allocator import aligned
+from kvpool_master.core.events import ObjectRemoved
+from kvpool_master.core.master import CoreConfig, MasterCore
+
+CLIENTS = [ClientId("a"), ClientId("b")]
+KEYS = [ObjectKey(b"k%d" % i) for i in range(6)]
+TTL = 2.0
+
+
+@dataclass
+class ModelObject:
+    writer: ClientId | None   # None once READY
+    size: int
+    lease_until: float = 0.0
+    pin: Pin = Pin.NONE
+
+
+def make_core(segment_bytes: int, num_segments: int = 2) -> MasterCore:
+    core = MasterCore(CoreConfig(default_lease_ttl_s=TTL, client_ttl_s=1e9,
+                                 put_start_discard_timeout_s=1e9,
+                                 eviction_high_watermark_ratio=0.9, eviction_ratio=0.2))
+    for client in CLIENTS:
+        core.register_client(client, "h", b"x" * 16, 0.0)
+    for i in range(num_segments):
+        client = CLIENTS[i % len(CLIENTS)]
+        core.mount_segment(SegmentInfo(SegmentId(f"s{i}"), client, segment_bytes), 0.0)
+    return core
+
+
+op = st.tuples(
+    st.sampled_from(["put_start", "put_start", "put_end", "revoke", "get", "exist", "prefix",
+                     "remove", "advance"]),
+    st.integers(0, len(CLIENTS) - 1),
+    st.lists(st.integers(0, len(KEYS) - 1), min_size=1, max_size=3),
+    st.integers(1, 5000),
+    st.booleans(),
+    st.sampled_from(list(Pin)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=60))
+def test_object_table_matches_a_model(operations: list[tuple]) -> None:  # type: ignore[type-arg]
+    core = make_core(1 << 30)   # large: no eviction, so the model is exact
+    model: dict[ObjectKey, ModelObject] = {}
+    now = 1.0
+    for name, client_index, key_indexes, size, force, pin in operations:
+        client = CLIENTS[client_index]
+        keys = [KEYS[i] for i in key_indexes]
+        if name == "advance":
+            now += size / 1000.0
+            core.tick(now)
+            continue
+        if name == "put_start":
+            results = core.put_start(client, keys, [size] * len(keys), PutOptions(pin=pin), now)
+            for key, (status, placements) in zip(keys, results, strict=True):
+                known = model.get(key)
+                if known is None:
+                    assert status == Status.OK and len(placements) == 1
+                    model[key] = ModelObject(client, size, pin=pin)
+                elif known.writer == client:
+                    assert status == (Status.OK if known.size == size
+                                      else Status.INVALID_ARGUMENT)
+                else:
+                    assert status == Status.ALREADY_EXISTS
+        elif name == "put_end":
+            statuses = core.put_end(client, keys, now)
+            for key, status in zip(keys, statuses, strict=True):
+                known = model.get(key)
+                if known is None:
+                    assert status == Status.NOT_FOUND
+                elif known.writer is None:
+                    assert status == Status.OK
+                elif known.writer != client:
+                    assert status == Status.PERMISSION_DENIED
+                else:
+                    assert status == Status.OK
+                    known.writer = None
+        elif name == "revoke":
+            statuses = core.put_revoke(client, keys, now)
+            for key, status in zip(keys, statuses, strict=True):
+                known = model.get(key)
+                if known is None:
+                    assert status == Status.NOT_FOUND
+                elif known.writer is None:
+                    assert status == Status.INVALID_ARGUMENT
+                elif known.writer != client:
+                    assert status == Status.PERMISSION_DENIED
+                else:
+                    assert status == Status.OK
+                    del model[key]
+        elif name in ("get", "exist"):
+            if name == "get":
+                results = core.get_replicas(keys, now)
+                got = [(Status(r.status), r.size_bytes) for r in results]
+            else:
+                statuses, sizes = core.exist(keys, now)
+                got = list(zip(statuses, sizes, strict=True))
+            for key, (status, got_size) in zip(keys, got, strict=True):
+                known = model.get(key)
+                if known is None or known.writer is not None:
+                    assert (status, got_size) == (Status.NOT_FOUND, 0)
+                else:
+                    assert (status, got_size) == (Status.OK, known.size)
+                    known.lease_until = max(known.lease_until, now + TTL)
+        elif name == "prefix":
+            expected = 0
+            for key in keys:
+                known = model.get(key)
+                if known is None or known.writer is not None:
+                    break
+                expected += 1
+                known.lease_until = max(known.lease_until, now + TTL)
+            assert core.query_prefix(keys, now) == expected
+        elif name == "remove":
+            statuses = core.remove(keys, force, now)
+            for key, status in zip(keys, statuses, strict=True):
+                known = model.get(key)
+                if known is None:
+                    assert status == Status.NOT_FOUND
+                elif known.writer is not None:
+                    assert status == Status.NOT_READY
+                elif known.lease_until > now and not force:
+                    assert status == Status.HAS_LEASE
+                else:
+                    assert status == Status.OK
+                    del model[key]
+        stats = core.stats()
+        assert stats.num_objects == sum(1 for m in model.values() if m.writer is None)
+        assert stats.num_pending == sum(1 for m in model.values() if m.writer is not None)
+
+
+def check_no_overlap(core: MasterCore, now: float) -> None:
+    """Every live extent (objects' replicas, leased extents of removed objects) is disjoint,
+    and each segment's used bytes are exactly those extents."""
+    seg_to_extents: dict[str, list[tuple[int, int]]] = {}
+    table = core._objects.key_to_object
+    for entry in table.values():
+        for p in entry.placements:
+            seg_to_extents.setdefault(p.segment_id, []).append((p.offset, aligned(p.length)))
+    for _, _, state, offset, size in core._deferred._heap:
+        seg_to_extents.setdefault(state.info.segment_id, []).append((offset, aligned(size)))
+    for stats in core.stats().segments:
+        extents = sorted(seg_to_extents.get(stats.segment_id, []))
+        for (o1, s1), (o2, _) in zip(extents, extents[1:], strict=False):
+            assert o1 + s1 <= o2, f"overlap in {stats.segment_id}"
+        assert stats.used_bytes == sum(s for _, s in extents)
+
+
+pressure_op = st.tuples(
+    st.sampled_from(["put", "put", "put", "read", "remove", "advance", "pending"]),
+    st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    st.sampled_from([4096, 4096, 4096, 9000, 20_000]),
+    st.sampled_from([Pin.NONE, Pin.NONE, Pin.NONE, Pin.SOFT, Pin.HARD]),
+    st.integers(1, 3000),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(pressure_op, max_size=80))
+def test_invariants_under_eviction_pressure(operations: list[tuple]) -> None:  # type: ignore[type-arg]
+    core = make_core(16 * 4096)
+    writer = CLIENTS[0]
+    lease_until: dict[ObjectKey, float] = {}
+    pins: dict[ObjectKey, Pin] = {}
+    pending: set[ObjectKey] = set()
+    now = 1.0
+    def check_events() -> None:
+        for event in core.take_events():
+            if isinstance(event, ObjectRemoved):
+                if event.reason == "evict":
+                    assert lease_until.get(event.key, 0.0) <= now, "evicted a leased object"
+                    assert pins[event.key] != Pin.HARD, "evicted a hard-pinned object"
+                    assert event.key not in pending, "evicted a PENDING object"
+                pins.pop(event.key, None)
+                pending.discard(event.key)
+
+    for name, indexes, size, pin, step in operations:
+        keys = [ObjectKey(b"p%d" % i) for i in indexes]
+        if name == "advance":
+            now += step / 1000.0
+            core.tick(now)
+            check_events()
+        elif name in ("put", "pending"):
+            results = core.put_start(writer, keys, [size] * len(keys), PutOptions(pin=pin), now)
+            check_events()   # evictions in this call happened before its new objects
+            for key, (status, _) in zip(keys, results, strict=True):
+                if status == Status.OK and key not in pins:
+                    pins[key] = pin
+                    pending.add(key)
+                if status == Status.NO_SPACE:
+                    # Nothing evictable was left: every READY object is leased or hard-pinned.
+                    for other, entry in core._objects.key_to_object.items():
+                        if entry.writer_id is None:
+                            assert entry.lease_expiry_s > now or entry.pin == Pin.HARD, other
+            if name == "put":
+                core.put_end(writer, keys, now)
+                pending.difference_update(keys)
+        elif name == "read":
+            for key, result in zip(keys, core.get_replicas(keys, now), strict=True):
+                if result.status == Status.OK:
+                    lease_until[key] = now + TTL
+                    assert key not in pending
+        elif name == "remove":
+            core.remove(keys, step % 2 == 0, now)
+            check_events()
+        for key in pending:
+            assert core.exist([key], now) == ([Status.NOT_FOUND], [0])
+        check_no_overlap(core, now)
