@@ -75,6 +75,7 @@ class MasterServer:
                                  on_events=self._fan_out,
                                  status_document=self.metrics.status_json)
         self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._lean: LeanServer | None = None
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -152,6 +153,7 @@ class MasterServer:
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health = health_servicer
         self._grpc = server
 
     def _grpc_behavior(self, method: RpcMethod) -> Any:
@@ -220,6 +222,8 @@ class MasterServer:
 
     async def stop(self) -> None:
         """Stop listening, finish in-flight calls, close persistence."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()  # health checks answer NOT_SERVING
         if self._grpc is not None:
             await self._grpc.stop(SHUTDOWN_GRACE_S)
         if self._lean is not None:

@@ -151,3 +151,35 @@ def test_port_in_use_exits_1(master) -> None:
                   "--metrics-port", "0")
     assert result.returncode == 1
     assert "cannot start" in result.stderr
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_signal_during_traffic_finishes_calls_and_exits_0(start_master, signum: str) -> None:
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    master = start_master(executable=[str(SCRIPT)])
+    keys = [f"k{i}".encode() for i in range(20_000)]
+    with grpc.insecure_channel(master.address) as channel:
+        stub = pb_grpc.MasterStub(channel)
+        assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \
+            pb.STATUS_UNKNOWN_CLIENT
+
+        def call(_: int) -> str:
+            try:
+                reply = stub.Exist(pb.ExistRequest(keys=keys), timeout=30)
+            except grpc.RpcError as exc:
+                return exc.code().name
+            assert list(reply.statuses) == [pb.STATUS_NOT_FOUND] * len(keys)
+            return "OK"
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, i) for i in range(32)]
+            os.kill(master.pid, getattr(signal, signum))
+            outcomes = [f.result() for f in futures]
+    # Every call either finished with its full answer (checked in call) or was never started:
+    # gRPC refuses calls not yet handed to the server when it stops (UNAVAILABLE/CANCELLED).
+    assert set(outcomes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, outcomes
+    assert "OK" in outcomes
+    assert master.proc.wait(30) == 0
+    assert "stopped" in master.log()

@@ -121,3 +121,28 @@ async def test_calls_fail_fast_when_the_master_is_gone(start_master) -> None:
         assert loop.time() - started_s < 3.0
     finally:
         await rpc.close()
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_a_stalled_master_times_calls_out(master, use_fast_path: bool) -> None:
+    import os
+    import signal
+
+    rpc = MasterRpc(master.address, timeout_s=1.0, use_fast_path=use_fast_path)
+    try:
+        await rpc.register_client("s", "h", "")
+        assert await rpc.heartbeat("s") == Status.OK
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            started_s = loop.time()
+            with pytest.raises(KVPoolError) as err:
+                await rpc.exist("s", [b"a"])
+            assert err.value.status == Status.TIMEOUT
+            assert loop.time() - started_s < 1.5
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        # The connection survives the stall; the late answer was discarded.
+        assert await rpc.heartbeat("s") == Status.OK
+    finally:
+        await rpc.close()
