@@ -97,6 +97,11 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._max_frame_bytes = max_frame_bytes
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an incomplete frame held back."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         """Append ``data``; return the complete frames. Raises FrameError on a bad length."""
         buffer = self._buffer

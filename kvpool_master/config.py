@@ -50,6 +50,7 @@ class MasterConfig:
     max_message_bytes: int = 256 * 2**20
     max_connections: int = 4096
     max_inflight_requests: int = 4096
+    frame_timeout_s: float = 30.0
     state_dir: str = ""
     restore_grace_s: float = 60.0
     tls_cert: str = ""
@@ -188,6 +189,9 @@ OPTIONS: tuple[Option, ...] = (
            "most open lean-framing connections; more are refused (default 4096)", "N"),
     Option("max_inflight_requests", "max_inflight_requests", _int(1, 1_000_000),
            "most gRPC calls served at once; more answer RESOURCE_EXHAUSTED (default 4096)", "N"),
+    Option("frame_timeout", "frame_timeout_s", _float(0.0, HOUR_S, lo_open=True),
+           "seconds a lean connection may hold an incomplete frame before it is closed "
+           "(default 30)", "SECONDS"),
     Option("state_dir", "state_dir", _text,
            "persist the index here (snapshot + log) and restore it at start (default: none)",
            "DIR"),

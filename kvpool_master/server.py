@@ -93,7 +93,8 @@ class MasterServer:
         if self.config.fast_port >= 0:
             self._lean = LeanServer(
                 self.servicer, max_connections=self.config.max_connections,
-                max_frame_bytes=self.config.max_message_bytes, auth_token=self._auth_token,
+                max_frame_bytes=self.config.max_message_bytes,
+                frame_timeout_s=self.config.frame_timeout_s, auth_token=self._auth_token,
                 ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused)
             self.fast_port = await self._lean.start(self.config.host, self.config.fast_port)
             self.servicer.fast_port = self.fast_port

@@ -44,11 +44,14 @@ class LeanServer:
     """Accepts lean-framing connections and serves them with a Servicer."""
 
     def __init__(self, servicer: Servicer, *, max_connections: int, max_frame_bytes: int,
-                 auth_token: str = "", ssl_context: ssl.SSLContext | None = None,
+                 frame_timeout_s: float = 30.0, auth_token: str = "",
+                 ssl_context: ssl.SSLContext | None = None,
                  on_refusal: Callable[[str, str], None] = lambda transport, reason: None) -> None:
         self._servicer = servicer
         self._max_connections = max_connections
         self._max_frame_bytes = max_frame_bytes
+        # A peer that sends half a frame and stops must not pin a buffer forever.
+        self._frame_timeout_s = frame_timeout_s
         self._auth_token = auth_token.encode()
         self._ssl_context = ssl_context
         self._on_refusal = on_refusal
@@ -81,6 +84,7 @@ class _LeanProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._authenticated = not server._auth_token
         self._closing = False
+        self._partial_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -97,6 +101,8 @@ class _LeanProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
         self._closing = True
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it does.
@@ -119,6 +125,19 @@ class _LeanProtocol(asyncio.Protocol):
             if self._closing:
                 return
             self._serve_frame(method_id, request_id, payload)
+        if self._decoder.pending_bytes:
+            if self._partial_timer is None:
+                self._partial_timer = asyncio.get_running_loop().call_later(
+                    self._server._frame_timeout_s, self._partial_frame_expired)
+        elif self._partial_timer is not None:
+            self._partial_timer.cancel()
+            self._partial_timer = None
+
+    def _partial_frame_expired(self) -> None:
+        self._partial_timer = None
+        if self._decoder.pending_bytes and not self._closing:
+            self._refuse(0, 0, Status.TIMEOUT,
+                         f"incomplete frame for {self._server._frame_timeout_s:g} s")
 
     def _serve_frame(self, method_id: int, request_id: int, payload: bytes) -> None:
         if method_id == METHOD_AUTH:

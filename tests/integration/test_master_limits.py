@@ -112,3 +112,18 @@ async def test_in_flight_calls_past_the_limit_are_resource_exhausted(start_maste
         assert await rpc.heartbeat("c") == Status.UNKNOWN_CLIENT
     finally:
         await rpc.close()
+
+
+def test_half_a_frame_times_out_while_others_are_served(start_master, lean_socket) -> None:
+    master = start_master(frame_timeout=0.5)
+    exist = pb.ExistRequest(keys=[b"a"]).SerializeToString()
+    stuck = lean_socket(master.fast_port)
+    frame = struct.pack("<IBI", len(exist) + 5, pb.METHOD_EXIST, 1) + exist
+    stuck.send_raw(frame[:-3])
+    other = lean_socket(master.fast_port)
+    assert other.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST
+    started_s = time.monotonic()
+    method, _, payload = stuck.recv()
+    assert method == pb.METHOD_ERROR and payload.startswith(b"TIMEOUT: incomplete frame")
+    assert 0.3 < time.monotonic() - started_s < 5
+    assert other.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST
