@@ -46,6 +46,10 @@ class PrefixPool(Protocol):
         """Read each key's object into its regions; bytes read per key, or a negative status."""
         ...
 
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for async writes; raises when one failed."""
+        ...
+
 
 class BlockIO(Protocol):
     """Moves whole KV blocks between device block ids and pool objects."""
@@ -58,6 +62,10 @@ class BlockIO(Protocol):
 
     def get_blocks(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         """Read pool objects into device blocks; True per block whose bytes all arrived."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every async write has left the device blocks it read."""
         ...
 
 
@@ -89,6 +97,10 @@ class RegionBlockIO:
         regions = [self.regions_of(b) for b in block_ids]
         results = self.pool.batch_get_regions(keys, regions)
         return [n == sum(r.nbytes for r in rs) for n, rs in zip(results, regions, strict=True)]
+
+    def flush(self) -> None:
+        """Wait for the pool's async writes (they read the blocks in place)."""
+        self.pool.flush()
 
 
 @dataclass(slots=True)
@@ -161,6 +173,8 @@ class TieredPrefixCache:
         self.ref_counts = [0] * num_blocks
         # unpinned blocks, least recently used first; never-used blocks come first of all
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # blocks an async write still reads: pinned until flush()
+        self.async_pinned_block_ids: list[int] = []
         self.stats = PrefixCacheStats()
 
     # --- lookups -------------------------------------------------------------------------
@@ -251,7 +265,9 @@ class TieredPrefixCache:
         """Publish the computed blocks of ``match`` on level 1 and write them to the pool.
 
         Call once the engine has written their KV. Returns how many blocks the pool accepted
-        (0 without a pool); a block that fails to write stays usable on the device.
+        (0 without a pool; with ``async_write``, how many were queued); a block that fails to
+        write stays usable on the device. With ``async_write`` the blocks stay pinned until
+        ``flush()``, because the write reads them in place.
         """
         self._check_open(match)
         first = match.num_reused
@@ -266,18 +282,34 @@ class TieredPrefixCache:
         if self.io is None or not new_ids:
             return 0
         ok = self.io.put_blocks(match.keys[first:], new_ids, async_write=async_write)
+        if async_write:
+            for block_id in new_ids:
+                self._pin(block_id)
+            self.async_pinned_block_ids.extend(new_ids)
         written = sum(ok)
         self.stats.saved_blocks += written
         self.stats.failed_saves += len(new_ids) - written
         return written
 
+    def flush(self) -> None:
+        """Wait for async writes to finish, then unpin the blocks they were reading.
+
+        Raises ``KVPoolError`` when an async write failed (the blocks are unpinned anyway).
+        """
+        if self.io is None:
+            return
+        try:
+            self.io.flush()
+        finally:
+            block_ids, self.async_pinned_block_ids = self.async_pinned_block_ids, []
+            for block_id in reversed(block_ids):
+                self._unpin(block_id)
+
     def release(self, match: PrefixMatch) -> None:
         """Unpin the request's blocks, tails first; they stay cached until evicted."""
         self._check_open(match)
         for block_id in reversed(match.block_ids):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self._give_back(block_id, front=block_id not in self.block_id_to_hash)
+            self._unpin(block_id)
         match.released = True
 
     # --- the block table -----------------------------------------------------------------
@@ -290,6 +322,11 @@ class TieredPrefixCache:
         if self.ref_counts[block_id] == 0:
             del self.free_block_ids[block_id]
         self.ref_counts[block_id] += 1
+
+    def _unpin(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self._give_back(block_id, front=block_id not in self.block_id_to_hash)
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

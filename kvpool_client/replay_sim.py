@@ -219,6 +219,9 @@ class SimulatedBlockIO:
         """Read the keys from the model pool."""
         return self.pool.get(keys)
 
+    def flush(self) -> None:
+        """Model writes are synchronous: nothing to wait for."""
+
 
 def begin(cache: TieredPrefixCache, ids: Sequence[int]) -> PrefixMatch:
     """Start one request on a worker's cache: match, load pool hits, allocate the rest.

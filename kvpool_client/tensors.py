@@ -314,9 +314,12 @@ class StagedBlockIO:
             keys, self._object_views(view, len(keys)), async_write=True)
         return [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
 
-    def release_async_buffers(self) -> None:
-        """Drop the staging of async writes; call after the pool's ``flush()`` returned."""
-        self._async_buffers.clear()
+    def flush(self) -> None:
+        """Wait for the pool's async writes, then drop their staging buffers."""
+        try:
+            self.pool.flush()
+        finally:
+            self._async_buffers.clear()
 
     def get_blocks(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         """Read pool objects into device blocks; True per block whose bytes all arrived.

@@ -22,6 +22,11 @@ class InMemoryPool:
         self.calls: list[tuple[str, int]] = []
         self.fail_get: set[str] = set()
         self.fail_put: set[str] = set()
+        self.async_puts = 0
+        self.flushes = 0
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self.flushes += 1
 
     def query_prefix(self, keys: Sequence[str]) -> int:
         self.calls.append(("query_prefix", len(keys)))
@@ -33,6 +38,7 @@ class InMemoryPool:
     def batch_put_regions(self, keys: Sequence[str], regions: Sequence[Sequence[memoryview]],
                           options: Any = None, async_write: bool = False) -> list[Status]:
         self.calls.append(("put", len(keys)))
+        self.async_puts += async_write
         out = []
         for key, parts in zip(keys, regions, strict=True):
             if key in self.fail_put:
@@ -215,3 +221,18 @@ def test_misuse_is_refused() -> None:
         TieredPrefixCache(4, key_fn=lambda h: h.hex()).match([1, 2, 3, 4])
     cache = TieredPrefixCache(4, key_fn=lambda h: h.hex())
     assert cache.match_hashes([BlockHash(b"x")]).num_device_hits == 0
+
+
+def test_async_save_keeps_blocks_pinned_until_flush() -> None:
+    pool = InMemoryPool()
+    w = Worker(4, pool)
+    m = w.cache.match(list(range(8)))
+    w.cache.allocate(m)
+    assert w.cache.save(m, async_write=True) == 2
+    assert pool.async_puts == 1
+    w.cache.release(m)
+    # the async write still reads both blocks: they cannot be handed out
+    assert w.cache.num_free_blocks == 2
+    w.cache.flush()
+    assert pool.flushes == 1 and w.cache.num_free_blocks == 4
+    assert w.serve(list(range(8))) == (2, 0)  # still cached on the device

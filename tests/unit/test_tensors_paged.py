@@ -33,6 +33,10 @@ class DictPool:
         self.key_to_bytes: dict[str, bytes] = {}
         self.registered: list[memoryview] = []
         self.async_puts = 0
+        self.flushes = 0
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self.flushes += 1
 
     def register_buffer(self, buf: Any) -> None:
         self.registered.append(buf)
@@ -139,14 +143,14 @@ def test_staged_path_round_trip_in_chunks(chunk_blocks: int) -> None:
             assert torch.equal(dst.v_caches[layer][i], src.v_caches[layer][src_block])
 
 
-def test_staged_async_write_keeps_its_staging_until_released() -> None:
+def test_staged_async_write_keeps_its_staging_until_flush() -> None:
     pool = DictPool()
     src = _filled("separate", seed=5)
     io = StagedBlockIO(src, pool, chunk_blocks=2)
     assert io.put_blocks(["a", "b", "c"], [0, 1, 2], async_write=True) == [True] * 3
     assert pool.async_puts == 1 and len(io._async_buffers) == 1
-    io.release_async_buffers()
-    assert io._async_buffers == []
+    io.flush()
+    assert pool.flushes == 1 and io._async_buffers == []
 
 
 def test_sequence_helpers_round_trip_transformers_layout() -> None:
