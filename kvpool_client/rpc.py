@@ -222,8 +222,8 @@ class _LeanConnection(asyncio.Protocol):
         self._waiters: dict[int, asyncio.Future[bytes]] = {}
         self._next_id = 1
         self.closed = False
-        self.connected_once = False
         self._failure: KVPoolError | None = None
+        self._connect_task: asyncio.Task[None] | None = None
 
     @classmethod
     def open(cls, loop: asyncio.AbstractEventLoop, host: str, port: int,
@@ -232,7 +232,8 @@ class _LeanConnection(asyncio.Protocol):
         conn = cls(loop, max_frame_bytes)
         if token:
             conn._send_auth(token)
-        loop.create_task(conn._connect(host, port, ssl_context, timeout_s))
+        # Held so the task is not garbage-collected while it connects.
+        conn._connect_task = loop.create_task(conn._connect(host, port, ssl_context, timeout_s))
         return conn
 
     async def _connect(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
@@ -258,7 +259,6 @@ class _LeanConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
-        self.connected_once = True
         if self.closed:
             self._transport.close()
             return

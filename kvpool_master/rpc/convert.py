@@ -168,7 +168,7 @@ def _put_options(options: Any) -> PutOptions:
 
 
 def decode_put_start(request: Any) -> tuple[ClientId, list[ObjectKey], list[int], PutOptions,
-                                            list[bytes] | None]:
+                                            list[ObjectKey] | None]:
     """(client_id, keys, sizes_bytes, options, parent_keys or None) of a PutStart request."""
     parent_keys = list(request.parent_keys) if len(request.parent_keys) else None
     return (ClientId(request.client_id), list(request.keys), list(request.sizes_bytes),
