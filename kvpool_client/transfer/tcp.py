@@ -38,8 +38,9 @@ Server rules:
   received, directly into the segment (``recv_into`` on a view of it, no intermediate copy),
   or a READ's answer sent straight from the segment (``sendmsg``).
 - A refused request (SEGMENT_NOT_FOUND, INVALID_ARGUMENT for bounds, PERMISSION_DENIED for the
-  capability) is answered and counted in ``refused_total``. After a refused READ the connection
-  stays usable; after a refused WRITE it is closed, since its payload was never read.
+  capability) is answered and counted in ``refused_total``; the connection stays usable. A
+  refused WRITE's payload is read into a scratch buffer and dropped, never into a segment; one
+  longer than ``MAX_DRAIN_BYTES`` closes the connection instead.
 - A malformed frame (bad magic, version, op, segment-id length or UTF-8) is answered with
   INVALID_ARGUMENT, counted in ``bad_frames_total``, and the connection is closed. The server
   keeps serving every other connection.
@@ -85,6 +86,8 @@ REQUEST = struct.Struct("<4sBBHQQQQQQ16s")
 RESPONSE = struct.Struct("<4sBxHiQQ")
 MAX_SEGMENT_ID_BYTES = 255
 MAX_MESSAGE_BYTES = 1024
+MAX_DRAIN_BYTES = 64 << 20  # payload of a refused WRITE read and dropped to keep the stream
+_DRAIN_CHUNK_BYTES = 256 << 10
 _OPS = frozenset(int(op) for op in Op)
 _TIMEVAL = struct.Struct("@ll")
 
@@ -271,9 +274,13 @@ class DataServer:
                                         cap_length, cap_expiry_ms, cap)
         if target is None:
             assert error is not None
+            if op == Op.WRITE:  # its payload follows: drop it (or give up the connection)
+                if length > MAX_DRAIN_BYTES:
+                    self._answer_refusal(sock, deadline_s, error.status, request_id,
+                                         error.message)
+                    raise _Closed
+                self._drain(sock, length, deadline_s)
             self._answer_refusal(sock, deadline_s, error.status, request_id, error.message)
-            if op == Op.WRITE:
-                raise _Closed  # its payload follows unread: the stream cannot be trusted
             return
         with target:
             if op == Op.WRITE:
@@ -327,6 +334,14 @@ class DataServer:
             if count == 0:
                 raise _Closed
             received += max(count, 0)
+
+    def _drain(self, sock: socket.socket, length: int, deadline_s: float) -> None:
+        """Read and drop ``length`` payload bytes (of a refused WRITE) into a scratch buffer."""
+        scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK_BYTES)))
+        while length > 0:
+            part = scratch[:min(length, scratch.nbytes)]
+            self._recv_exact(sock, part, deadline_s)
+            length -= part.nbytes
 
     def _send_all(self, sock: socket.socket, parts: list[Any], deadline_s: float) -> None:
         """Send every part before ``deadline_s`` (sendmsg, no joining); raise _Closed
