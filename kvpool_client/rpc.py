@@ -18,7 +18,6 @@ import asyncio
 import json
 import re
 import ssl
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, cast
 import grpc
 
 from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import (
     ClientId,
@@ -40,11 +40,6 @@ from kvpool_client.types import (
 
 # --- wire vocabulary shared with the master ------------------------------------------------------
 
-#: ``u32 length of what follows | u8 method | u32 request id``, little-endian.
-FRAME_HEADER = struct.Struct("<IBI")
-FRAME_LENGTH = struct.Struct("<I")
-FRAME_METHOD_ID = struct.Struct("<BI")
-FRAME_OVERHEAD_BYTES = 5  # method + request id, counted in the length
 METHOD_AUTH = int(pb.METHOD_AUTH)
 METHOD_ERROR = int(pb.METHOD_ERROR)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
@@ -82,67 +77,6 @@ def _rpc_methods() -> dict[str, RpcMethod]:
 
 #: gRPC method name -> method, derived from the proto so the two transports cannot drift.
 RPC_METHODS: dict[str, RpcMethod] = _rpc_methods()
-
-
-class FrameError(ValueError):
-    """A lean-framing byte stream that cannot be parsed (bad length)."""
-
-
-class FrameDecoder:
-    """Splits a byte stream into ``(method, request_id, payload)`` frames."""
-
-    __slots__ = ("_buffer", "_max_frame_bytes")
-
-    def __init__(self, max_frame_bytes: int) -> None:
-        self._buffer = bytearray()
-        self._max_frame_bytes = max_frame_bytes
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of an incomplete frame held back."""
-        return len(self._buffer)
-
-    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
-        """Append ``data``; return the complete frames. Raises FrameError on a bad length."""
-        buffer = self._buffer
-        if buffer:
-            buffer += data
-            view: bytes | bytearray = buffer
-        else:
-            view = data
-        frames = []
-        pos = 0
-        size = len(view)
-        with memoryview(view) as whole:  # released before the buffer is resized below
-            while size - pos >= 4:
-                (length,) = FRAME_LENGTH.unpack_from(view, pos)
-                if length < FRAME_OVERHEAD_BYTES or length > self._max_frame_bytes:
-                    raise FrameError(f"frame length {length} outside "
-                                     f"[5, {self._max_frame_bytes}]")
-                end = pos + 4 + length
-                if end > size:
-                    break
-                method, request_id = FRAME_METHOD_ID.unpack_from(view, pos + 4)
-                frames.append((method, request_id, bytes(whole[pos + 9:end])))
-                pos = end
-        if view is buffer:
-            del buffer[:pos]
-        elif pos < size:
-            self._buffer = bytearray(view[pos:])
-        return frames
-
-
-def encode_frame(method: int, request_id: int, payload: bytes) -> bytes:
-    """One lean frame."""
-    return FRAME_HEADER.pack(len(payload) + FRAME_OVERHEAD_BYTES, method, request_id) + payload
-
-
-def error_reason(payload: bytes) -> tuple[Status, str]:
-    """(status, text) of a METHOD_ERROR payload written as ``"STATUS_NAME: reason"``."""
-    text = payload.decode("utf-8", "replace")
-    name, _, rest = text.partition(": ")
-    status = Status.__members__.get(name)
-    return (status, rest) if status is not None else (Status.RPC_FAILED, text)
 
 
 # --- domain results ------------------------------------------------------------------------------

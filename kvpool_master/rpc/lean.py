@@ -21,15 +21,14 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
-from kvpool_client.rpc import (
+from kvpool_client.framing import (
     FRAME_HEADER,
     FRAME_OVERHEAD_BYTES,
-    METHOD_AUTH,
-    METHOD_ERROR,
     FrameDecoder,
     FrameError,
     encode_frame,
 )
+from kvpool_client.rpc import METHOD_AUTH, METHOD_ERROR
 from kvpool_client.status import Status
 from kvpool_master.rpc import convert
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_client.rpc import FrameDecoder, FrameError, encode_frame, error_reason
+from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_client.status import Status
 
 
