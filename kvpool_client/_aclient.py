@@ -1,0 +1,677 @@
+"""AsyncKVPoolClient: the one implementation of the client API (the sync client runs it on a
+private loop thread).
+
+Rules of this file:
+- Every public call is normalised into (key bytes, regions) by ``buffers`` and handed to the
+  batch-shaped engines of ``_datapath``; single-key forms are thin wrappers that raise
+  KVPoolError, batch forms return one Status (or int) per key.
+- Start: remove shared memory left by dead processes, create the segments, serve them
+  (data server refusing everything until the master's key is known), register, mount, start
+  heartbeating. Close undoes it in reverse and reports async writes that failed.
+- Nothing is tied to the thread that created the client: the sync facade may be called from
+  any thread (MindIE puts from a background thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool_client._datapath import DataPath, split_sizes
+from kvpool_client.asyncwrite import AsyncWriter
+from kvpool_client.buffers import (
+    BufferRegistry,
+    KeyLike,
+    Regions,
+    alloc_bytes,
+    byte_view,
+    regions_of,
+    slice_view,
+    to_key,
+    total_bytes,
+    trim_regions,
+)
+from kvpool_client.config import ClientConfig
+from kvpool_client.liveness import Liveness, MasterAddress
+from kvpool_client.metrics import ClientMetrics
+from kvpool_client.rpc import MasterRpc, TlsConfig
+from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
+from kvpool_client.types import PutOptions, SegmentInfo
+
+logger = logging.getLogger(__name__)
+
+_OK_STATUSES = (Status.OK, Status.ALREADY_EXISTS)
+
+
+class AsyncKVPoolClient:
+    """A kvpool client on the running event loop. Build, then ``await start()`` (or use
+    ``async with``, or ``await AsyncKVPoolClient.from_config(path)``)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.metrics = ClientMetrics()
+        self.buffers = BufferRegistry()
+        name = config.client_id or f"{socket.gethostname()[:32]}-{os.getpid()}-" \
+                                   f"{secrets.token_hex(4)}"
+        self.client_id = name
+        self.host_id = host_id()
+        self._master = MasterAddress(
+            config.master_server_address, config.rpc_timeout_s,
+            TlsConfig(config.tls_ca, config.tls_cert, config.tls_key)
+            if (config.tls_ca or config.tls_cert) else None,
+            config.auth_token, config.use_fast_path)
+        self._segments: dict[str, LocalSegment] = {}
+        self._server: DataServer | None = None
+        self._rpc: MasterRpc | None = None
+        self._liveness: Liveness | None = None
+        self._datapath: DataPath | None = None
+        self._writer: AsyncWriter | None = None
+        self._metrics_server: Any = None
+        self._default_options = PutOptions(replica_num=config.replica_num,
+                                           preferred_segment=config.preferred_segment,
+                                           prefer_same_host=config.prefer_alloc_in_same_node)
+        self._rpc_epoch = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @classmethod
+    async def from_config(cls, path: str | None = None) -> AsyncKVPoolClient:
+        """Return a started client configured by the JSON file ``path`` (default: the file named
+        by KVPOOL_CONFIG_PATH or MOONCAKE_CONFIG_PATH). Raises KVPoolError (INVALID_ARGUMENT for
+        a bad config, RPC_FAILED / TIMEOUT when the master cannot be reached)."""
+        config = ClientConfig.from_file(path) if path else ClientConfig.from_env()
+        client = cls(config)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Create and serve the segments, register with the master and mount them.
+
+        Raises KVPoolError (RPC_FAILED / TIMEOUT when the master cannot be reached,
+        NO_SPACE when /dev/shm cannot hold the segments, ...); nothing is left behind then.
+        """
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self._shutdown()
+            raise
+
+    async def _start(self) -> None:
+        config = self.config
+        removed = cleanup_stale_segments(config.cluster_id)
+        if removed:
+            logger.info("removed %d stale segments of cluster %s", len(removed), config.cluster_id)
+        for index, size_bytes in enumerate(split_sizes(config.global_segment_size,
+                                                       config.max_segment_size)):
+            # Pre-faulting takes ~0.15 s per GiB: keep the event loop free meanwhile.
+            segment = await asyncio.to_thread(LocalSegment.create, config.cluster_id,
+                                              self.client_id, index, size_bytes)
+            self._segments[segment.segment_id] = segment
+        if self._segments:
+            # Refuses every request until the master's key for this client is installed.
+            self._server = DataServer(self._segments, secrets.token_bytes(32),
+                                      host=config.data_host,
+                                      frame_timeout_s=config.transfer_timeout_s)
+            self._server.start()
+            self.metrics.watch_refusals(self._refusals)
+        self._rpc = rpc = self._master.stub()
+        sent = time.monotonic()
+        registration = await rpc.register_client(self.client_id, self.host_id, self.hostname)
+        if self._server is not None:
+            self._server.capability_key = registration.capability_key
+        descriptors = self._descriptors()
+        for descriptor in descriptors:
+            status = await rpc.mount_segment(self.client_id, descriptor)
+            if status not in _OK_STATUSES and status != Status.SEGMENT_ALREADY_EXISTS:
+                raise KVPoolError(status, f"mounting segment {descriptor.segment_id} failed")
+        self._writer = AsyncWriter(self._write_normalised, config.async_write_queue_size,
+                                   self.metrics)
+        self._datapath = DataPath(
+            rpc=rpc, client_id=self.client_id, local_host_id=self.host_id,
+            transport=config.transport, shm=ShmTransport(self._segments),
+            tcp=TcpTransport(timeout_s=config.transfer_timeout_s),
+            checksum_enabled=config.checksum, commit_nowait=config.commit_nowait,
+            metrics=self.metrics, reregistered=self._reregistered)
+        self._datapath.remember(descriptors)
+        self._datapath.commits = self._writer
+        self._liveness = Liveness(
+            master=self._master, client_id=self.client_id, host_id=self.host_id,
+            hostname=self.hostname, registration=registration, registered_at=sent,
+            segments=self._descriptors, set_serving_key=self._set_serving_key,
+            interval_s=config.heartbeat_interval_s, metrics=self.metrics)
+        self._datapath.liveness = self._liveness
+        self._liveness.start()
+        if config.metrics_port >= 0:
+            self._start_metrics_server(config.metrics_port, config.metrics_host)
+        logger.info("client %s joined %s with %d segments (%d bytes), data server %s",
+                    self.client_id, config.master_server_address, len(self._segments),
+                    config.global_segment_size, self.hostname)
+
+    async def close(self) -> None:
+        """Flush async writes, leave the pool (segments unmounted, objects on them dropped) and
+        free every resource. Idempotent.
+
+        Raises KVPoolError when async writes failed (after everything was closed).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        failure: KVPoolError | None = None
+        if self._writer is not None:
+            try:
+                await self._writer.close()
+                self._writer.raise_failures()
+            except KVPoolError as exc:
+                failure = exc
+        await self._shutdown()
+        if failure is not None:
+            raise failure
+
+    async def _shutdown(self) -> None:
+        if self._liveness is not None:
+            await asyncio.to_thread(self._liveness.stop)
+        if self._rpc is not None and self._datapath is not None:
+            await self._leave(self._rpc)
+        if self._server is not None:
+            await asyncio.to_thread(self._server.close)
+        if self._datapath is not None:
+            await self._datapath.shm.close()
+            await self._datapath.tcp.close()
+        if self._rpc is not None:
+            await self._rpc.close()
+        for segment in self._segments.values():
+            segment.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+    async def _leave(self, rpc: MasterRpc) -> None:
+        """Tell the master this client is gone, so its objects go now and not after client_ttl."""
+        try:
+            await rpc.unregister_client(self.client_id)
+            return
+        except (KVPoolError, AttributeError) as exc:
+            logger.debug("unregister failed (%s); unmounting segments one by one", exc)
+        for segment_id in self._segments:
+            try:
+                await rpc.unmount_segment(self.client_id, segment_id)
+            except KVPoolError as exc:
+                logger.warning("unmount of %s at close failed: %s", segment_id, exc)
+                return
+
+    async def __aenter__(self) -> AsyncKVPoolClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except KVPoolError as exc:  # never mask the exception already in flight
+            logger.error("close after an error: %s", exc)
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def hostname(self) -> str:
+        """``"ip:port"`` of this client's data server (``local_hostname`` when it serves none)."""
+        return self._server.endpoint if self._server is not None else self.config.local_hostname
+
+    @property
+    def segment_ids(self) -> list[str]:
+        """Ids of the segments this client contributes."""
+        return list(self._segments)
+
+    def _descriptors(self) -> list[SegmentInfo]:
+        endpoint = self._server.endpoint if self._server is not None else ""
+        return [s.describe(self.host_id, endpoint) for s in self._segments.values()]
+
+    def _set_serving_key(self, key: bytes) -> None:
+        if self._server is not None:
+            self._server.capability_key = key  # a plain attribute read at every request
+
+    def _refusals(self) -> dict[str, int]:
+        server = self._server
+        if server is None:
+            return {}
+        return {"refused": server.refused_total, "bad_frame": server.bad_frames_total,
+                "timeout": server.timeouts_total,
+                "too_many_connections": server.connections_rejected_total}
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _path(self) -> DataPath:
+        datapath = self._datapath
+        if datapath is None or self._closed:
+            raise KVPoolError(Status.UNAVAILABLE, "the client is closed" if self._closed
+                              else "the client is not started")
+        liveness = self._liveness
+        if liveness is not None and liveness.epoch != self._rpc_epoch:
+            self._rpc_epoch = liveness.epoch
+            task = asyncio.get_running_loop().create_task(self._refresh_rpc())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return datapath
+
+    async def _refresh_rpc(self) -> None:
+        """After a re-registration, let this loop's stub learn the master's (new) fast port.
+
+        Registering again is idempotent for a known client (same key). Should the master have
+        forgotten this client once more meanwhile, the key differs: liveness re-registers.
+        """
+        if self._rpc is None or self._liveness is None:
+            return
+        try:
+            registration = await self._rpc.register_client(self.client_id, self.host_id,
+                                                           self.hostname)
+        except KVPoolError as exc:
+            logger.debug("refreshing the master stub failed: %s", exc)
+            return
+        if registration.capability_key != self._liveness.registration.capability_key:
+            self._liveness.request_reregister()
+
+    async def _reregistered(self) -> None:
+        """Wait for liveness to re-register this client (a call answered UNKNOWN_CLIENT)."""
+        liveness = self._liveness
+        if liveness is None:
+            raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client")
+        timeout_s = self.config.rpc_timeout_s * 2
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
+        except TimeoutError:
+            raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client and "
+                              f"re-registration did not finish within {timeout_s:g} s") from None
+        await self._refresh_rpc()
+
+    def _options(self, options: PutOptions | None) -> PutOptions:
+        return self._default_options if options is None else options
+
+    async def _write_normalised(self, keys: list[bytes], regions: list[Regions],
+                                options: PutOptions) -> list[Status]:
+        """Write distinct keys with non-empty regions; one Status per key."""
+        return await self._path().write(keys, regions, [total_bytes(r) for r in regions], options)
+
+    async def _put_many(self, op: str, keys: Sequence[KeyLike], regions: list[Regions | None],
+                        options: PutOptions | None, async_write: bool) -> list[Status]:
+        """Validate, dedupe and write; ``regions[i] is None`` marks an item already refused with
+        the status preset in the result. Returns one Status per key."""
+        started = time.perf_counter()
+        statuses = [Status.OK] * len(keys)
+        send_keys: list[bytes] = []
+        send_regions: list[Regions] = []
+        send_index: list[int] = []
+        key_to_first: dict[bytes, int] = {}
+        duplicates: list[tuple[int, int]] = []
+        for index, (key, parts) in enumerate(zip(keys, regions, strict=True)):
+            try:
+                raw = to_key(key)
+            except KVPoolError as exc:
+                statuses[index] = exc.status
+                continue
+            if parts is None:
+                statuses[index] = Status.INVALID_ARGUMENT
+                continue
+            if total_bytes(parts) == 0:
+                statuses[index] = Status.INVALID_ARGUMENT  # objects are never empty
+                continue
+            first = key_to_first.setdefault(raw, len(send_keys))
+            if first != len(send_keys):
+                duplicates.append((index, first))  # put once; the first value wins
+                continue
+            send_keys.append(raw)
+            send_regions.append(parts)
+            send_index.append(index)
+        datapath = self._path()
+        resolved = self._options(options)
+        if send_keys:
+            if async_write:
+                assert self._writer is not None
+                await self._writer.submit(send_keys, send_regions, resolved)
+                sent_statuses = [Status.OK] * len(send_keys)
+            else:
+                try:
+                    sent_statuses = await datapath.write(
+                        send_keys, send_regions, [total_bytes(r) for r in send_regions],
+                        resolved)
+                except KVPoolError as exc:
+                    sent_statuses = [exc.status] * len(send_keys)
+            for index, status in zip(send_index, sent_statuses, strict=True):
+                statuses[index] = status
+        for index, first in duplicates:
+            statuses[index] = statuses[send_index[first]]
+        self.metrics.observe_op(op, time.perf_counter() - started)
+        self.metrics.count_failures(op, statuses)
+        return statuses
+
+    async def _put_one(self, op: str, key: KeyLike, parts: Regions, options: PutOptions | None,
+                       async_write: bool) -> None:
+        """Single-key put; raises KVPoolError with the reason."""
+        started = time.perf_counter()
+        raw = to_key(key)
+        if total_bytes(parts) == 0:
+            raise KVPoolError(Status.INVALID_ARGUMENT, "an object has at least one byte")
+        datapath = self._path()
+        resolved = self._options(options)
+        if async_write:
+            assert self._writer is not None
+            await self._writer.submit([raw], [parts], resolved)
+            return
+        try:
+            (status,) = await datapath.write([raw], [parts], [total_bytes(parts)], resolved)
+        except KVPoolError:
+            self.metrics.count_failures(op, [Status.RPC_FAILED])
+            raise
+        self.metrics.observe_op(op, time.perf_counter() - started)
+        if status not in _OK_STATUSES:
+            self.metrics.count_failures(op, [status])
+            raise KVPoolError(status, f"{op} of key {raw[:64]!r} failed")
+
+    async def _read_many(self, op: str, keys: Sequence[KeyLike],
+                         dsts: list[Regions | Status] | None) -> tuple[list[int], list[bytes]]:
+        """Read keys into ``dsts`` (or fresh bytes when None). Returns (per key bytes read or a
+        negative Status, the fresh bytes objects by key index when ``dsts`` is None)."""
+        started = time.perf_counter()
+        out = [0] * len(keys)
+        raws: list[bytes] = []
+        index_of: list[int] = []
+        for index, key in enumerate(keys):
+            try:
+                raws.append(to_key(key))
+                index_of.append(index)
+            except KVPoolError as exc:
+                out[index] = int(exc.status)
+        fresh: dict[int, bytes] = {}
+
+        def dst_for(position: int, size_bytes: int) -> Regions | Status:
+            index = index_of[position]
+            if dsts is None:
+                obj, view = alloc_bytes(size_bytes)
+                fresh[index] = obj
+                return [view]
+            dst = dsts[index]
+            if isinstance(dst, Status):
+                return dst
+            if total_bytes(dst) < size_bytes:
+                return Status.BUFFER_OVERFLOW
+            return trim_regions(dst, size_bytes)
+
+        datapath = self._path()
+        if raws:
+            try:
+                results = await datapath.read(raws, dst_for)
+            except KVPoolError as exc:
+                results = [int(exc.status)] * len(raws)
+            for position, result in enumerate(results):
+                out[index_of[position]] = result
+        self.metrics.observe_op(op, time.perf_counter() - started)
+        hits = sum(1 for r in out if r >= 0)
+        self.metrics.count_lookups(len(keys), hits)
+        self.metrics.count_failures(op, [Status(r) for r in out if r < 0])
+        objects = [fresh.get(i, b"") if out[i] >= 0 else b"" for i in range(len(keys))] \
+            if dsts is None else []
+        return out, objects
+
+    async def _read_one(self, op: str, key: KeyLike, dst: Regions | None) -> tuple[int, bytes]:
+        """Single-key read; returns (bytes read, fresh bytes when ``dst`` is None). Raises
+        KVPoolError (NOT_FOUND, LEASE_EXPIRED, BUFFER_OVERFLOW, ...)."""
+        raw = to_key(key)
+        datapath = self._path()
+        started = time.perf_counter()
+        holder: list[bytes] = []
+
+        def dst_for(_: int, size_bytes: int) -> Regions | Status:
+            if dst is None:
+                obj, view = alloc_bytes(size_bytes)
+                holder.append(obj)
+                return [view]
+            if total_bytes(dst) < size_bytes:
+                return Status.BUFFER_OVERFLOW
+            return trim_regions(dst, size_bytes)
+
+        (result,) = await datapath.read([raw], dst_for)
+        self.metrics.observe_op(op, time.perf_counter() - started)
+        self.metrics.count_lookups(1, 1 if result >= 0 else 0)
+        if result < 0:
+            self.metrics.count_failures(op, [Status(result)])
+            raise KVPoolError(Status(result), f"{op} of key {raw[:64]!r} failed")
+        return result, holder[0] if holder else b""
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    async def put(self, key: KeyLike, data: Any, *, options: PutOptions | None = None,
+                  async_write: bool = False) -> None:
+        """Store ``data`` (any buffer) under ``key``; an existing key keeps its first value.
+
+        With ``async_write`` the put is queued (waiting while the queue is full) and ``data``
+        must stay unchanged until ``flush()``. Raises KVPoolError: INVALID_KEY,
+        INVALID_ARGUMENT, NO_SPACE, TRANSFER_FAILED, TIMEOUT, RPC_FAILED, ...
+        """
+        await self._put_one("put", key, [byte_view(data)], options, async_write)
+
+    async def put_from(self, key: KeyLike, buf: Any, offset: int, size: int, *,
+                       options: PutOptions | None = None, async_write: bool = False) -> None:
+        """Store ``buf[offset:offset+size]`` under ``key`` (zero-copy from the caller's buffer;
+        registering it first saves re-deriving its view). Raises KVPoolError like put."""
+        view = slice_view(self.buffers.view(buf), offset, size)
+        await self._put_one("put_from", key, [view], options, async_write)
+
+    async def put_batch(self, keys: Sequence[KeyLike], datas: Sequence[Any], *,
+                        options: PutOptions | None = None,
+                        async_write: bool = False) -> list[Status]:
+        """Store each ``datas[i]`` under ``keys[i]``; one Status per key (OK when stored or
+        already there)."""
+        _same_length(keys, datas)
+        return await self._put_many("put_batch", keys, [_try(byte_view, d) for d in datas],
+                                    options, async_write)
+
+    async def batch_put_from(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
+                             sizes: Sequence[int], *, options: PutOptions | None = None,
+                             async_write: bool = False) -> list[Status]:
+        """Store ``buf[offsets[i]:offsets[i]+sizes[i]]`` under ``keys[i]``, where ``bufs`` is one
+        buffer for every key or a list with one buffer per key. One Status per key."""
+        views = self._slices(keys, bufs, offsets, sizes, writable=False)
+        return await self._put_many("batch_put_from", keys, views, options, async_write)
+
+    async def batch_put_regions(self, keys: Sequence[KeyLike], regions: Sequence[Sequence[Any]],
+                                options: PutOptions | None = None,
+                                async_write: bool = False) -> list[Status]:
+        """Store, per key, the concatenation of its regions (scatter-gather, zero-copy).
+        One Status per key."""
+        _same_length(keys, regions)
+        return await self._put_many("batch_put_regions", keys,
+                                    [_try(regions_of, r) for r in regions], options, async_write)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    async def get(self, key: KeyLike) -> bytes | None:
+        """Return the object's bytes, or None when the key does not exist. Raises KVPoolError
+        (LEASE_EXPIRED, CHECKSUM_MISMATCH, TRANSFER_FAILED, RPC_FAILED, INVALID_KEY, ...)."""
+        try:
+            return (await self._read_one("get", key, None))[1]
+        except KVPoolError as exc:
+            if exc.status == Status.NOT_FOUND:
+                return None
+            raise
+
+    async def get_into(self, key: KeyLike, buf: Any, offset: int, size: int) -> int:
+        """Read the object into ``buf[offset:offset+size]``; return its size in bytes.
+
+        Raises KVPoolError: NOT_FOUND, BUFFER_OVERFLOW (the object is larger than ``size``),
+        INVALID_ARGUMENT (range outside the buffer, read-only buffer), LEASE_EXPIRED, ...
+        """
+        view = slice_view(self.buffers.view(buf, writable=True), offset, size)
+        return (await self._read_one("get_into", key, [view]))[0]
+
+    async def get_batch(self, keys: Sequence[KeyLike]) -> list[bytes | None]:
+        """Return each object's bytes, None where the key is missing or its read failed (the
+        failures are counted in metrics by status)."""
+        out, objects = await self._read_many("get_batch", keys, None)
+        return [objects[i] if out[i] >= 0 else None for i in range(len(keys))]
+
+    async def batch_get_into(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
+                             sizes: Sequence[int]) -> list[int]:
+        """Read ``keys[i]`` into ``buf[offsets[i]:offsets[i]+sizes[i]]`` (``bufs`` as in
+        batch_put_from); per key the bytes read, or a negative Status (NOT_FOUND,
+        BUFFER_OVERFLOW, LEASE_EXPIRED, ...)."""
+        views = self._slices(keys, bufs, offsets, sizes, writable=True)
+        dsts: list[Regions | Status] = [v if v is not None else Status.INVALID_ARGUMENT
+                                        for v in views]
+        return (await self._read_many("batch_get_into", keys, dsts))[0]
+
+    async def batch_get_regions(self, keys: Sequence[KeyLike],
+                                regions: Sequence[Sequence[Any]]) -> list[int]:
+        """Read each object into its regions, in order; per key the object's size in bytes, or
+        a negative Status (BUFFER_OVERFLOW when the regions hold less than the object)."""
+        _same_length(keys, regions)
+        dsts: list[Regions | Status] = []
+        for parts in regions:
+            views = _try(regions_of, parts, writable=True)
+            dsts.append(views if views is not None else Status.INVALID_ARGUMENT)
+        return (await self._read_many("batch_get_regions", keys, dsts))[0]
+
+    # -- lookups and removal ----------------------------------------------------------------------
+
+    async def batch_exists(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """Per key, True when it exists (READY). Raises KVPoolError when the master cannot be
+        reached, INVALID_KEY for a bad key."""
+        raws = [to_key(k) for k in keys]
+        started = time.perf_counter()
+        statuses, _ = await self._path().rpc.exist(self.client_id, raws)
+        self.metrics.observe_op("exists", time.perf_counter() - started)
+        found = [s == Status.OK for s in statuses]
+        self.metrics.count_lookups(len(raws), sum(found))
+        return found
+
+    async def exists(self, key: KeyLike) -> bool:
+        """True when ``key`` exists. Raises KVPoolError like batch_exists."""
+        return (await self.batch_exists([key]))[0]
+
+    async def get_size(self, key: KeyLike) -> int | None:
+        """The object's size in bytes, or None when it does not exist."""
+        statuses, sizes = await self._path().rpc.exist(self.client_id, [to_key(key)])
+        return sizes[0] if statuses[0] == Status.OK else None
+
+    async def query_prefix(self, keys: Sequence[KeyLike]) -> int:
+        """The number of leading keys that exist (each of them gets a read lease)."""
+        raws = [to_key(k) for k in keys]
+        started = time.perf_counter()
+        num_ready = await self._path().rpc.query_prefix(self.client_id, raws)
+        self.metrics.observe_op("query_prefix", time.perf_counter() - started)
+        self.metrics.count_lookups(len(raws), num_ready)
+        return num_ready
+
+    async def batch_remove(self, keys: Sequence[KeyLike], force: bool = False) -> list[Status]:
+        """Remove keys; per key OK, NOT_FOUND, HAS_LEASE (read lease live; unless ``force``)."""
+        statuses: list[Status] = [Status.OK] * len(keys)
+        raws: list[bytes] = []
+        index_of: list[int] = []
+        for index, key in enumerate(keys):
+            try:
+                raws.append(to_key(key))
+                index_of.append(index)
+            except KVPoolError as exc:
+                statuses[index] = exc.status
+        if raws:
+            answers = await self._path().rpc.remove(self.client_id, raws, force)
+            for index, status in zip(index_of, answers, strict=True):
+                statuses[index] = status
+        return statuses
+
+    async def remove(self, key: KeyLike, force: bool = False) -> None:
+        """Remove ``key``. Raises KVPoolError NOT_FOUND, HAS_LEASE (unless ``force``), ..."""
+        (status,) = await self.batch_remove([key], force)
+        if status != Status.OK:
+            raise KVPoolError(status, f"remove of key {key!r:.80} failed")
+
+    async def remove_all(self, force: bool = False) -> int:
+        """Remove every object (leased ones only with ``force``); returns how many went."""
+        return await self._path().rpc.remove_all(self.client_id, force)
+
+    async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove objects whose key (decoded as UTF-8) matches ``pattern``; returns how many.
+        Raises KVPoolError INVALID_ARGUMENT for a bad pattern."""
+        return await self._path().rpc.remove_by_regex(self.client_id, pattern, force)
+
+    # -- buffers, async writes, metrics -----------------------------------------------------------
+
+    async def register_buffer(self, buf: Any) -> None:
+        """Register a buffer used by put_from/get_into (optional; saves deriving its view)."""
+        self.buffers.register(buf)
+
+    async def unregister_buffer(self, buf: Any) -> None:
+        """Forget a registered buffer. Raises KVPoolError INVALID_ARGUMENT if it was not."""
+        self.buffers.unregister(buf)
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for async writes and pipelined commits. Raises KVPoolError TIMEOUT, or the first
+        failure's status with the number of writes that failed since the last flush."""
+        if self._writer is None:
+            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
+        await self._writer.flush(timeout_s)
+
+    async def start_metrics_server(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve this client's metrics on ``http://host:port/metrics``; returns the port."""
+        return self._start_metrics_server(port, host)
+
+    def _start_metrics_server(self, port: int, host: str) -> int:
+        from prometheus_client import start_http_server
+
+        if self._metrics_server is not None:
+            raise KVPoolError(Status.INVALID_ARGUMENT, "the metrics server already runs")
+        server, _thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+        self._metrics_server = server
+        return int(server.server_port)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _slices(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
+                sizes: Sequence[int], *, writable: bool) -> list[Regions | None]:
+        """One single-region list per key, None where its range or buffer is bad."""
+        per_key = isinstance(bufs, list | tuple)
+        if per_key:
+            _same_length(keys, bufs)
+        _same_length(keys, offsets)
+        _same_length(keys, sizes)
+        shared = None if per_key else self.buffers.view(bufs, writable=writable)
+        out: list[Regions | None] = []
+        for index in range(len(keys)):
+            try:
+                base = shared if shared is not None else \
+                    self.buffers.view(bufs[index], writable=writable)
+                out.append([slice_view(base, offsets[index], sizes[index])])
+            except KVPoolError:
+                out.append(None)
+        return out
+
+
+def _same_length(keys: Sequence[Any], values: Sequence[Any]) -> None:
+    if len(keys) != len(values):
+        raise KVPoolError(Status.INVALID_ARGUMENT,
+                          f"{len(keys)} keys but {len(values)} values")
+
+
+def _try(make: Any, value: Any, **kwargs: Any) -> Any:
+    """``make(value)``, or None when the value is unusable (its key then fails alone)."""
+    try:
+        result = make(value, **kwargs)
+    except KVPoolError:
+        return None
+    return [result] if isinstance(result, memoryview) else result
+

@@ -1,0 +1,318 @@
+"""The write and read engines behind every client call (one implementation, batch-shaped).
+
+Rules of this file:
+- Write: ``put_start`` -> copy to every placement (shm on this host, tcp otherwise, or as the
+  config forces) -> ``put_end`` (pipelined when ``commit_nowait``: the commit is sent before the
+  call returns and the master serves this client's later calls after it, so read-your-writes
+  holds) ; ``put_revoke`` for keys whose transfer failed. ``ALREADY_EXISTS`` is success.
+- A write is abandoned (and revoked) when this client re-registered since its ``put_start``
+  (epoch changed), when its liveness lapsed, or when the placement's write capability expired:
+  the master may already have given those bytes to someone else.
+- Read: ``get_replicas`` -> read one replica (same host first, the next one on failure) ->
+  the lease must not have run out (deadline counted from when the request was sent) and the
+  checksum must match where one was committed; otherwise the bytes are never reported as read.
+- Call-level failures (the master cannot be reached) raise KVPoolError before anything changed;
+  everything after ``put_start`` / ``get_replicas`` ends up in per-key statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
+
+from kvpool_client.buffers import Regions, checksum
+from kvpool_client.metrics import ClientMetrics
+from kvpool_client.rpc import MasterRpc
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.transfer import ShmTransport, TcpTransport, uses_shm
+from kvpool_client.transfer.base import Item
+from kvpool_client.types import Placement, PutOptions, SegmentInfo
+
+logger = logging.getLogger(__name__)
+
+#: Reads must finish this much before the lease runs out (clock-rate differences, scheduling).
+LEASE_MARGIN_RATIO = 0.02
+LEASE_MARGIN_MIN_S = 0.001
+#: Writes stop this long before liveness or the write capability runs out.
+WRITE_MARGIN_S = 0.05
+
+
+class LivenessView(Protocol):
+    """What the data path reads from liveness (see liveness.Liveness)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def is_alive(self, now: float | None = None) -> bool: ...
+
+
+class CommitWatcher(Protocol):
+    """Where pipelined commits report (see asyncwrite.AsyncWriter.watch_commit)."""
+
+    def watch_commit(self, keys: Sequence[bytes], future: asyncio.Future[list[Status]]) -> None: ...
+
+
+DstFor = Callable[[int, int], "Regions | Status"]
+
+
+class DataPath:
+    """Moves objects between caller regions and the pool; see the module docstring."""
+
+    def __init__(self, *, rpc: MasterRpc, client_id: str, local_host_id: str, transport: str,
+                 shm: ShmTransport, tcp: TcpTransport, checksum_enabled: bool,
+                 commit_nowait: bool, metrics: ClientMetrics,
+                 reregistered: Callable[[], Awaitable[None]]) -> None:
+        self.rpc = rpc
+        self.client_id = client_id
+        self.local_host_id = local_host_id
+        self.force_tcp = transport == "tcp"
+        self.shm_only = transport == "shm"
+        self.shm = shm
+        self.tcp = tcp
+        self.checksum_enabled = checksum_enabled
+        self.commit_nowait = commit_nowait
+        self.metrics = metrics
+        self.liveness: LivenessView | None = None
+        self.commits: CommitWatcher | None = None
+        self._reregistered = reregistered
+        self._segment_id_to_info: dict[str, SegmentInfo] = {}
+
+    # -- segment descriptors ----------------------------------------------------------------------
+
+    def remember(self, segments: Iterable[SegmentInfo]) -> None:
+        """Cache descriptors known without asking the master (this client's own segments)."""
+        for info in segments:
+            self._segment_id_to_info[info.segment_id] = info
+
+    def forget(self, segment_id: str) -> None:
+        """Drop a cached descriptor (and mapping): the next use asks the master again."""
+        self._segment_id_to_info.pop(segment_id, None)
+        self.shm.forget(segment_id)
+
+    async def resolve(self, segment_ids: Iterable[str]) -> dict[str, SegmentInfo]:
+        """Return the descriptors of ``segment_ids`` that exist (cached, else one master call)."""
+        known = self._segment_id_to_info
+        missing = [s for s in set(segment_ids) if s not in known]
+        if missing:
+            for segment_id, info in zip(missing, await self.rpc.get_segments(missing),
+                                        strict=True):
+                if info is not None:
+                    known[segment_id] = info
+        return known
+
+    def _prefers(self, info: SegmentInfo) -> bool:
+        return uses_shm(info, self.local_host_id, self.force_tcp)
+
+    # -- transfers --------------------------------------------------------------------------------
+
+    async def transfer(self, items: list[Item], *, writing: bool) -> list[Status]:
+        """Move every item through its transport (shm and tcp parts concurrently)."""
+        shm_part: list[int] = []
+        tcp_part: list[int] = []
+        statuses = [Status.OK] * len(items)
+        for index, item in enumerate(items):
+            if self._prefers(item[0]):
+                shm_part.append(index)
+            elif self.shm_only:
+                statuses[index] = Status.TRANSFER_FAILED  # transport "shm" forbids tcp
+            else:
+                tcp_part.append(index)
+        jobs = [(name, transport, part) for name, transport, part in
+                (("shm", self.shm, shm_part), ("tcp", self.tcp, tcp_part)) if part]
+        if len(jobs) == 1:
+            results = [await self._run_part(*jobs[0], items, writing)]
+        else:
+            results = list(await asyncio.gather(
+                *(self._run_part(name, transport, part, items, writing)
+                  for name, transport, part in jobs)))
+        for (_, _, part), part_statuses in zip(jobs, results, strict=True):
+            for index, status in zip(part, part_statuses, strict=True):
+                statuses[index] = status
+                if status in (Status.SEGMENT_NOT_FOUND, Status.TRANSFER_FAILED):
+                    self.forget(items[index][0].segment_id)
+        return statuses
+
+    async def _run_part(self, name: str, transport: ShmTransport | TcpTransport,
+                        part: list[int], items: list[Item], writing: bool) -> list[Status]:
+        chosen = [items[i] for i in part]
+        started = time.perf_counter()
+        if writing:
+            statuses = await transport.write_batch(chosen)
+        else:
+            statuses = await transport.read_batch(chosen)
+        num_bytes = sum(item[1].length for item, status in zip(chosen, statuses, strict=True)
+                        if status == Status.OK)
+        self.metrics.observe_transfer(name, "write" if writing else "read", num_bytes,
+                                      time.perf_counter() - started)
+        return statuses
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    async def write(self, keys: list[bytes], regions: list[Regions], sizes: list[int],
+                    options: PutOptions) -> list[Status]:
+        """Write objects (each key once, each size > 0); one Status per key (OK on success,
+        ALREADY_EXISTS counts as OK).
+
+        Raises KVPoolError only when ``put_start`` itself failed (RPC_FAILED, TIMEOUT, ...):
+        then nothing was written.
+        """
+        checksums = [checksum(r) for r in regions] if self.checksum_enabled else None
+        epoch = self._epoch()
+        answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
+        if answers and all(status == Status.UNKNOWN_CLIENT for status, _ in answers):
+            await self._wait_reregistered()
+            epoch = self._epoch()
+            answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
+        statuses = [Status.OK] * len(keys)
+        jobs: list[tuple[int, Placement]] = []
+        for index, (status, placements) in enumerate(answers):
+            if status == Status.OK and placements:
+                jobs.extend((index, placement) for placement in placements)
+            elif status == Status.ALREADY_EXISTS:
+                continue
+            else:
+                statuses[index] = status if status != Status.OK else Status.INTERNAL_ERROR
+        if not jobs:
+            return statuses
+        for (index, _), status in zip(jobs, await self._write_placements(jobs, regions, epoch),
+                                      strict=True):
+            if status != Status.OK and statuses[index] == Status.OK:
+                statuses[index] = status
+        written = sorted({i for i, _ in jobs if statuses[i] == Status.OK})
+        failed = sorted({i for i, _ in jobs if statuses[i] != Status.OK})
+        if failed:
+            await self._revoke([keys[i] for i in failed])
+        if written:
+            await self._commit(written, keys, checksums, statuses)
+        return statuses
+
+    async def _write_placements(self, jobs: list[tuple[int, Placement]], regions: list[Regions],
+                                epoch: int) -> list[Status]:
+        infos = await self.resolve(p.segment_id for _, p in jobs)
+        statuses = [Status.OK] * len(jobs)
+        # The master may have expired this client (paused process, lost heartbeats) and handed
+        # these ranges to another writer: abandon rather than overwrite someone else's bytes.
+        if self._epoch() != epoch:
+            return [Status.UNKNOWN_CLIENT] * len(jobs)
+        liveness = self.liveness
+        if liveness is not None and not liveness.is_alive(time.monotonic() + WRITE_MARGIN_S):
+            return [Status.TIMEOUT] * len(jobs)
+        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
+        items: list[Item] = []
+        chosen: list[int] = []
+        for k, (index, placement) in enumerate(jobs):
+            info = infos.get(placement.segment_id)
+            if info is None:
+                statuses[k] = Status.SEGMENT_NOT_FOUND
+            elif placement.capability_expiry_ms and placement.capability_expiry_ms < now_ms:
+                statuses[k] = Status.TIMEOUT
+            else:
+                items.append((info, placement, regions[index]))
+                chosen.append(k)
+        if items:
+            for k, status in zip(chosen, await self.transfer(items, writing=True), strict=True):
+                statuses[k] = status
+        return statuses
+
+    async def _revoke(self, keys: list[bytes]) -> None:
+        try:
+            await self.rpc.put_revoke(self.client_id, keys)
+        except KVPoolError as exc:
+            # The master reclaims them after put_start_discard_timeout anyway.
+            logger.warning("put_revoke of %d keys failed: %s", len(keys), exc)
+
+    async def _commit(self, written: list[int], keys: list[bytes], checksums: list[int] | None,
+                      statuses: list[Status]) -> None:
+        commit_keys = [keys[i] for i in written]
+        commit_sums = [checksums[i] for i in written] if checksums is not None else None
+        if self.commit_nowait and self.commits is not None:
+            future = self.rpc.put_end_nowait(self.client_id, commit_keys, commit_sums)
+            self.commits.watch_commit(commit_keys, future)
+            return
+        try:
+            answers = await self.rpc.put_end(self.client_id, commit_keys, commit_sums)
+        except KVPoolError as exc:
+            answers = [exc.status] * len(written)
+        for index, status in zip(written, answers, strict=True):
+            if status not in (Status.OK, Status.ALREADY_EXISTS):
+                statuses[index] = status
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    async def read(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
+        """Read objects into the regions ``dst_for(index, size_bytes)`` returns (or a Status to
+        fail that key, e.g. BUFFER_OVERFLOW). Returns per key the bytes read, or a negative
+        Status: NOT_FOUND, LEASE_EXPIRED, CHECKSUM_MISMATCH, TRANSFER_FAILED, ...
+
+        Raises KVPoolError only when ``get_replicas`` itself failed.
+        """
+        sent = time.monotonic()
+        results, lease_ttl_s = await self.rpc.get_replicas(self.client_id, keys)
+        deadline = sent + lease_ttl_s - max(lease_ttl_s * LEASE_MARGIN_RATIO, LEASE_MARGIN_MIN_S)
+        out = [0] * len(keys)
+        need = [p.segment_id for r in results if r.status == Status.OK for p in r.placements]
+        infos = await self.resolve(need) if need else {}
+        # job: (key index, candidate items in preference order); attempt n uses candidate n
+        jobs: list[tuple[int, list[Item]]] = []
+        for index, result in enumerate(results):
+            if result.status != Status.OK:
+                out[index] = int(result.status)
+                continue
+            dst = dst_for(index, result.size_bytes)
+            if isinstance(dst, Status):
+                out[index] = int(dst)
+                continue
+            candidates: list[Item] = [(infos[p.segment_id], p, dst) for p in result.placements
+                                      if p.segment_id in infos]
+            if not candidates:
+                out[index] = int(Status.SEGMENT_NOT_FOUND)
+                continue
+            candidates.sort(key=lambda item: not self._prefers(item[0]))
+            jobs.append((index, candidates))
+        attempt = 0
+        while jobs:
+            items = [candidates[attempt] for _, candidates in jobs]
+            statuses = await self.transfer(items, writing=False)
+            retry: list[tuple[int, list[Item]]] = []
+            for (index, candidates), status in zip(jobs, statuses, strict=True):
+                if status == Status.OK:
+                    out[index] = self._check_read(results[index].size_bytes,
+                                                  results[index].checksum, candidates[0][2],
+                                                  deadline)
+                elif attempt + 1 < len(candidates) and time.monotonic() < deadline:
+                    retry.append((index, candidates))
+                else:
+                    out[index] = int(status)
+            jobs = retry
+            attempt += 1
+        return out
+
+    def _check_read(self, size_bytes: int, expected: int, dst: Sequence[memoryview],
+                    deadline: float) -> int:
+        if time.monotonic() > deadline:
+            # The lease ran out while the bytes moved: they may have been overwritten.
+            return int(Status.LEASE_EXPIRED)
+        if self.checksum_enabled and expected and checksum(dst) != expected:
+            return int(Status.CHECKSUM_MISMATCH)
+        return size_bytes
+
+    # -- liveness hooks ---------------------------------------------------------------------------
+
+    def _epoch(self) -> int:
+        return self.liveness.epoch if self.liveness is not None else 0
+
+    async def _wait_reregistered(self) -> None:
+        await self._reregistered()
+
+
+def split_sizes(total_bytes: int, max_bytes: int) -> list[int]:
+    """Sizes of the segments that make up ``total_bytes`` (none for 0)."""
+    if total_bytes <= 0:
+        return []
+    if max_bytes <= 0 or max_bytes >= total_bytes:
+        return [total_bytes]
+    full, rest = divmod(total_bytes, max_bytes)
+    return [max_bytes] * full + ([rest] if rest else [])

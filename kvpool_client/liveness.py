@@ -1,0 +1,252 @@
+"""Liveness: heartbeats on their own thread, re-registration, and the client's right to write.
+
+Rules of this file:
+- Heartbeats run on a private loop thread with their own :class:`MasterRpc`, so a busy data path
+  (large copies, a full event loop) never delays them.
+- ``alive_until`` is the last moment this client can be sure the master still counts it as alive:
+  the send time of the last answered heartbeat plus ``client_ttl``. Past it (the process was
+  paused, or the master is unreachable) the client may already be expired and the bytes it was
+  told to write may belong to someone else: writes are abandoned and the data server refuses
+  every capability until a heartbeat answers again.
+- ``UNKNOWN_CLIENT`` (master restarted, or this client was expired after a pause) re-registers,
+  installs the new capability key in the data server *before* remounting (so capabilities
+  signed for the old incarnation are refused from then on), remounts every segment and bumps
+  ``epoch``: writes started in an older epoch are abandoned and revoked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool_client._loopthread import LoopThread
+from kvpool_client.metrics import ClientMetrics
+from kvpool_client.rpc import MasterRpc, Registration, TlsConfig
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.types import SegmentInfo
+
+logger = logging.getLogger(__name__)
+
+#: Retry pace while the master does not answer or a re-registration failed.
+RETRY_INTERVAL_S = 0.2
+#: A heartbeat never waits longer than this for its answer (it must not outlive the TTL).
+MAX_HEARTBEAT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class MasterAddress:
+    """How to reach the master (each loop builds its own stub from it)."""
+
+    address: str
+    timeout_s: float
+    tls: TlsConfig | None
+    auth_token: str
+    use_fast_path: bool
+
+    def stub(self, timeout_s: float | None = None) -> MasterRpc:
+        """A new stub for the calling loop."""
+        return MasterRpc(self.address, timeout_s=timeout_s or self.timeout_s, tls=self.tls,
+                         auth_token=self.auth_token, use_fast_path=self.use_fast_path)
+
+
+class Liveness:
+    """Keeps one client registered and alive; see the module docstring."""
+
+    def __init__(self, *, master: MasterAddress, client_id: str, host_id: str, hostname: str,
+                 registration: Registration, registered_at: float,
+                 segments: Callable[[], list[SegmentInfo]],
+                 set_serving_key: Callable[[bytes], None], interval_s: float,
+                 metrics: ClientMetrics) -> None:
+        self._master = master
+        self._client_id = client_id
+        self._host_id = host_id
+        self._hostname = hostname
+        self._segments = segments
+        self._set_serving_key = set_serving_key
+        self._fixed_interval_s = interval_s
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._registration = registration
+        self._epoch = 0
+        self.alive_until = registered_at + registration.client_ttl_s
+        self._suspended = False  # data server refusing everything while liveness is unproven
+        self._needs_mount = False
+        self._waiters: list[concurrent.futures.Future[int]] = []
+        self._thread: LoopThread | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: concurrent.futures.Future[None] | None = None
+        self._stopping = False
+
+    # -- read by the data path (any thread) -------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """Incremented by every re-registration."""
+        return self._epoch
+
+    @property
+    def registration(self) -> Registration:
+        """The master's answer to the latest registration."""
+        return self._registration
+
+    def is_alive(self, now: float | None = None) -> bool:
+        """True while the master certainly still counts this client as alive."""
+        return (time.monotonic() if now is None else now) < self.alive_until
+
+    def request_reregister(self) -> concurrent.futures.Future[int]:
+        """Ask for a re-registration now (a call got UNKNOWN_CLIENT).
+
+        Returns a future of the new epoch; it fails with UNAVAILABLE when liveness stops first.
+        """
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping:
+                future.set_exception(KVPoolError(Status.UNAVAILABLE, "the client is closed"))
+                return future
+            self._waiters.append(future)
+        self._poke()
+        return future
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start heartbeating on a private thread."""
+        self._thread = LoopThread(f"kvpool-heartbeat-{self._client_id}")
+        self._task = asyncio.run_coroutine_threadsafe(self._main(), self._thread.loop)
+
+    def stop(self) -> None:
+        """Stop heartbeating and wait for the thread (idempotent)."""
+        with self._lock:
+            self._stopping = True
+            waiters, self._waiters = self._waiters, []
+        for future in waiters:
+            future.set_exception(KVPoolError(Status.UNAVAILABLE, "the client is closed"))
+        if self._thread is None:
+            return
+        self._poke()
+        if self._task is not None:
+            try:
+                self._task.result(timeout=self._master.timeout_s + 1.0)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                logger.warning("heartbeat thread did not stop in time")
+        self._thread.stop()
+        self._thread = None
+
+    def _poke(self) -> None:
+        thread, wake = self._thread, self._wake
+        if thread is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                thread.loop.call_soon_threadsafe(wake.set)
+
+    # -- the heartbeat loop (private thread) ------------------------------------------------------
+
+    def _interval_s(self) -> float:
+        return self._fixed_interval_s or self._registration.client_ttl_s / 3
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        timeout_s = min(self._master.timeout_s, MAX_HEARTBEAT_TIMEOUT_S,
+                        max(self._registration.client_ttl_s / 3, 0.05))
+        rpc = self._master.stub(timeout_s)
+        next_beat = time.monotonic() + self._interval_s()
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                # Wake for the next beat, or exactly when liveness lapses, or when poked.
+                wait_s = min(next_beat, self.alive_until if not self._suspended else next_beat)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(wait_s - now, 0.0))
+                self._wake.clear()
+                if self._stopping:
+                    break
+                self._check_lapse()
+                if time.monotonic() < next_beat and not self._waiters:
+                    continue
+                ok = await self._beat(rpc)
+                next_beat = time.monotonic() + (self._interval_s() if ok else RETRY_INTERVAL_S)
+        finally:
+            await rpc.close()
+
+    def _check_lapse(self) -> None:
+        if not self._suspended and not self.is_alive():
+            logger.warning("client %s: no heartbeat answered for client_ttl; refusing data-plane "
+                           "requests until the master answers", self._client_id)
+            self._suspended = True
+            self._set_serving_key(os.urandom(32))
+
+    async def _beat(self, rpc: MasterRpc) -> bool:
+        """One heartbeat (or re-registration); True when the master answered as hoped."""
+        if self._waiters or self._needs_mount:
+            return await self._reregister(rpc)
+        sent = time.monotonic()
+        try:
+            status = await rpc.heartbeat(self._client_id)
+        except KVPoolError as exc:
+            self._metrics.heartbeat_failures += 1
+            logger.debug("heartbeat failed: %s", exc)
+            self._check_lapse()
+            return False
+        if status == Status.OK:
+            self._mark_alive(sent, self._registration.client_ttl_s)
+            return True
+        self._metrics.heartbeat_failures += 1
+        if status == Status.UNKNOWN_CLIENT:
+            logger.warning("client %s: master does not know this client (restarted, or this "
+                           "client was expired); re-registering", self._client_id)
+            return await self._reregister(rpc)
+        logger.warning("heartbeat answered %s", status.name)
+        return False
+
+    async def _reregister(self, rpc: MasterRpc) -> bool:
+        sent = time.monotonic()
+        if not self._needs_mount:
+            try:
+                registration = await rpc.register_client(self._client_id, self._host_id,
+                                                         self._hostname)
+            except KVPoolError as exc:
+                logger.warning("re-registration failed: %s", exc)
+                self._check_lapse()
+                return False
+            with self._lock:
+                self._registration = registration
+                self._epoch += 1
+            # Before any segment is mounted again: capabilities of the old incarnation die here.
+            self._set_serving_key(registration.capability_key)
+            self._suspended = False
+            self._metrics.reregistrations += 1
+            self._needs_mount = True
+        for segment in self._segments():
+            try:
+                status = await rpc.mount_segment(self._client_id, segment)
+            except KVPoolError as exc:
+                logger.warning("remount of segment %s failed: %s", segment.segment_id, exc)
+                return False
+            if status not in (Status.OK, Status.SEGMENT_ALREADY_EXISTS):
+                logger.warning("remount of segment %s answered %s", segment.segment_id,
+                               status.name)
+                if status == Status.UNKNOWN_CLIENT:
+                    self._needs_mount = False  # register again from the start
+                    return False
+        self._needs_mount = False
+        self._mark_alive(sent, self._registration.client_ttl_s)
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for future in waiters:
+            future.set_result(self._epoch)
+        logger.info("client %s re-registered (epoch %d)", self._client_id, self._epoch)
+        return True
+
+    def _mark_alive(self, sent: float, client_ttl_s: float) -> None:
+        self.alive_until = max(self.alive_until, sent + client_ttl_s)
+        if self._suspended:
+            self._suspended = False
+            self._set_serving_key(self._registration.capability_key)
+            logger.info("client %s: master answers again; serving data-plane requests",
+                        self._client_id)
