@@ -52,6 +52,7 @@ class MasterConfig:
     max_inflight_requests: int = 4096
     frame_timeout_s: float = 30.0
     state_dir: str = ""
+    state_fsync: str = "batch"
     restore_grace_s: float = 60.0
     tls_cert: str = ""
     tls_key: str = ""
@@ -195,6 +196,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_dir", "state_dir", _text,
            "persist the index here (snapshot + log) and restore it at start (default: none)",
            "DIR"),
+    Option("state_fsync", "state_fsync", _choice("always", "batch", "never"),
+           "when the state log is fsynced: always (every change), batch (at most 50 ms "
+           "after a change; default), never (left to the OS; a killed master still loses "
+           "nothing, a machine crash may)", "POLICY"),
     Option("restore_grace", "restore_grace_s", _float(0.0, 24 * HOUR_S),
            "seconds restored segments have to be remounted before their objects are dropped "
            "(default 60)", "SECONDS"),

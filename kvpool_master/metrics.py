@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -63,6 +63,12 @@ class MasterMetrics:
             "kvpool_refusals_total",
             "Connections or calls refused (missing/wrong token, connection limit)",
             ["transport", "reason"], registry=r)
+        self.state_write_failures = Counter(
+            "kvpool_state_write_failures_total",
+            "Failed writes of the --state-dir log (repaired by a full snapshot)", registry=r)
+        self._state_log_bytes = Gauge("kvpool_state_log_bytes",
+                                      "Size of the --state-dir log since the last snapshot",
+                                      registry=r)
         self.registry.register(_CoreCollector(core, clock, master_id))
         self._rpc_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
@@ -85,6 +91,10 @@ class MasterMetrics:
     def refused(self, transport: str, reason: str) -> None:
         """Count one refused connection or call."""
         self.refusals.labels(transport, reason).inc()
+
+    def watch_store(self, store: Any) -> None:
+        """Export the size of the state log of ``store`` (a persist.StateStore)."""
+        self._state_log_bytes.set_function(lambda: store.log_bytes)
 
     # -- documents --------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.metrics import HttpEndpoint, MasterMetrics
+from kvpool_master.persist import StateStore
 from kvpool_master.rpc.lean import LeanServer
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
 
@@ -41,6 +42,8 @@ log = logging.getLogger("kvpool.master")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Master"].full_name
 TICK_INTERVAL_S = 0.1
+STATE_FSYNC_INTERVAL_S = 0.05
+MASTER_ID_NAME = "master_id"
 STALL_THRESHOLD_S = 0.5
 SHUTDOWN_GRACE_S = 10.0
 
@@ -66,8 +69,9 @@ class MasterServer:
         self.config = config
         self.clock = ServingClock(stall_threshold_s=STALL_THRESHOLD_S)
         self.core = MasterCore(core_config(config))
-        self.master_id = uuid.uuid4().hex
-        self.store: Any = None
+        self.master_id = self._master_id(config)
+        self.store: StateStore | None = None
+        self._store_failed = False
         self.metrics = MasterMetrics(self.core, self.clock, master_id=self.master_id,
                                      settings=public_settings(config))
         self._auth_token = load_auth_token(config)
@@ -177,9 +181,39 @@ class MasterServer:
         return behavior
 
     def _restore(self) -> None:
+        """Open the state store and load the persisted index into the fresh core."""
         if not self.config.state_dir:
             return
-        raise NotImplementedError("--state-dir needs kvpool_master/persist.py")
+        self.store = StateStore(self.config.state_dir, fsync=self.config.state_fsync,
+                                fsync_interval_s=STATE_FSYNC_INTERVAL_S,
+                                restore_grace_s=self.config.restore_grace_s)
+        report = self.store.load(self.core, self.clock.now())
+        log.info("restored from %s: %d clients, %d segments, %d objects (%d log records, "
+                 "%d rows dropped, %d torn log bytes cut); segments have %g s to be remounted",
+                 self.config.state_dir, report.num_clients, report.num_segments,
+                 report.num_objects, report.num_log_records, report.num_dropped_rows,
+                 report.truncated_log_bytes, self.config.restore_grace_s)
+        self.metrics.watch_store(self.store)
+
+    @staticmethod
+    def _master_id(config: MasterConfig) -> str:
+        """A new id per start; with --state-dir the id of the index, kept across restarts.
+
+        Clients compare it to tell a restart that kept their objects from one that did not.
+        """
+        if not config.state_dir:
+            return uuid.uuid4().hex
+        path = Path(config.state_dir) / MASTER_ID_NAME
+        with contextlib.suppress(OSError):
+            existing = path.read_text().strip()
+            if existing:
+                return existing
+        master_id = uuid.uuid4().hex
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(master_id + "\n")
+        os.replace(tmp, path)
+        return master_id
 
     def _write_ready_file(self) -> None:
         if not self.config.ready_file:
@@ -199,14 +233,37 @@ class MasterServer:
             await asyncio.sleep(TICK_INTERVAL_S)
             try:
                 self.servicer.tick()
+                self._tick_store()
             except Exception:
                 log.exception("tick failed")
+
+    def _tick_store(self) -> None:
+        if self.store is None:
+            return
+        if self._store_failed:
+            try:
+                self.store.compact(self.core)
+            except OSError as exc:
+                log.error("state snapshot still failing: %s", exc)
+                return
+            log.info("state directory whole again after a full snapshot")
+            self._store_failed = False
+        self.store.flush()  # the "batch" policy's bound on unsynced changes
 
     def _fan_out(self, events: list[ev.Event]) -> None:
         for event in events:
             _log_event(event)
-        if self.store is not None:
+        if self.store is None:
+            return
+        try:
             self.store.append(events)
+            self.store.maybe_compact(self.core)
+        except OSError:
+            # The index in memory is right; the log missed a change. A full snapshot on a
+            # later tick makes the state directory whole again.
+            log.exception("cannot write the state log; will retry with a full snapshot")
+            self._store_failed = True
+            self.metrics.state_write_failures.inc()
 
     def request_stop(self) -> None:
         """Ask the server to shut down (what SIGTERM/SIGINT do)."""
@@ -236,6 +293,9 @@ class MasterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tick_task
         if self.store is not None:
+            if self._store_failed:
+                with contextlib.suppress(OSError):
+                    self.store.compact(self.core)
             self.store.close()
         if self.config.ready_file:
             with contextlib.suppress(OSError):
