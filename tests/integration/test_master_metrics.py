@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -89,3 +90,33 @@ async def test_promtool_accepts_the_exposition(master) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", \
         result.stdout + result.stderr
+
+
+async def test_eviction_and_reclaim_show_in_metrics(start_master) -> None:
+    master = start_master(eviction_high_watermark_ratio=0.5, eviction_ratio=0.2,
+                          put_start_discard_timeout=0.3)
+    rpc = MasterRpc(master.address)
+    try:
+        await rpc.register_client("e", "h", "")
+        segment = SegmentInfo(SegmentId("e/0"), ClientId("e"), 64 * 1024)
+        assert await rpc.mount_segment("e", segment) == Status.OK
+        for i in range(100):
+            key = f"obj{i}".encode()
+            [(status, _)] = await rpc.put_start("e", [key], [1024], PutOptions())
+            assert status == Status.OK
+            assert await rpc.put_end("e", [key]) == [Status.OK]
+        await rpc.put_start("e", [b"never-committed"], [1024], PutOptions())
+        deadline = asyncio.get_running_loop().time() + 10
+        while asyncio.get_running_loop().time() < deadline:
+            text = _scrape(master.metrics_url)
+            if _value(text, "kvpool_pending_reclaimed_total") >= 1:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await rpc.close()
+    assert _value(text, "kvpool_pending_reclaimed_total") == 1
+    assert _value(text, "kvpool_evicted_objects_total") > 0
+    assert _value(text, "kvpool_evicted_bytes_total") >= 1024 * _value(
+        text, "kvpool_evicted_objects_total")
+    assert _value(text, "kvpool_eviction_passes_total") > 0
+    assert _value(text, 'kvpool_used_bytes{tier="DRAM"}') <= 0.5 * 64 * 1024 + 1024
