@@ -39,6 +39,7 @@ from kvpool_master.core.events import (
 from kvpool_master.core.mutations import Mutations
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
+from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
 from kvpool_master.core.stats import CoreStats, Counters
 
 __all__ = ["CoreConfig", "MasterCore"]
@@ -233,6 +234,27 @@ class MasterCore(Mutations):
     def stats(self) -> CoreStats:
         """Return a copy of every counter and gauge (see ``core/stats.py``)."""
         return self._build_stats()
+
+    # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
+
+    def snapshot(self) -> Snapshot:
+        """Return the durable state (clients, segments, READY objects in LRU order).
+
+        Its ``objects`` is an iterator over the live table: consume it before the next call
+        into the core.
+        """
+        return take_snapshot(self._clients, self._segments, self._objects)
+
+    def restore(self, snapshot: Snapshot, now: float, grace_s: float) -> RestoreCounts:
+        """Load ``snapshot`` into this fresh core; return what was restored and dropped.
+
+        Restored clients must register again and remount their segments (identical
+        descriptors) before ``now + grace_s``; objects on a segment are readable once it is
+        remounted and dropped if it is not remounted in time. Emits no events (the state came
+        from the log). Raises ``ValueError`` when the core is not fresh.
+        """
+        return restore_into(self._clients, self._segments, self._objects, snapshot, now,
+                            grace_s, self._config.max_key_bytes)
 
     # ---- helpers shared with mutations.py ------------------------------------------------
 

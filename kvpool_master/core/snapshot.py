@@ -1,0 +1,183 @@
+"""Snapshot and restore of the durable part of the core's state, as plain rows.
+
+Rules of this file:
+- Durable: clients (with their capability keys), segments, READY objects (in LRU order).
+  Not durable: leases (they last seconds; a restarted master has no readers in flight that it
+  promised anything to) and PENDING objects (their writers learn of the restart from
+  UNKNOWN_CLIENT and put again; keeping half-written objects would only leak their space).
+- Rows are tuples of str/int/bytes/None so any serialiser (``persist.py`` uses msgpack) can
+  carry them; a row read back may be a list instead of a tuple.
+- Restore goes into a fresh core. Restored clients and segments wait for their owner: a
+  client must register again (it gets its old key back) and mount each segment again with an
+  identical descriptor before ``now + grace_s``; until then objects on that segment are not
+  readable, and after it they are dropped (``tick``). Every row is validated; a malformed
+  row, a replica on an unknown segment or an extent overlapping another is dropped (counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
+from kvpool_master.core.clients import ClientState, ClientTable, registration_error
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
+
+#: (client_id, host_id, capability_key)
+ClientRow = tuple[str, str, bytes]
+#: SegmentInfo fields in declaration order, tier as an int.
+SegmentRow = tuple[str, str, int, int, str, str, str, str]
+#: (key, size_bytes, [segment_id, offset, length, ...] flattened, checksum, pin, parent_key)
+ObjectRow = tuple[bytes, int, list[Any], int, int, bytes | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The durable state; ``objects`` may be a one-shot iterator (consume it at once)."""
+
+    clients: Sequence[Sequence[Any]]
+    segments: Sequence[Sequence[Any]]
+    objects: Iterable[Sequence[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCounts:
+    """What ``restore`` brought back and what it had to drop."""
+
+    num_clients: int
+    num_segments: int
+    num_objects: int
+    num_dropped_rows: int
+
+
+def segment_row(info: SegmentInfo) -> SegmentRow:
+    """Return the row of a segment descriptor."""
+    return (info.segment_id, info.client_id, info.size_bytes, int(info.tier), info.host_id,
+            info.shm_name, info.tcp_endpoint, info.engine_endpoint)
+
+
+def object_row(key: bytes, size_bytes: int, placements: tuple[Placement, ...], checksum: int,
+               pin: int, parent_key: bytes | None) -> ObjectRow:
+    """Return the row of one READY object."""
+    flat: list[Any] = []
+    for p in placements:
+        flat += (p.segment_id, p.offset, p.length)
+    return (key, size_bytes, flat, checksum, int(pin), parent_key)
+
+
+def take_snapshot(clients: ClientTable, segments: SegmentTable,
+                  objects: ObjectTable) -> Snapshot:
+    """Return the durable state; its ``objects`` iterator must be consumed before the core
+    changes again."""
+    return Snapshot(
+        clients=[(c.client_id, c.host_id, c.capability_key)
+                 for c in clients.id_to_client.values()],
+        segments=[segment_row(s.info) for s in segments.id_to_segment.values()],
+        objects=_object_rows(objects),
+    )
+
+
+def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
+    for key, entry in objects.key_to_object.items():
+        if entry.writer_id is None:
+            yield object_row(key, entry.size_bytes, entry.placements, entry.checksum,
+                             entry.pin, entry.parent_key)
+
+
+def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
+                 snapshot: Snapshot, now: float, grace_s: float,
+                 max_key_bytes: int) -> RestoreCounts:
+    """Load ``snapshot`` into empty tables; return what was restored and dropped."""
+    if clients.id_to_client or segments.id_to_segment or len(objects):
+        raise ValueError("restore needs a fresh core")
+    deadline_s = now + grace_s
+    dropped = 0
+    for row in snapshot.clients:
+        try:
+            client_id, host_id, key = row
+        except (TypeError, ValueError):
+            dropped += 1
+            continue
+        if registration_error(client_id, host_id, key) or client_id in clients.id_to_client:
+            dropped += 1
+            continue
+        clients.add(ClientState(ClientId(client_id), host_id, key, now, restored=True,
+                                restore_deadline_s=deadline_s))
+    infos: dict[SegmentId, SegmentInfo] = {}
+    for row in snapshot.segments:
+        info = _segment_info(row)
+        if info is None or info.segment_id in infos or info.client_id not in clients.id_to_client:
+            dropped += 1
+            continue
+        infos[info.segment_id] = info
+    segment_to_extents: dict[SegmentId, list[tuple[int, int, ObjectKey]]] = {s: [] for s in infos}
+    for row in snapshot.objects:
+        entry, key = _object_entry(row, infos, max_key_bytes)
+        if entry is None or key in objects.key_to_object:
+            dropped += 1
+            continue
+        objects.add_ready(key, entry)
+        for p in entry.placements:
+            segment_to_extents[p.segment_id].append((p.offset, aligned(p.length), key))
+    doomed: set[ObjectKey] = set()
+    for extents in segment_to_extents.values():
+        extents.sort()
+        end = 0
+        for offset, size, key in extents:
+            if offset < end:
+                doomed.add(key)   # overlaps an extent before it: corrupt, keep the first
+            else:
+                end = offset + size
+    for key in doomed:
+        objects.pop(key)
+    dropped += len(doomed)
+    for segment_id, info in infos.items():
+        used = [(o, s) for o, s, k in segment_to_extents[segment_id] if k not in doomed]
+        segments.add(SegmentState(info, Allocator.from_used(info.size_bytes, used), mounted=False,
+                                  restore_deadline_s=deadline_s))
+    return RestoreCounts(len(clients), len(infos), len(objects), dropped)
+
+
+def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
+    try:
+        segment_id, client_id, size_bytes, tier, host_id, shm, tcp, engine = row
+        info = SegmentInfo(SegmentId(segment_id), ClientId(client_id), size_bytes, Tier(tier),
+                           host_id, shm, tcp, engine)
+    except (TypeError, ValueError):
+        return None
+    if segment_info_error(info) or not all(isinstance(s, str) for s in (host_id, shm, tcp,
+                                                                          engine)):
+        return None
+    return info
+
+
+def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
+                  max_key_bytes: int) -> tuple[ObjectEntry | None, ObjectKey]:
+    try:
+        key, size_bytes, flat, checksum, pin, parent_key = row
+        pin = Pin(pin)
+    except (TypeError, ValueError):
+        return None, ObjectKey(b"")
+    if (not isinstance(key, bytes) or not 0 < len(key) <= max_key_bytes
+            or type(size_bytes) is not int or size_bytes <= 0
+            or type(checksum) is not int or not 0 <= checksum < 1 << 64
+            or not (parent_key is None or (isinstance(parent_key, bytes)
+                                           and 0 < len(parent_key) <= max_key_bytes))
+            or not isinstance(flat, list | tuple) or not flat or len(flat) % 3):
+        return None, ObjectKey(b"")
+    placements: list[Placement] = []
+    for i in range(0, len(flat), 3):
+        segment_id, offset, length = flat[i:i + 3]
+        info = infos.get(SegmentId(segment_id)) if isinstance(segment_id, str) else None
+        if (info is None or type(offset) is not int or offset < 0 or offset % ALIGN_BYTES
+                or length != size_bytes
+                or offset + aligned(size_bytes) > info.size_bytes - info.size_bytes % ALIGN_BYTES
+                or any(p.segment_id == segment_id for p in placements)):
+            return None, ObjectKey(b"")
+        placements.append(Placement(SegmentId(segment_id), offset, size_bytes))
+    entry = ObjectEntry(size_bytes, tuple(placements), None, pin,
+                        ObjectKey(parent_key) if parent_key is not None else None, checksum)
+    return entry, ObjectKey(key)

@@ -1,0 +1,487 @@
+"""Durable index of kvpool-master (``--state-dir DIR``): a snapshot plus an append-only log.
+
+API (server.py wires it; every call is synchronous and made from the event loop thread)::
+
+    store = StateStore(state_dir, fsync="batch", fsync_interval_s=0.05,
+                       restore_grace_s=30.0, compact_log_bytes=64 << 20)
+    report = store.load(core, now)       # once, into a fresh MasterCore, before serving
+    store.append(events)                 # every list drained with core.take_events()
+    store.maybe_compact(core)            # now and then (tick loop), right after append():
+                                         # the snapshot must contain everything logged
+    store.flush()                        # optional (tick loop): fsync what "batch" left unsynced
+    store.close()
+
+Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp``. Both are sequences of records
+``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``. The first record of each
+is a header ``{"format": ..., "version": 1, "generation": G}``. The snapshot holds clients,
+segments and READY objects (chunks of rows, see ``core/snapshot.py``) and an end record; the
+log holds one record per ``append`` call (a list of event rows). The log applies on top of
+the snapshot of the same generation only.
+
+Durability (``fsync``):
+- ``"always"``: every ``append`` is fsynced before it returns.
+- ``"batch"`` (default): records are written (to the page cache) at once, so a killed master
+  loses nothing; fsync runs when ``fsync_interval_s`` has passed since the last one (on
+  ``append`` or ``flush``), so a machine crash loses at most that much.
+- ``"never"``: no fsync of the log (the operating system writes it back when it likes).
+Compaction writes the new snapshot to a temporary file, fsyncs it, renames it into place,
+fsyncs the directory, then starts an empty log of the new generation the same way. A crash at
+any point leaves either the old snapshot and log or the new snapshot (and its log, or none).
+
+Restore: clients (with their capability keys), segments and READY objects come back. Restored
+clients must register again and mount their segments again (identical descriptors) within
+``restore_grace_s``; objects on segments that are not back in time are dropped. Leases are not
+persisted (they last seconds and no reader survives a master restart with a lease the new
+master must honour). PENDING objects are not persisted: their writers see UNKNOWN_CLIENT,
+re-register and put again, and a half-written object must never become readable.
+
+A torn or corrupt record (short header, impossible length, bad crc, undecodable payload) ends
+the log: it is truncated there with a warning. A corrupt snapshot is set aside
+(``snapshot.kvp.corrupt``) with a warning; what was read before the damage is kept. Nothing
+here raises on bad files; ``OSError`` from the file system propagates from ``load`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgpack
+
+from kvpool_master.core import events as ev
+from kvpool_master.core.master import MasterCore
+from kvpool_master.core.snapshot import Snapshot, object_row, segment_row
+
+log = logging.getLogger("kvpool.master.persist")
+
+SNAPSHOT_NAME = "snapshot.kvp"
+LOG_NAME = "log.kvp"
+VERSION = 1
+FSYNC_POLICIES = ("always", "batch", "never")
+_FRAME = struct.Struct("<II")
+_MAX_RECORD_BYTES = 1 << 30
+_OBJECTS_PER_CHUNK = 4096
+
+# Event rows: [code, fields...]. Only events that change durable state are logged.
+_CLIENT_REGISTERED, _CLIENT_GONE, _SEGMENT_MOUNTED, _SEGMENT_UNMOUNTED = 1, 2, 3, 4
+_OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreReport:
+    """What ``StateStore.load`` found and restored."""
+
+    num_clients: int
+    num_segments: int
+    num_objects: int
+    num_dropped_rows: int         # malformed or conflicting rows the core refused
+    num_log_records: int          # log records replayed on top of the snapshot
+    truncated_log_bytes: int      # torn or corrupt log tail cut off
+    generation: int
+    warnings: tuple[str, ...]
+
+
+class StateStore:
+    """Snapshot + append-only log of one master's index in ``state_dir``."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], fsync: str = "batch",
+                 fsync_interval_s: float = 0.05, restore_grace_s: float = 30.0,
+                 compact_log_bytes: int = 64 << 20) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if not fsync_interval_s >= 0 or not restore_grace_s >= 0 or compact_log_bytes < 1:
+            raise ValueError("fsync_interval_s, restore_grace_s must be >= 0 and "
+                             "compact_log_bytes >= 1")
+        self._dir = Path(state_dir)
+        self._fsync = fsync
+        self._fsync_interval_s = fsync_interval_s
+        self._restore_grace_s = restore_grace_s
+        self._compact_log_bytes = compact_log_bytes
+        self._generation = 0
+        self._fd = -1
+        self._log_bytes = 0
+        self._unsynced = False
+        self._last_sync_s = time.monotonic()
+
+    @property
+    def log_bytes(self) -> int:
+        """Current size of the log file in bytes."""
+        return self._log_bytes
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def load(self, core: MasterCore, now: float) -> RestoreReport:
+        """Restore the saved index into the fresh ``core`` and open the log for appending.
+
+        Returns what was restored. A missing directory or files mean an empty index.
+        """
+        self._dir.mkdir(parents=True, exist_ok=True)
+        warnings: list[str] = []
+        snapshot_path = self._dir / SNAPSHOT_NAME
+        generation = 0
+        clients: dict[str, Sequence[Any]] = {}
+        segments: dict[str, Sequence[Any]] = {}
+        snapshot_file: BinaryIO | None = None
+        lost_snapshot = False
+        if snapshot_path.exists():
+            snapshot_file = snapshot_path.open("rb")
+            try:
+                generation, clients, segments = _read_snapshot_head(snapshot_file)
+            except _Corrupt as exc:
+                snapshot_file.close()
+                snapshot_file = None
+                lost_snapshot = True
+                warnings.append(self._set_aside(snapshot_path, str(exc)))
+        log_records, truncated, generation = self._read_log(generation, lost_snapshot,
+                                                            warnings)
+        overlay = _Overlay(clients, segments)
+        for record in log_records:
+            overlay.apply(record)
+        try:
+            snapshot_rows = (_read_snapshot_objects(snapshot_file, warnings)
+                             if snapshot_file is not None else iter(()))
+            counts = core.restore(Snapshot(list(overlay.clients.values()),
+                                           list(overlay.segments.values()),
+                                           overlay.objects(snapshot_rows)),
+                                  now, self._restore_grace_s)
+        finally:
+            if snapshot_file is not None:
+                snapshot_file.close()
+        self._generation = generation
+        self._open_log(fresh=not (self._dir / LOG_NAME).exists())
+        for message in warnings:
+            log.warning("%s", message)
+        return RestoreReport(counts.num_clients, counts.num_segments, counts.num_objects,
+                             counts.num_dropped_rows, len(log_records), truncated, generation,
+                             tuple(warnings))
+
+    def _read_log(self, generation: int, any_generation: bool,
+                  warnings: list[str]) -> tuple[list[list[Any]], int, int]:
+        """Return the event records of the log of ``generation`` (of any generation when the
+        snapshot was lost: it is all that is left), the bytes cut off, and the generation."""
+        path = self._dir / LOG_NAME
+        if not path.exists():
+            return [], 0, generation
+        data = path.read_bytes()
+        records: list[list[Any]] = []
+        offset = 0
+        header, offset, problem = _next_record(data, 0)
+        if (problem or not isinstance(header, dict) or header.get("format") != "kvpool-log"
+                or header.get("version") != VERSION):
+            warnings.append(f"{path}: unreadable log header ({problem or 'wrong header'}); "
+                            f"discarding {len(data)} bytes")
+            path.unlink()
+            return [], len(data), generation
+        if any_generation and type(header.get("generation")) is int:
+            generation = header["generation"]
+        if header.get("generation") != generation:
+            # Left by a compaction that crashed after its snapshot was in place: everything in
+            # it is in the snapshot already.
+            path.unlink()
+            return [], 0, generation
+        good = offset
+        while offset < len(data):
+            record, offset, problem = _next_record(data, offset)
+            if problem or not isinstance(record, list):
+                warnings.append(f"{path}: {problem or 'malformed record'} at byte {good}; "
+                                f"truncating {len(data) - good} bytes")
+                with path.open("r+b") as f:
+                    f.truncate(good)
+                    os.fsync(f.fileno())
+                return records, len(data) - good, generation
+            records.append(record)
+            good = offset
+        return records, 0, generation
+
+    def _set_aside(self, path: Path, reason: str) -> str:
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        return f"{path}: {reason}; moved to {aside.name}, starting from the log alone"
+
+    # ---- append --------------------------------------------------------------------------
+
+    def append(self, events: Iterable[ev.Event]) -> None:
+        """Log the durable ones among ``events`` as one record; fsync per the policy."""
+        if self._fd < 0:
+            raise RuntimeError("StateStore.append before load() or after close()")
+        rows = [row for row in map(_event_row, events) if row is not None]
+        if not rows:
+            return
+        record = _frame(rows)
+        try:
+            written = os.write(self._fd, record)
+            if written != len(record):
+                raise OSError(f"short write ({written} of {len(record)} bytes)")
+        except OSError:
+            # Leave no partial record behind: later records must stay readable.
+            os.ftruncate(self._fd, self._log_bytes)
+            raise
+        self._log_bytes += len(record)
+        self._unsynced = True
+        due = (self._fsync == "always"
+               or (self._fsync == "batch"
+                   and time.monotonic() - self._last_sync_s >= self._fsync_interval_s))
+        if due:
+            self._sync()
+
+    def flush(self) -> None:
+        """Fsync the log now if anything is unsynced (a no-op for ``fsync="never"``)."""
+        if self._fd >= 0 and self._unsynced and self._fsync != "never":
+            self._sync()
+
+    def _sync(self) -> None:
+        os.fsync(self._fd)
+        self._unsynced = False
+        self._last_sync_s = time.monotonic()
+
+    # ---- compaction ----------------------------------------------------------------------
+
+    def maybe_compact(self, core: MasterCore) -> bool:
+        """Compact when the log has grown past ``compact_log_bytes``; return whether it did.
+
+        Call it right after ``append`` of every event taken from ``core`` so far.
+        """
+        if self._log_bytes < self._compact_log_bytes:
+            return False
+        self.compact(core)
+        return True
+
+    def compact(self, core: MasterCore) -> None:
+        """Write a snapshot of ``core`` and start an empty log of the next generation."""
+        generation = self._generation + 1
+        snapshot = core.snapshot()
+        tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
+        with tmp.open("wb") as f:
+            f.write(_frame({"format": "kvpool-snapshot", "version": VERSION,
+                            "generation": generation}))
+            f.write(_frame([list(c) for c in snapshot.clients]))
+            f.write(_frame([list(s) for s in snapshot.segments]))
+            num_objects = 0
+            chunk: list[Sequence[Any]] = []
+            for row in snapshot.objects:
+                chunk.append(row)
+                if len(chunk) == _OBJECTS_PER_CHUNK:
+                    f.write(_frame(chunk))
+                    num_objects += len(chunk)
+                    chunk = []
+            if chunk:
+                f.write(_frame(chunk))
+                num_objects += len(chunk)
+            f.write(_frame({"end": True, "num_objects": num_objects}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._dir / SNAPSHOT_NAME)
+        self._sync_dir()
+        self._generation = generation
+        self._open_log(fresh=True)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fsync (unless ``fsync="never"``) and close the log. Idempotent."""
+        if self._fd < 0:
+            return
+        self.flush()
+        os.close(self._fd)
+        self._fd = -1
+
+    def _open_log(self, fresh: bool) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        path = self._dir / LOG_NAME
+        if fresh:
+            tmp = self._dir / (LOG_NAME + ".tmp")
+            with tmp.open("wb") as f:
+                f.write(_frame({"format": "kvpool-log", "version": VERSION,
+                                "generation": self._generation}))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._sync_dir()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._log_bytes = os.fstat(self._fd).st_size
+        self._unsynced = False
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---- records -------------------------------------------------------------------------------
+
+class _Corrupt(Exception):
+    """A snapshot that cannot be read."""
+
+
+def _frame(payload: Any) -> bytes:
+    body: bytes = msgpack.packb(payload, use_bin_type=True)
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def _unpack(body: bytes | memoryview) -> Any:
+    return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+
+
+def _next_record(data: bytes, offset: int) -> tuple[Any, int, str]:
+    """Return (payload, offset after it, "") or (None, offset, what is wrong)."""
+    if len(data) - offset < _FRAME.size:
+        return None, offset, "torn record header"
+    length, crc = _FRAME.unpack_from(data, offset)
+    start = offset + _FRAME.size
+    if length > _MAX_RECORD_BYTES or start + length > len(data):
+        return None, offset, "torn record"
+    body = memoryview(data)[start:start + length]
+    if zlib.crc32(body) != crc:
+        return None, offset, "record checksum mismatch"
+    try:
+        return _unpack(body), start + length, ""
+    except Exception:  # msgpack raises several types on garbage; all mean "corrupt"
+        return None, offset, "undecodable record"
+
+
+def _read_frame(f: BinaryIO) -> Any:
+    head = f.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        raise _Corrupt("truncated snapshot")
+    length, crc = _FRAME.unpack(head)
+    if length > _MAX_RECORD_BYTES:
+        raise _Corrupt("impossible record length")
+    body = f.read(length)
+    if len(body) < length or zlib.crc32(body) != crc:
+        raise _Corrupt("snapshot record checksum mismatch")
+    try:
+        return _unpack(body)
+    except Exception as exc:  # any decoding failure means corruption
+        raise _Corrupt("undecodable snapshot record") from exc
+
+
+def _read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
+                                              dict[str, Sequence[Any]]]:
+    header = _read_frame(f)
+    if (not isinstance(header, dict) or header.get("format") != "kvpool-snapshot"
+            or header.get("version") != VERSION or type(header.get("generation")) is not int):
+        raise _Corrupt("not a kvpool snapshot")
+    clients, segments = _read_frame(f), _read_frame(f)
+    if not isinstance(clients, list) or not isinstance(segments, list):
+        raise _Corrupt("malformed snapshot")
+    return (header["generation"],
+            {row[0]: row for row in clients if isinstance(row, list) and row},
+            {row[0]: row for row in segments if isinstance(row, list) and row})
+
+
+def _read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence[Any]]:
+    while True:
+        try:
+            record = _read_frame(f)
+        except _Corrupt as exc:
+            warnings.append(f"snapshot: {exc}; objects after the damage are lost")
+            return
+        if isinstance(record, dict) and record.get("end"):
+            return
+        if not isinstance(record, list):
+            warnings.append("snapshot: malformed object chunk; objects after it are lost")
+            return
+        yield from record
+
+
+# ---- events -> rows -> state -----------------------------------------------------------------
+
+def _event_row(event: ev.Event) -> list[Any] | None:
+    if isinstance(event, ev.ObjectCommitted):
+        return [_OBJECT_COMMITTED, *object_row(event.key, event.size_bytes, event.placements,
+                                               event.checksum, event.pin, event.parent_key)]
+    if isinstance(event, ev.ObjectRemoved):
+        return [_OBJECT_REMOVED, event.key]
+    if isinstance(event, ev.ClientRegistered):
+        return [_CLIENT_REGISTERED, event.client_id, event.host_id, event.capability_key]
+    if isinstance(event, ev.ClientExpired | ev.ClientUnregistered):
+        return [_CLIENT_GONE, event.client_id]
+    if isinstance(event, ev.SegmentMounted):
+        return [_SEGMENT_MOUNTED, *segment_row(event.segment)]
+    if isinstance(event, ev.SegmentUnmounted):
+        return [_SEGMENT_UNMOUNTED, event.segment_id]
+    return None  # EvictionPass, PendingReclaimed: nothing durable changed
+
+
+class _Overlay:
+    """The log's effect on a snapshot: clients and segments in full, objects as changes.
+
+    Objects of the snapshot stream through ``objects()``: a key the log touched takes its
+    logged state; a replica on a segment the log unmounted is gone (even if the segment came
+    back later: a remount is fresh memory).
+    """
+
+    def __init__(self, clients: dict[str, Sequence[Any]],
+                 segments: dict[str, Sequence[Any]]) -> None:
+        self.clients = clients
+        self.segments = segments
+        self.unmounted: set[str] = set()
+        self.key_to_row: dict[bytes, list[Any] | None] = {}
+
+    def apply(self, record: list[Any]) -> None:
+        for row in record:
+            if not isinstance(row, list) or not row:
+                continue
+            code = row[0]
+            if code == _OBJECT_COMMITTED and len(row) == 7:
+                self.key_to_row.pop(row[1], None)   # recency: a commit moves to the end
+                self.key_to_row[row[1]] = row[1:]
+            elif code == _OBJECT_REMOVED and len(row) == 2:
+                self.key_to_row.pop(row[1], None)
+                self.key_to_row[row[1]] = None
+            elif code == _CLIENT_REGISTERED and len(row) == 4:
+                self.clients[row[1]] = row[1:]
+            elif code == _CLIENT_GONE and len(row) == 2:
+                self.clients.pop(row[1], None)
+            elif code == _SEGMENT_MOUNTED and len(row) == 9:
+                self.segments[row[1]] = row[1:]
+            elif code == _SEGMENT_UNMOUNTED and len(row) == 2:
+                self._unmount(row[1])
+
+    def _unmount(self, segment_id: str) -> None:
+        self.segments.pop(segment_id, None)
+        self.unmounted.add(segment_id)
+        for key, row in self.key_to_row.items():
+            if row is not None:
+                self.key_to_row[key] = _without_segments(row, {segment_id})
+
+    def objects(self, snapshot_rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any]]:
+        """Return the restored object rows: the snapshot's, then the log's, in LRU order."""
+        touched = self.key_to_row
+        unmounted = self.unmounted
+
+        def from_snapshot() -> Iterator[Sequence[Any]]:
+            for row in snapshot_rows:
+                if not isinstance(row, list) or len(row) != 6:
+                    yield row   # the core counts it as dropped
+                elif row[0] not in touched:
+                    kept = _without_segments(row, unmounted) if unmounted else row
+                    if kept is not None:
+                        yield kept
+        return chain(from_snapshot(), (row for row in touched.values() if row is not None))
+
+
+def _without_segments(row: Sequence[Any], segment_ids: set[str]) -> list[Any] | None:
+    """Return ``row`` without its replicas on ``segment_ids``, or None when none is left."""
+    flat = row[2]
+    if not isinstance(flat, list):
+        return list(row)
+    kept: list[Any] = []
+    for i in range(0, len(flat) - 2, 3):
+        if flat[i] not in segment_ids:
+            kept += flat[i:i + 3]
+    if not kept:
+        return None
+    return [row[0], row[1], kept, *row[3:]]

@@ -1,0 +1,283 @@
+"""StateStore: round trip, torn and corrupt logs, compaction, grace period, crash points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool_client.status import Status
+from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
+
+A, B = ClientId("client-a"), ClientId("client-b")
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+SEG_A = SegmentInfo(SegmentId("seg-a"), A, 1 << 20, host_id="h1", shm_name="/kvp-a")
+SEG_B = SegmentInfo(SegmentId("seg-b"), B, 1 << 20, host_id="h2", tcp_endpoint="10.0.0.2:1")
+CONFIG = CoreConfig(client_ttl_s=10.0)
+
+
+def fresh_store(path: Path, **kwargs: object) -> tuple[StateStore, MasterCore]:
+    store = StateStore(path, fsync="always", restore_grace_s=20.0, **kwargs)  # type: ignore[arg-type]
+    core = MasterCore(CONFIG)
+    store.load(core, 0.0)
+    return store, core
+
+
+def sync(store: StateStore, core: MasterCore) -> None:
+    store.append(core.take_events())
+
+
+def populate(store: StateStore, core: MasterCore) -> None:
+    core.register_client(A, "h1", KEY_A, 0.0)
+    core.register_client(B, "h2", KEY_B, 0.0)
+    core.mount_segment(SEG_A, 0.0)
+    core.mount_segment(SEG_B, 0.0)
+    keys = [ObjectKey(b"obj-%d" % i) for i in range(20)]
+    core.put_start(A, keys, [1000 + i for i in range(20)], PutOptions(), 1.0)
+    core.put_end(A, keys, 1.0, checksums=list(range(1, 21)))
+    core.put_start(A, [ObjectKey(b"chain-1")], [64], PutOptions(replica_num=2, pin=Pin.SOFT),
+                   1.0, parent_keys=[ObjectKey(b"obj-0")])
+    core.put_end(A, [ObjectKey(b"chain-1")], 1.0, checksums=[7])
+    core.put_start(A, [ObjectKey(b"pending")], [64], PutOptions(), 1.0)
+    core.remove([ObjectKey(b"obj-19")], False, 1.0)
+    sync(store, core)
+
+
+def readable(core: MasterCore, now: float) -> dict[bytes, tuple]:  # type: ignore[type-arg]
+    keys = [ObjectKey(b"obj-%d" % i) for i in range(20)] + [ObjectKey(b"chain-1"),
+                                                          ObjectKey(b"pending")]
+    return {k: (r.size_bytes, r.placements, r.checksum)
+            for k, r in zip(keys, core.get_replicas(keys, now), strict=True)
+            if r.status == Status.OK}
+
+
+def come_back(core: MasterCore, now: float, *segments: SegmentInfo) -> None:
+    for client, key in ((A, KEY_A), (B, KEY_B)):
+        assert core.heartbeat(client, now) == Status.UNKNOWN_CLIENT
+        assert core.register_client(client, "h", b"new-key-ignored!", now) == (Status.OK, key)
+    for segment in segments:
+        assert core.mount_segment(segment, now) == Status.OK
+
+
+def test_round_trip_restores_clients_segments_and_ready_objects(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    before = readable(core, 2.0)
+    assert len(before) == 20 and b"pending" not in before
+    store.close()
+
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path, restore_grace_s=20.0).load(restored, 100.0)
+    assert (report.num_clients, report.num_segments, report.num_objects) == (2, 2, 20)
+    assert report.warnings == () and report.truncated_log_bytes == 0
+    # Nothing is readable until the owners are back; then everything is, byte for byte.
+    assert readable(restored, 100.0) == {}
+    assert restored.get_segments(["seg-a"]) == [None]
+    come_back(restored, 101.0, SEG_A, SEG_B)
+    assert readable(restored, 102.0) == before
+    [chain] = restored.get_replicas([ObjectKey(b"chain-1")], 102.0)
+    assert chain.checksum == 7 and len(chain.placements) == 2
+    # The allocators know the restored extents: new puts never overlap them.
+    [(status, placements)] = restored.put_start(A, [ObjectKey(b"new")], [5000], PutOptions(),
+                                                103.0)
+    taken = {(p.segment_id, p.offset) for _, ps, _ in before.values() for p in ps}
+    assert status == Status.OK and (placements[0].segment_id, placements[0].offset) not in taken
+    assert restored.stats().tier_to_used_bytes[0] == core.stats().tier_to_used_bytes[0] - 64 + 5056
+
+
+def test_objects_of_segments_not_back_in_time_are_dropped(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.close()
+    restored = MasterCore(CONFIG)
+    store2 = StateStore(tmp_path, restore_grace_s=20.0)
+    store2.load(restored, 100.0)
+    assert restored.register_client(A, "h1", KEY_A, 101.0) == (Status.OK, KEY_A)
+    assert restored.mount_segment(SEG_A, 101.0) == Status.OK   # B never comes back
+    restored.tick(110.0)
+    restored.heartbeat(A, 115.0)
+    restored.tick(120.5)
+    stats = restored.stats()
+    assert (stats.num_clients, stats.num_segments, stats.num_restored_segments) == (1, 1, 0)
+    survivors = readable(restored, 121.0)
+    assert survivors and all(p.segment_id == "seg-a" for _, ps, _ in survivors.values()
+                             for p in ps)
+    assert len(survivors) + stats.segment_lost_objects_total == 20
+    # The drops were logged: a second restart agrees.
+    store2.append(restored.take_events())
+    store2.close()
+    third = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(third, 200.0)
+    assert (report.num_clients, report.num_segments, report.num_objects) == (
+        1, 1, len(survivors))
+
+
+def test_drops_after_the_grace_period_are_logged(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.close()
+    second = MasterCore(CONFIG)
+    store2 = StateStore(tmp_path, restore_grace_s=5.0)
+    store2.load(second, 100.0)
+    second.tick(106.0)
+    store2.append(second.take_events())
+    store2.close()
+    third = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(third, 200.0)
+    assert (report.num_clients, report.num_segments, report.num_objects) == (0, 0, 0)
+
+
+def test_remount_with_another_descriptor_drops_the_objects(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.close()
+    restored = MasterCore(CONFIG)
+    StateStore(tmp_path).load(restored, 100.0)
+    come_back(restored, 101.0, SEG_A)
+    changed = SegmentInfo(SegmentId("seg-b"), B, 1 << 20, host_id="h2", shm_name="/new")
+    assert restored.mount_segment(changed, 101.0) == Status.OK
+    assert all(p.segment_id == "seg-a" for _, ps, _ in readable(restored, 102.0).values()
+               for p in ps)
+
+
+def test_torn_tail_is_truncated_with_a_warning(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    core.put_start(A, [ObjectKey(b"late")], [10], PutOptions(), 2.0)
+    core.put_end(A, [ObjectKey(b"late")], 2.0)
+    sync(store, core)
+    store.close()
+    log_path = tmp_path / LOG_NAME
+    size = log_path.stat().st_size
+    with log_path.open("r+b") as f:
+        f.truncate(size - 3)   # the last record is torn
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.truncated_log_bytes > 0 and "torn" in report.warnings[0]
+    assert report.num_objects == 20   # everything but the torn "late" commit
+    assert log_path.stat().st_size < size - 3
+    # The truncated log is appendable and loads cleanly afterwards.
+    store3 = StateStore(tmp_path)
+    again = MasterCore(CONFIG)
+    assert store3.load(again, 200.0).warnings == ()
+    store3.close()
+
+
+def test_corrupt_record_ends_the_log(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    core.register_client(A, "h1", KEY_A, 0.0)
+    core.mount_segment(SEG_A, 0.0)
+    sync(store, core)
+    good_size = (tmp_path / LOG_NAME).stat().st_size
+    for i in range(3):
+        key = ObjectKey(b"k%d" % i)
+        core.put_start(A, [key], [10], PutOptions(), 1.0)
+        core.put_end(A, [key], 1.0)
+        sync(store, core)
+    store.close()
+    data = bytearray((tmp_path / LOG_NAME).read_bytes())
+    data[good_size + 12] ^= 0xFF   # inside the payload of the first object record
+    (tmp_path / LOG_NAME).write_bytes(bytes(data))
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert "checksum" in report.warnings[0]
+    assert (report.num_clients, report.num_segments, report.num_objects) == (1, 1, 0)
+    assert report.truncated_log_bytes == len(data) - good_size
+
+
+def test_garbage_log_never_crashes(tmp_path: Path) -> None:
+    (tmp_path / LOG_NAME).write_bytes(b"\xff" * 100)
+    restored = MasterCore(CONFIG)
+    store = StateStore(tmp_path)
+    report = store.load(restored, 0.0)
+    assert report.truncated_log_bytes == 100 and report.num_objects == 0
+    restored.register_client(A, "h1", KEY_A, 0.0)
+    store.append(restored.take_events())
+    store.close()
+    assert StateStore(tmp_path).load(MasterCore(CONFIG), 1.0).num_clients == 1
+
+
+def test_compaction_writes_a_snapshot_and_restarts_the_log(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path, compact_log_bytes=500)
+    populate(store, core)
+    assert store.log_bytes > 500
+    assert store.maybe_compact(core) is True
+    assert store.maybe_compact(core) is False
+    assert (tmp_path / SNAPSHOT_NAME).exists()
+    assert store.log_bytes < 100
+    # Changes after the snapshot go to the new log and apply on top of it.
+    core.remove([ObjectKey(b"obj-0")], False, 3.0)
+    core.unmount_segment(B, SegmentId("seg-b"), 3.0)
+    sync(store, core)
+    expected = readable(core, 4.0)
+    store.close()
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.generation == 1 and report.num_log_records == 1
+    assert report.num_segments == 1
+    come_back(restored, 101.0, SEG_A)
+    assert readable(restored, 102.0) == expected
+
+
+def test_a_crash_between_snapshot_and_new_log_keeps_the_snapshot(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    old_log = (tmp_path / LOG_NAME).read_bytes()
+    store.compact(core)
+    store.close()
+    (tmp_path / LOG_NAME).write_bytes(old_log)   # as if the crash hit before the log swap
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.num_log_records == 0 and report.num_objects == 20
+
+
+def test_corrupt_snapshot_is_set_aside_and_the_log_still_applies(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.compact(core)
+    core.register_client(ClientId("late"), "h3", b"c" * 32, 5.0)
+    sync(store, core)
+    store.close()
+    (tmp_path / SNAPSHOT_NAME).write_bytes(b"not a snapshot at all")
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert (tmp_path / (SNAPSHOT_NAME + ".corrupt")).exists()
+    assert report.num_clients == 1 and report.num_objects == 0
+    assert any("moved to" in w for w in report.warnings)
+
+
+def test_pending_and_leases_are_not_persisted(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    core.get_replicas([ObjectKey(b"obj-1")], 5.0)
+    store.close()
+    restored = MasterCore(CONFIG)
+    StateStore(tmp_path).load(restored, 6.0)
+    come_back(restored, 6.0, SEG_A, SEG_B)
+    assert restored.stats().num_pending == 0
+    assert restored.remove([ObjectKey(b"obj-1")], False, 6.5) == [Status.OK]   # no lease
+    assert restored.remove([ObjectKey(b"pending")], False, 6.5) == [Status.NOT_FOUND]
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fsync"):
+        StateStore(tmp_path, fsync="sometimes")
+    with pytest.raises(ValueError):
+        StateStore(tmp_path, compact_log_bytes=0)
+    store = StateStore(tmp_path)
+    with pytest.raises(RuntimeError):
+        store.append([])
+
+
+@pytest.mark.parametrize("policy", ["always", "batch", "never"])
+def test_every_fsync_policy_round_trips(tmp_path: Path, policy: str) -> None:
+    store = StateStore(tmp_path, fsync=policy, fsync_interval_s=0.0)
+    core = MasterCore(CONFIG)
+    store.load(core, 0.0)
+    populate(store, core)
+    store.flush()
+    store.close()
+    store.close()
+    assert StateStore(tmp_path).load(MasterCore(CONFIG), 1.0).num_objects == 20
