@@ -267,8 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--object-size", default="64KiB",
                         help="bytes of one block object (default 64KiB)")
     parser.add_argument("--routing", choices=ROUTINGS, default="round-robin",
-                        help="request i -> worker i %% N, or by first block id (default "
-                             "round-robin)")
+                        help="request i -> worker i %% N, or by a hash of the first two "
+                             "block ids (default round-robin)")
     parser.add_argument("--start", type=int, default=0, help="skip this many requests")
     parser.add_argument("--requests", type=int, default=None, help="replay only this many")
     parser.add_argument("--whole-blocks-only", action="store_true",

@@ -5,7 +5,8 @@ Rules of this file:
   512-token block (ids are prefix-closed: equal ids mean equal prefixes). A block's pool key is
   ``trace:{id}`` and its ``BlockHash`` the id's 8 big-endian bytes.
 - Requests are routed to workers deterministically (``round-robin`` by request index, or
-  ``first-block``: by the first block id, which keeps a conversation on one worker) and
+  ``prefix-hash``: by a stable hash of the first two block ids, which keeps a conversation on
+  one worker) and
   processed one at a time across all workers, so a live run and a simulated run see the same
   sequence of pool operations.
 - Level 1 is the real ``TieredPrefixCache`` in both runs; only the pool differs. The simulated
@@ -20,6 +21,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import OrderedDict
@@ -30,7 +32,10 @@ from pathlib import Path
 from kvpool_client.hashing import BlockHash
 from kvpool_client.prefix import PrefixMatch, TieredPrefixCache
 
-ROUTINGS = ("round-robin", "first-block")
+ROUTINGS = ("round-robin", "prefix-hash")
+#: ``prefix-hash`` routes by the first this-many block ids (the first alone is often a system
+#: prompt every request shares; the second starts the conversation)
+ROUTE_PREFIX_BLOCKS = 2
 ALIGN_BYTES = 64  # the master allocator's extent alignment
 
 
@@ -85,8 +90,13 @@ def route(requests: Sequence[Sequence[int]], num_workers: int, routing: str) -> 
         raise ValueError(f"need at least one worker, got {num_workers}")
     if routing == "round-robin":
         return [i % num_workers for i in range(len(requests))]
-    if routing == "first-block":
-        return [(ids[0] if ids else 0) % num_workers for ids in requests]
+    if routing == "prefix-hash":
+        out = []
+        for ids in requests:
+            head = b"".join(i.to_bytes(8, "big") for i in ids[:ROUTE_PREFIX_BLOCKS])
+            digest = hashlib.blake2b(head, digest_size=8).digest()
+            out.append(int.from_bytes(digest, "big") % num_workers)
+        return out
     raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
 
 

@@ -101,7 +101,9 @@ def test_offline_replay_counts_and_local_only() -> None:
     assert alone.overall.device_hits == pooled.overall.device_hits == 5
     assert alone.overall.pool_hits == 0
     assert pooled.overall.ratios()["combined"] == pytest.approx(8 / 15)
-    assert route(requests, 3, "first-block") == [1, 1, 1, 0, 1]
+    by_prefix = route(requests, 3, "prefix-hash")
+    assert by_prefix[0] == by_prefix[2] and by_prefix[1] == by_prefix[4]  # same first 2 ids
+    assert by_prefix == route(requests, 3, "prefix-hash")
     with pytest.raises(ValueError):
         route(requests, 0, "round-robin")
     with pytest.raises(ValueError):
