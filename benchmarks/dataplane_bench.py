@@ -1,22 +1,34 @@
 """Data-plane benchmark: shm and tcp transfers between two processes, against the machine's own
 single-thread memcpy and loopback TCP measured in the same run.
 
-    .venv/bin/python benchmarks/dataplane_bench.py [--seconds 1.0] [--json out.json]
+    .venv/bin/python benchmarks/dataplane_bench.py [--rounds 5] [--round-seconds 0.3] [--json F]
 
 Process A (a child) creates a segment and runs a DataServer; process B (this one) writes and
 reads batches of objects into it through ShmTransport and through TcpTransport (forced tcp),
 zero-copy from/into its own buffers. Baselines: numpy.copyto of 256 MiB on one thread, and
-sendall/recv_into of 16 MiB messages between two processes over 127.0.0.1.
+sendall/recv_into of 16 MiB messages from a child process over 127.0.0.1.
+
+The machine is shared, so its speed drifts: each case alternates short rounds of itself and of
+its baseline, and the ratio printed is the median of the per-round ratios.
+
+``--io-models`` instead compares the two ways a data server can do its I/O, on the same frames
+(16-byte header + 16 MiB payload, sent or answered), each against a blocking client in another
+process: threads with blocking sockets (recv_into with MSG_WAITALL, sendmsg), as DataServer
+does, and a uvloop BufferedProtocol server receiving straight into the segment.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
+import statistics
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,54 +44,55 @@ SEGMENT_BYTES = 512 * MiB
 TCP_MESSAGE_BYTES = 16 * MiB
 
 
-def memcpy_gbps(seconds: float) -> float:
+class Memcpy:
     """Single-thread copy between two 256 MiB anonymous buffers (numpy.copyto)."""
-    size = 256 * MiB
-    src = np.ones(size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    np.copyto(dst, src)
-    start = time.perf_counter()
-    copied = 0
-    while time.perf_counter() - start < seconds:
-        np.copyto(dst, src)
-        copied += size
-    return copied / (time.perf_counter() - start) / 1e9
+
+    def __init__(self) -> None:
+        self.src = np.ones(256 * MiB, dtype=np.uint8)
+        self.dst = np.zeros(256 * MiB, dtype=np.uint8)
+        np.copyto(self.dst, self.src)
+
+    def measure(self, seconds: float) -> float:
+        start = time.perf_counter()
+        copied = 0
+        while time.perf_counter() - start < seconds:
+            np.copyto(self.dst, self.src)
+            copied += self.src.nbytes
+        return copied / (time.perf_counter() - start) / 1e9
 
 
-def loopback_tcp_gbps(seconds: float) -> float:
-    """sendall/recv_into of 16 MiB messages from a child process over 127.0.0.1."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    code = ("import socket,sys\n"
-            f"s=socket.create_connection(('127.0.0.1',{port}))\n"
-            f"b=memoryview(bytearray({TCP_MESSAGE_BYTES}))\n"
-            "try:\n"
-            "    while True: s.sendall(b)\n"
-            "except OSError: pass\n")
-    sender = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        conn, _ = listener.accept()
-        buf = memoryview(bytearray(TCP_MESSAGE_BYTES))
+class LoopbackTcp:
+    """sendall of 16 MiB messages by a child process, recv_into here, over 127.0.0.1."""
 
-        def receive_one() -> None:
-            got = 0
-            while got < TCP_MESSAGE_BYTES:
-                got += conn.recv_into(buf[got:])
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        port = self.listener.getsockname()[1]
+        code = ("import socket\n"
+                f"s=socket.create_connection(('127.0.0.1',{port}))\n"
+                f"b=memoryview(bytearray({TCP_MESSAGE_BYTES}))\n"
+                "try:\n"
+                "    while True: s.sendall(b)\n"
+                "except OSError: pass\n")
+        self.sender = subprocess.Popen([sys.executable, "-c", code])
+        self.conn, _ = self.listener.accept()
+        self.buf = memoryview(bytearray(TCP_MESSAGE_BYTES))
+        self.measure(0.1)
 
-        for _ in range(4):
-            receive_one()
+    def measure(self, seconds: float) -> float:
         start = time.perf_counter()
         received = 0
         while time.perf_counter() - start < seconds:
-            receive_one()
-            received += TCP_MESSAGE_BYTES
-        rate = received / (time.perf_counter() - start) / 1e9
-        conn.close()
-        return rate
-    finally:
-        sender.kill()
-        sender.wait()
-        listener.close()
+            got = 0
+            while got < TCP_MESSAGE_BYTES:
+                got += self.conn.recv_into(self.buf[got:])
+            received += got
+        return received / (time.perf_counter() - start) / 1e9
+
+    def close(self) -> None:
+        self.sender.kill()
+        self.sender.wait()
+        self.conn.close()
+        self.listener.close()
 
 
 def serve() -> None:
@@ -103,22 +116,31 @@ def serve() -> None:
         segment.close()
 
 
-async def measure(run: Callable[[], Awaitable[list[int]]], batch_bytes: int,
-                  seconds: float) -> float:
-    """GB/s of repeated batches (after two warm-up batches); fails on any non-OK item."""
-    for _ in range(2):
+async def measure_case(run: Callable[[], Awaitable[list[int]]], batch_bytes: int,
+                       baseline: Callable[[float], float], rounds: int,
+                       round_s: float) -> tuple[float, float, float]:
+    """Alternate rounds of the case and of its baseline; return the medians of the case GB/s,
+    the baseline GB/s and the per-round ratio. Fails on any non-OK item."""
+    for _ in range(2):  # warm-up: connections, mappings, page tables
         await run()
-    start = time.perf_counter()
-    moved = 0
-    while time.perf_counter() - start < seconds:
-        statuses = await run()
-        if any(statuses):
-            raise SystemExit(f"transfer failed: {statuses}")
-        moved += batch_bytes
-    return moved / (time.perf_counter() - start) / 1e9
+    case_rates, base_rates = [], []
+    for _ in range(rounds):
+        base_rates.append(baseline(round_s))
+        start = time.perf_counter()
+        moved = 0
+        while time.perf_counter() - start < round_s:
+            statuses = await run()
+            if any(statuses):
+                raise SystemExit(f"transfer failed: {statuses}")
+            moved += batch_bytes
+        case_rates.append(moved / (time.perf_counter() - start) / 1e9)
+    ratios = [case / base for case, base in zip(case_rates, base_rates, strict=True)]
+    return (statistics.median(case_rates), statistics.median(base_rates),
+            statistics.median(ratios))
 
 
-async def transfers(segment: SegmentInfo, key: bytes, seconds: float) -> dict[str, float]:
+async def transfers(segment: SegmentInfo, key: bytes, rounds: int, round_s: float,
+                    ) -> dict[str, tuple[float, float, float]]:
     """Process B: shm and tcp batches into process A's segment."""
     expiry_ms = int(time.time() * 1000) + 3_600_000
 
@@ -126,38 +148,184 @@ async def transfers(segment: SegmentInfo, key: bytes, seconds: float) -> dict[st
         return Placement(segment.segment_id, offset, length, expiry_ms,
                          capability.sign(key, segment.segment_id, offset, length, op, expiry_ms))
 
-    results: dict[str, float] = {}
+    memcpy = Memcpy()
+    loopback = LoopbackTcp()
+    results: dict[str, tuple[float, float, float]] = {}
     shm = ShmTransport()
     tcp = TcpTransport()
     local = np.random.default_rng(0).integers(0, 255, 256 * MiB, dtype=np.uint8)
     view = memoryview(local)
     cases = [("shm", shm, 1 * MiB, 64), ("shm", shm, 16 * MiB, 8), ("shm", shm, 4096, 256),
              ("tcp", tcp, 16 * MiB, 8), ("tcp", tcp, 1 * MiB, 64)]
-    for name, transport, object_bytes, count in cases:
-        for op in (Op.WRITE, Op.READ):
-            items = [(segment, placement(i * object_bytes, object_bytes, op),
-                      [view[i * object_bytes:(i + 1) * object_bytes]]) for i in range(count)]
-            batch = transport.write_batch if op == Op.WRITE else transport.read_batch
-            rate = await measure(lambda items=items, batch=batch: batch(items),
-                                 object_bytes * count, seconds)
-            size = f"{object_bytes // MiB}MiB" if object_bytes >= MiB else f"{object_bytes}B"
-            results[f"{name} {op.name.lower()} {count}x{size}"] = rate
-    await shm.close()
-    await tcp.close()
+    try:
+        for name, transport, object_bytes, count in cases:
+            baseline = memcpy.measure if name == "shm" else loopback.measure
+            for op in (Op.WRITE, Op.READ):
+                items = [(segment, placement(i * object_bytes, object_bytes, op),
+                          [view[i * object_bytes:(i + 1) * object_bytes]]) for i in range(count)]
+                batch = transport.write_batch if op == Op.WRITE else transport.read_batch
+                size = f"{object_bytes // MiB}MiB" if object_bytes >= MiB else f"{object_bytes}B"
+                results[f"{name} {op.name.lower()} {count}x{size}"] = await measure_case(
+                    lambda items=items, batch=batch: batch(items), object_bytes * count,
+                    baseline, rounds, round_s)
+    finally:
+        loopback.close()
+        await shm.close()
+        await tcp.close()
     return results
+
+
+IO_FRAME = struct.Struct("<QQ")  # request id, payload length
+
+
+def _io_client(port: int, op: str, frames: int) -> None:
+    """Child process: send ``frames`` requests (writes carry 16 MiB), read the answers."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    buf = memoryview(bytearray(TCP_MESSAGE_BYTES))
+    header = memoryview(bytearray(IO_FRAME.size))
+
+    def receive(view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            got += sock.recv_into(view[got:])
+
+    def answers() -> None:
+        for _ in range(frames):
+            receive(header)
+            if op == "read":
+                receive(buf)
+
+    reader = threading.Thread(target=answers)
+    reader.start()
+    for i in range(frames):
+        if op == "write":
+            sock.sendall(IO_FRAME.pack(i, TCP_MESSAGE_BYTES))
+            sock.sendall(buf)
+        else:
+            sock.sendall(IO_FRAME.pack(i, TCP_MESSAGE_BYTES))
+    reader.join()
+    sock.close()
+
+
+def _thread_server(listener: socket.socket, segment: memoryview, op: str) -> float:
+    """Serve one connection on this thread; return seconds from accept to the client's close."""
+    conn, _ = listener.accept()
+    start = time.perf_counter()
+    header = memoryview(bytearray(IO_FRAME.size))
+    while conn.recv_into(header, IO_FRAME.size, socket.MSG_WAITALL) == IO_FRAME.size:
+        request_id, length = IO_FRAME.unpack(header)
+        if op == "write":
+            conn.recv_into(segment[:length], length, socket.MSG_WAITALL)
+            conn.sendall(IO_FRAME.pack(request_id, 0))
+        else:
+            conn.sendmsg([IO_FRAME.pack(request_id, length), segment[:length]])
+    conn.close()
+    return time.perf_counter() - start
+
+
+def _uvloop_server(listener: socket.socket, segment: memoryview, op: str) -> float:
+    """Serve one connection with a uvloop BufferedProtocol; return seconds from connection to
+    the client's close."""
+    timing: list[float] = []
+
+    class Protocol(asyncio.BufferedProtocol):
+        def __init__(self, done: asyncio.Future[None]) -> None:
+            self.done = done
+            self.header = memoryview(bytearray(IO_FRAME.size))
+            self.target = self.header
+            self.filled = 0
+            self.request_id = 0
+            self.transport: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            timing.append(time.perf_counter())
+            self.transport = transport  # type: ignore[assignment]
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return self.target[self.filled:]
+
+        def buffer_updated(self, nbytes: int) -> None:
+            assert self.transport is not None
+            self.filled += nbytes
+            if self.filled < self.target.nbytes:
+                return
+            self.filled = 0
+            if self.target is self.header:
+                self.request_id, length = IO_FRAME.unpack(self.header)
+                if op == "write":
+                    self.target = segment[:length]
+                else:
+                    self.transport.writelines([IO_FRAME.pack(self.request_id, length),
+                                               segment[:length]])
+            else:
+                self.target = self.header
+                self.transport.write(IO_FRAME.pack(self.request_id, 0))
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            timing.append(time.perf_counter())
+            self.done.set_result(None)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        server = await loop.create_server(lambda: Protocol(done), sock=listener)
+        await done
+        server.close()
+
+    uvloop.run(serve())
+    return timing[1] - timing[0]
+
+
+def io_models(frames: int) -> None:
+    """Print GB/s of the two server I/O models for 16 MiB writes and reads, alternating."""
+    segment = memoryview(bytearray(TCP_MESSAGE_BYTES))
+    model_op_to_rates: dict[tuple[str, str], list[float]] = {}
+    for _ in range(3):
+        for model in ("threads", "uvloop"):
+            for op in ("write", "read"):
+                listener = socket.create_server(("127.0.0.1", 0))
+                port = listener.getsockname()[1]
+                client = subprocess.Popen([sys.executable, __file__, "--io-client", str(port),
+                                           str(frames), op])
+                try:
+                    serve_one = _thread_server if model == "threads" else _uvloop_server
+                    elapsed_s = serve_one(listener, segment, op)
+                    client.wait(120)
+                finally:
+                    if client.poll() is None:
+                        client.kill()
+                    client.wait()
+                    listener.close()
+                model_op_to_rates.setdefault((model, op), []).append(
+                    frames * TCP_MESSAGE_BYTES / elapsed_s / 1e9)
+    for (model, op), rates in model_op_to_rates.items():
+        print(f"{model:8s} server, 16 MiB {op:5s}: {statistics.median(rates):5.2f} GB/s "
+              f"(median of {len(rates)})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per case")
+    parser.add_argument("--round-seconds", type=float, default=0.3, help="length of a round")
     parser.add_argument("--json", default="", help="also write the figures to this file")
+    parser.add_argument("--io-models", action="store_true",
+                        help="compare threaded and uvloop server I/O instead")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--io-client", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve()
         return
-    memcpy = memcpy_gbps(args.seconds)
-    loopback = loopback_tcp_gbps(args.seconds)
+    if args.io_client:
+        _io_client(int(args.io_client[0]), args.io_client[2], int(args.io_client[1]))
+        return
+    if args.io_models:
+        io_models(frames=64)
+        loopback = LoopbackTcp()
+        rate = statistics.median(loopback.measure(0.5) for _ in range(3))
+        print(f"loopback tcp (sendall/recv_into):   {rate:5.2f} GB/s")
+        loopback.close()
+        return
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -165,19 +333,18 @@ def main() -> None:
         described = json.loads(server.stdout.readline())
         key = bytes.fromhex(described.pop("key"))
         segment = SegmentInfo(**described)
-        results = uvloop.run(transfers(segment, key, args.seconds))
+        results = uvloop.run(transfers(segment, key, args.rounds, args.round_seconds))
     finally:
         server.kill()
         server.wait()
-    print(f"single-thread memcpy (numpy copyto 256 MiB): {memcpy:6.2f} GB/s")
-    print(f"loopback TCP (sendall/recv_into 16 MiB):     {loopback:6.2f} GB/s")
-    for name, rate in results.items():
-        base, base_name = (memcpy, "memcpy") if name.startswith("shm") else (loopback, "tcp")
-        print(f"{name:28s} {rate:6.2f} GB/s  {100 * rate / base:5.1f} % of {base_name}")
+    print(f"{'case':26s} {'GB/s':>7s} {'baseline GB/s':>22s} {'ratio':>8s}")
+    for name, (rate, base, ratio) in results.items():
+        base_name = "memcpy" if name.startswith("shm") else "loopback tcp"
+        print(f"{name:26s} {rate:7.2f} {base_name:>13s} {base:7.2f} {100 * ratio:7.1f} %")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"memcpy_gbps": memcpy, "loopback_tcp_gbps": loopback, **results}, f,
-                      indent=1)
+            json.dump({name: {"gbps": rate, "baseline_gbps": base, "ratio": ratio}
+                       for name, (rate, base, ratio) in results.items()}, f, indent=1)
 
 
 if __name__ == "__main__":
