@@ -25,6 +25,7 @@ from kvpool_client.types import (
     ReadResult,
     SegmentId,
     SegmentInfo,
+    Tier,
 )
 from kvpool_master.core import leases
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
@@ -40,7 +41,7 @@ from kvpool_master.core.mutations import Mutations
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
-from kvpool_master.core.stats import CoreStats, Counters
+from kvpool_master.core.stats import CoreStats, Counters, build_stats
 
 __all__ = ["CoreConfig", "MasterCore"]
 
@@ -56,6 +57,7 @@ class MasterCore(Mutations):
         self._lease_counters = leases.LeaseCounters()
         self._counters = Counters()
         self._events: list[Event] = []
+        self._watermark_retry_s: dict[Tier, float] = {}
 
     @property
     def config(self) -> CoreConfig:
@@ -114,7 +116,8 @@ class MasterCore(Mutations):
         Remounting a restored segment with the same descriptor keeps its objects; with a
         different descriptor they are dropped first (the memory behind it is new).
         Fails with INVALID_ARGUMENT, UNKNOWN_CLIENT (owner not registered) or
-        SEGMENT_ALREADY_EXISTS (a mounted segment with this id and another descriptor).
+        SEGMENT_ALREADY_EXISTS (a mounted segment with this id and another descriptor, or a
+        restored one of another owner).
         """
         if not isinstance(segment, SegmentInfo) or segment_info_error(segment):
             return Status.INVALID_ARGUMENT
@@ -124,6 +127,8 @@ class MasterCore(Mutations):
         if existing is not None:
             if existing.mounted:
                 return Status.OK if existing.info == segment else Status.SEGMENT_ALREADY_EXISTS
+            if existing.info.client_id != segment.client_id:
+                return Status.SEGMENT_ALREADY_EXISTS   # restored for another owner
             if existing.info == segment:
                 self._segments.mark_mounted(existing)
                 self._events.append(SegmentMounted(segment))
@@ -224,7 +229,8 @@ class MasterCore(Mutations):
                       if not s.mounted and now > s.restore_deadline_s]:
             self._lose_segment(state, now)
         self._reclaim_stale(now)
-        self._evict_above_watermark(now)
+        for tier in Tier:
+            self._relieve_watermark(tier, now)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call, oldest first."""
@@ -233,7 +239,8 @@ class MasterCore(Mutations):
 
     def stats(self) -> CoreStats:
         """Return a copy of every counter and gauge (see ``core/stats.py``)."""
-        return self._build_stats()
+        return build_stats(self._clients, self._segments, self._objects, self._deferred,
+                           self._counters, self._lease_counters)
 
     # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
 

@@ -46,7 +46,7 @@ from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
-from kvpool_master.core.stats import CoreStats, Counters, SegmentStats
+from kvpool_master.core.stats import Counters
 
 #: Longest regex accepted by remove_by_regex.
 MAX_PATTERN_CHARS = 4096
@@ -69,6 +69,7 @@ class Mutations:
     _lease_counters: LeaseCounters
     _counters: Counters
     _events: list[Event]
+    _watermark_retry_s: dict[Tier, float]
 
     # ---- two-phase put -------------------------------------------------------------------
 
@@ -340,11 +341,8 @@ class Mutations:
                                            same_host_id)
         id_to_segment = segments.id_to_segment
         for tier in {id_to_segment[p.segment_id].info.tier for p in placements}:
-            if tier not in exhausted and self._above_watermark(tier):
-                wanted = math.ceil(self._config.eviction_ratio
-                                   * segments.tier_to_capacity_bytes[tier])
-                if self._evict_pass(tier, wanted, now) < wanted:
-                    exhausted.add(tier)
+            if tier not in exhausted and not self._relieve_watermark(tier, now):
+                exhausted.add(tier)
         return placements
 
     def _above_watermark(self, tier: Tier) -> bool:
@@ -352,11 +350,22 @@ class Mutations:
         return bool(capacity) and (self._segments.tier_to_used_bytes[tier]
                                    > self._config.eviction_high_watermark_ratio * capacity)
 
-    def _evict_above_watermark(self, now: float) -> None:
-        for tier in Tier:
-            if self._above_watermark(tier):
-                capacity = self._segments.tier_to_capacity_bytes[tier]
-                self._evict_pass(tier, math.ceil(self._config.eviction_ratio * capacity), now)
+    def _relieve_watermark(self, tier: Tier, now: float) -> bool:
+        """Run a watermark pass on ``tier`` if it is above its high watermark; return False
+        when the pass found too little to evict.
+
+        After a short pass the tier is not rescanned for a tenth of a lease: above the high
+        watermark is allowed (allocation failures still evict at once), and rescanning a
+        table of leased or pinned objects on every put would cost O(objects) each time.
+        """
+        if not self._above_watermark(tier) or now < self._watermark_retry_s.get(tier, 0.0):
+            return True
+        wanted = math.ceil(self._config.eviction_ratio
+                           * self._segments.tier_to_capacity_bytes[tier])
+        if self._evict_pass(tier, wanted, now) >= wanted:
+            return True
+        self._watermark_retry_s[tier] = now + self._config.default_lease_ttl_s / 10
+        return False
 
     def _evict_pass(self, tier: Tier, need_bytes: int, now: float) -> int:
         """Evict victims freeing at least ``need_bytes`` of ``tier`` if possible; return the
@@ -375,47 +384,6 @@ class Mutations:
         counters.evicted_bytes += total_before - sum(used.values())
         self._events.append(EvictionPass(len(victims), total_before - sum(used.values())))
         return before - used[tier]
-
-    def _build_stats(self) -> CoreStats:
-        segments = self._segments
-        objects = self._objects
-        counters = self._counters
-        leases = self._lease_counters
-        return CoreStats(
-            num_clients=len(self._clients),
-            num_segments=len(segments.mounted),
-            num_restored_segments=segments.num_restored,
-            num_objects=len(objects) - len(objects.pending_key_to_started_s),
-            num_pending=len(objects.pending_key_to_started_s),
-            ready_bytes=objects.ready_bytes,
-            deferred_free_bytes=self._deferred.num_bytes,
-            tier_to_capacity_bytes=dict(segments.tier_to_capacity_bytes),
-            tier_to_used_bytes=dict(segments.tier_to_used_bytes),
-            segments=tuple(
-                SegmentStats(s.info.segment_id, s.info.client_id, s.info.tier, s.mounted,
-                             s.allocator.size_bytes, s.allocator.used_bytes,
-                             s.allocator.num_free_extents, s.allocator.largest_free_bytes)
-                for s in segments.id_to_segment.values()),
-            put_started_total=counters.put_started,
-            put_committed_total=counters.put_committed,
-            put_revoked_total=counters.put_revoked,
-            put_no_space_total=counters.put_no_space,
-            evicted_objects_total=counters.evicted_objects,
-            evicted_bytes_total=counters.evicted_bytes,
-            eviction_passes_total=counters.eviction_passes,
-            removed_objects_total=counters.removed_objects,
-            segment_lost_objects_total=counters.segment_lost_objects,
-            pending_reclaimed_total=counters.pending_reclaimed,
-            clients_registered_total=counters.clients_registered,
-            clients_expired_total=counters.clients_expired,
-            leases_granted_total=leases.leases_granted,
-            leases_lapsed_total=leases.leases_lapsed,
-            lookup_queries_total=counters.lookup_queries,
-            lookup_keys_total=counters.lookup_keys,
-            lookup_hit_keys_total=counters.lookup_hit_keys,
-            read_keys_total=counters.read_keys,
-            read_hit_keys_total=counters.read_hit_keys,
-        )
 
 
 def _options(options: PutOptions) -> tuple[Pin | None, int]:

@@ -13,6 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvpool_client.types import ClientId, SegmentId, Tier
+from kvpool_master.core.clients import ClientTable
+from kvpool_master.core.leases import DeferredFrees, LeaseCounters
+from kvpool_master.core.objects import ObjectTable
+from kvpool_master.core.segments import SegmentTable
 
 
 class Counters:
@@ -90,3 +94,43 @@ class CoreStats:
     lookup_hit_keys_total: int        # leading READY keys answered by query_prefix
     read_keys_total: int              # keys asked by get_replicas and exist
     read_hit_keys_total: int          # of which OK
+
+
+def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
+                deferred: DeferredFrees, counters: Counters, leases: LeaseCounters) -> CoreStats:
+    """Return a consistent copy of every counter and gauge."""
+    return CoreStats(
+        num_clients=len(clients),
+        num_segments=len(segments.mounted),
+        num_restored_segments=segments.num_restored,
+        num_objects=len(objects) - len(objects.pending_key_to_started_s),
+        num_pending=len(objects.pending_key_to_started_s),
+        ready_bytes=objects.ready_bytes,
+        deferred_free_bytes=deferred.num_bytes,
+        tier_to_capacity_bytes=dict(segments.tier_to_capacity_bytes),
+        tier_to_used_bytes=dict(segments.tier_to_used_bytes),
+        segments=tuple(
+            SegmentStats(s.info.segment_id, s.info.client_id, s.info.tier, s.mounted,
+                         s.allocator.size_bytes, s.allocator.used_bytes,
+                         s.allocator.num_free_extents, s.allocator.largest_free_bytes)
+            for s in segments.id_to_segment.values()),
+        put_started_total=counters.put_started,
+        put_committed_total=counters.put_committed,
+        put_revoked_total=counters.put_revoked,
+        put_no_space_total=counters.put_no_space,
+        evicted_objects_total=counters.evicted_objects,
+        evicted_bytes_total=counters.evicted_bytes,
+        eviction_passes_total=counters.eviction_passes,
+        removed_objects_total=counters.removed_objects,
+        segment_lost_objects_total=counters.segment_lost_objects,
+        pending_reclaimed_total=counters.pending_reclaimed,
+        clients_registered_total=counters.clients_registered,
+        clients_expired_total=counters.clients_expired,
+        leases_granted_total=leases.leases_granted,
+        leases_lapsed_total=leases.leases_lapsed,
+        lookup_queries_total=counters.lookup_queries,
+        lookup_keys_total=counters.lookup_keys,
+        lookup_hit_keys_total=counters.lookup_hit_keys,
+        read_keys_total=counters.read_keys,
+        read_hit_keys_total=counters.read_hit_keys,
+    )

@@ -226,3 +226,27 @@ def test_eviction_relieves_only_the_tier_that_is_full() -> None:
     stats = core.stats()
     assert stats.evicted_bytes_total == 4 * BLOCK
     assert sorted(s.used_bytes for s in stats.segments) == [3 * BLOCK, 4 * BLOCK]
+
+
+def test_a_short_watermark_pass_backs_off_for_a_tenth_of_a_lease() -> None:
+    core = make(num_blocks=10, high=0.5, ratio=0.2, lease_ttl_s=10.0)
+    for i in range(6):
+        put(core, f"b{i}", float(i))
+        core.exist(keys(f"b{i}"), float(i))     # leased until i + 10
+    put(core, "c0", 9.95)                       # b0 leased until 10: short pass, back off
+    put(core, "c1", 10.5)                       # b0 and c0 evictable, but within the back-off
+    assert evicted(core) == []
+    put(core, "c2", 11.0)
+    assert evicted(core) == ["b0", "b1"]
+
+
+def test_allocation_failures_evict_even_during_a_back_off() -> None:
+    core = make(num_blocks=4, high=0.5, ratio=0.25, lease_ttl_s=10.0)
+    for i in range(2):
+        put(core, f"b{i}", float(i))
+        core.exist(keys(f"b{i}"), float(i))
+    put(core, "b2", 2.0)            # 3 of 4 blocks: short pass (b0, b1 leased), back off
+    put(core, "b3", 2.5)            # 4 of 4
+    assert evicted(core) == []
+    assert put(core, "b4", 2.6) == Status.OK
+    assert evicted(core) == ["b2"]

@@ -373,3 +373,15 @@ def test_segment_mounted_event_carries_the_descriptor() -> None:
     core.take_events()
     core.mount_segment(seg("s", A), 0.0)
     assert core.take_events() == [SegmentMounted(seg("s", A))]
+
+
+def test_lapsed_leases_are_counted_when_seen() -> None:
+    core = core_with(A, config=CoreConfig(default_lease_ttl_s=5.0))
+    put(core, A, [b"x", b"y"])
+    core.exist([ObjectKey(b"x"), ObjectKey(b"y")], 10.0)     # leases until 15
+    core.exist([ObjectKey(b"x")], 12.0)                      # renewed before it ran out
+    core.exist([ObjectKey(b"x")], 20.0)                      # x's lease (until 17) lapsed
+    assert core.remove([ObjectKey(b"y")], False, 20.0) == [Status.OK]   # y's lapsed too
+    stats = core.stats()
+    assert (stats.leases_granted_total, stats.leases_lapsed_total) == (4, 2)
+    assert (stats.read_keys_total, stats.read_hit_keys_total) == (4, 4)

@@ -83,3 +83,16 @@ def test_malformed_client_and_segment_rows_are_dropped() -> None:
                                                                       "", "", ""]],
         []), 0.0, 1.0)
     assert (counts.num_clients, counts.num_segments, counts.num_dropped_rows) == (1, 1, 5)
+
+
+def test_a_restored_segment_is_kept_from_another_owner() -> None:
+    core = MasterCore(CoreConfig())
+    core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW], [[b"k", 64, ["s", 0, 64], 0, 0, None]]),
+                 0.0, 10.0)
+    core.register_client(ClientId("thief"), "h", b"t" * 16, 1.0)
+    thief = SegmentInfo(SegmentId("s"), ClientId("thief"), 1 << 16, host_id="h")
+    assert core.mount_segment(thief, 1.0) == Status.SEGMENT_ALREADY_EXISTS
+    assert core.mount_segment(SEG, 1.0) == Status.UNKNOWN_CLIENT   # owner not back yet
+    core.register_client(A, "h", b"x" * 16, 2.0)
+    assert core.mount_segment(SEG, 2.0) == Status.OK
+    assert core.exist([ObjectKey(b"k")], 3.0)[0] == [Status.OK]
