@@ -61,6 +61,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self.pending: collections.deque[_Request] = collections.deque()
         self.closed = False
+        self.close_reason: KVPoolError | None = None
         self._next_request_id = 1
         self._header = bytearray(RESPONSE.size)
         self._buffer = memoryview(self._header)  # what get_buffer fills now
@@ -95,6 +96,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.closed = True
+        self.close_reason = error
         if self._transport is not None:
             self._transport.abort()  # releases the caller's views it held; nothing more moves
         while self.pending:
@@ -257,9 +259,9 @@ class _Peer:
         if self._owner.closed:
             connection.abort(KVPoolError(Status.UNAVAILABLE, "tcp transport is closed"))
             raise KVPoolError(Status.UNAVAILABLE, "tcp transport is closed")
-        if connection.closed:
-            raise KVPoolError(Status.TRANSFER_FAILED,
-                              f"{self.host}:{self.port} closed the connection at once")
+        if connection.closed:  # e.g. the server answered "too many connections" at once
+            raise connection.close_reason or KVPoolError(
+                Status.TRANSFER_FAILED, f"{self.host}:{self.port} closed the connection at once")
         self.connections.append(connection)
         return connection
 
