@@ -26,12 +26,17 @@ from kvpool_client.hashing import BlockHash, BlockHasher
 from kvpool_client.status import KVPoolError, Status
 
 
-class PrefixPool(Protocol):
-    """The part of ``KVPoolClient`` a prefix cache uses (an in-memory pool satisfies it too)."""
+class PrefixLookup(Protocol):
+    """The lookup a prefix cache makes: how many leading keys the pool holds."""
 
     def query_prefix(self, keys: Sequence[str]) -> int:
         """Return how many leading keys are in the pool."""
         ...
+
+
+class PrefixPool(PrefixLookup, Protocol):
+    """The part of ``KVPoolClient`` a prefix cache and ``RegionBlockIO`` use (an in-memory
+    pool satisfies it too)."""
 
     def batch_put_regions(
         self, keys: Sequence[str], regions: Sequence[Sequence[memoryview]], options: Any = None,
@@ -155,7 +160,7 @@ class TieredPrefixCache:
         num_blocks: int,
         *,
         key_fn: Callable[[BlockHash], str],
-        pool: PrefixPool | None = None,
+        pool: PrefixLookup | None = None,
         io: BlockIO | None = None,
         hasher: BlockHasher | None = None,
     ) -> None:

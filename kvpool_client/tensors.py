@@ -188,8 +188,9 @@ class PagedKVCache:
 
 
 def _host_view(t: torch.Tensor) -> memoryview:
-    # Tensor.numpy() shares storage and keeps the tensor alive as the array's base.
-    return memoryview(t.numpy()).cast("B")
+    # Tensor.numpy() shares storage and keeps the tensor alive as the array's base; the view
+    # keeps the array alive.
+    return t.numpy().data.cast("B")
 
 
 class RegisteringPool(PrefixPool, Protocol):
@@ -248,16 +249,18 @@ class StagedBlockIO:
 
     def _copy(self, pairs: list[tuple[Any, Any]]) -> Any:
         """Copy (dst, src) tensor pairs on the side stream; return an event (None on CPU)."""
-        if self.module is None:
+        module, stream = self.module, self.stream
+        if module is None or stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
-        self.stream.wait_stream(self.module.current_stream(self.cache.device))
-        with self.module.stream(self.stream):
+        # the side stream starts after the work already queued (the KV being written)
+        stream.wait_stream(module.current_stream(self.cache.device))
+        with module.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            event = self.module.Event()
-            event.record(self.stream)
+            event = module.Event()
+            event.record(stream)
         return event
 
     def _gather(self, block_ids: Sequence[int], staging: Any) -> Any:
