@@ -11,8 +11,8 @@ import sys
 
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "status": ("kvpool_client.cli_status", "show the master's clients, segments, usage and objects"),
-    "replay": ("kvpool_client.replay", "replay a request trace against a live pool (or --simulate)"),
+    "status": ("kvpool_client.cli_status", "show the master's clients, segments, usage, objects"),
+    "replay": ("kvpool_client.replay", "replay a request trace against a pool (or --simulate)"),
     "bench": ("kvpool_client.cli_bench", "quick put/get throughput check against a live pool"),
 }
 
