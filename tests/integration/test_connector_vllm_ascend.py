@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +27,25 @@ SUBTREE = "vllm_ascend/distributed/kv_transfer/kv_pool/ascend_store/"
 TE_FILE = "vllm_ascend/distributed/kv_transfer/utils/mooncake_transfer_engine.py"
 
 
-def _pypi_reachable() -> str:
-    """Return why PyPI cannot be reached, or "" when it can."""
-    for host in ("pypi.org", "files.pythonhosted.org"):
-        try:
-            socket.create_connection((host, 443), timeout=10).close()
-        except OSError as exc:
-            return f"{host}:443 unreachable ({exc})"
-    return ""
-
-
 @pytest.fixture(scope="module")
 def ascend_store_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Download the wheel and unpack only the files the test drives."""
-    download = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", WHEEL, "--no-deps",
-                           "--disable-pip-version-check", "-q", "-d", str(download)],
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        reason = _pypi_reachable()
-        if reason:
-            print(f"skipping: cannot download {WHEEL}: {reason}")
-            pytest.skip(f"cannot download {WHEEL} from PyPI: {reason}")
-        pytest.fail(f"pip download {WHEEL} failed although PyPI is reachable:\n{proc.stderr}")
-    (wheel,) = download.glob("vllm_ascend-*.whl")
     src = tmp_path_factory.mktemp("src")
-    with zipfile.ZipFile(wheel) as archive:
-        names = [n for n in archive.namelist() if n.startswith(SUBTREE) or n == TE_FILE]
-        archive.extractall(src, names)
+    unpack_wheel(WHEEL, src, SUBTREE, TE_FILE)
     assert (src / SUBTREE / "kv_transfer.py").is_file()
     return src
+
+
+def unpack_wheel(requirement: str, dest: Path, *prefixes: str) -> None:
+    """Download ``requirement`` and unpack the files under ``prefixes`` into ``dest``; skip
+    (printing why) only when PyPI is unreachable."""
+    proc = subprocess.run([sys.executable, str(HERE / "wheels.py"), requirement, str(dest),
+                           *prefixes], capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode == 3:
+        print(f"skipping: {proc.stdout.strip()}")
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def run_ranks(src: Path, backend: str, master: Any, tmp_path: Path) -> list[dict[str, Any]]:
