@@ -158,6 +158,7 @@ class _LeanConnection(asyncio.Protocol):
         self.closed = False
         self._failure: KVPoolError | None = None
         self._connect_task: asyncio.Task[None] | None = None
+        self._lost: asyncio.Future[None] = loop.create_future()
 
     @classmethod
     def open(cls, loop: asyncio.AbstractEventLoop, host: str, port: int,
@@ -242,6 +243,8 @@ class _LeanConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(KVPoolError(Status.RPC_FAILED, f"lean connection to master lost: {exc}"))
+        if not self._lost.done():
+            self._lost.set_result(None)
 
     def _fail(self, error: KVPoolError) -> None:
         if self._failure is None:
@@ -258,6 +261,15 @@ class _LeanConnection(asyncio.Protocol):
     def close(self) -> None:
         """Close the connection; waiting calls fail with RPC_FAILED."""
         self._fail(KVPoolError(Status.RPC_FAILED, "connection closed by the client"))
+
+    async def wait_closed(self, timeout_s: float) -> None:
+        """Wait until the socket is really closed (or the connect attempt is abandoned)."""
+        task = self._connect_task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=timeout_s)
+        if self._transport is not None:
+            await asyncio.wait([self._lost], timeout=timeout_s)
 
 
 def _ssl_context(tls: TlsConfig) -> ssl.SSLContext:
@@ -572,6 +584,7 @@ class MasterRpc:
             await asyncio.wait(list(self._grpc_nowait), timeout=self._timeout_s)
         if self._lean is not None:
             self._lean.close()
+            await self._lean.wait_closed(self._timeout_s)
             self._lean = None
         if self._channel is not None:
             await self._channel.close()
