@@ -305,8 +305,12 @@ class AsyncKVPoolClient:
 
     async def _write_normalised(self, keys: list[bytes], regions: list[Regions],
                                 options: PutOptions) -> list[Status]:
-        """Write distinct keys with non-empty regions; one Status per key."""
-        return await self._path().write(keys, regions, [total_bytes(r) for r in regions], options)
+        """Write distinct keys with non-empty regions; one Status per key. (The async writer's
+        write: it still runs while ``close`` drains the queue.)"""
+        datapath = self._datapath
+        if datapath is None:
+            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
+        return await datapath.write(keys, regions, [total_bytes(r) for r in regions], options)
 
     async def _put_many(self, op: str, keys: Sequence[KeyLike], regions: list[Regions | None],
                         options: PutOptions | None, async_write: bool) -> list[Status]:

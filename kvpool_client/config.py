@@ -97,7 +97,7 @@ class ClientConfig:
     use_fast_path: bool = True  # lean framing to the master when it offers one
     async_write_queue_size: int = 1024  # objects queued by async writes before put blocks
     max_segment_size: int = 0  # split global_segment_size into segments of at most this; 0 = one
-    commit_nowait: bool = True  # put returns once its commit is sent (read-your-writes holds)
+    commit_nowait: bool = False  # True: put returns once its commit is sent (see _datapath)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:

@@ -1,0 +1,184 @@
+"""A kvpool client in its own process, driven by JSON lines (the client tests' second process).
+
+Run as ``python client_worker.py CONFIG_JSON``: it joins the pool, prints ``{"ready": ...}``,
+then answers one JSON line per command read on stdin. Tests load this file with
+:func:`load` to use :class:`Worker` (which starts and stops such a process by pid) and
+:func:`payload` (the deterministic bytes of a key, so every process can check every byte).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+PATH = Path(__file__).resolve()
+
+
+def payload(key: str, size_bytes: int) -> bytes:
+    """The bytes every test stores under ``key``: pseudo-random, seeded by the key."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
+
+
+def load() -> ModuleType:
+    """This file as a module (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("kvpool_test_client_worker", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Worker:
+    """Test side: one worker process, stopped by pid in ``stop``."""
+
+    def __init__(self, config: dict[str, Any], *, env: dict[str, str] | None = None,
+                 timeout_s: float = 60.0) -> None:
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, str(PATH), json.dumps(config)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=None, env=full_env)
+        self.pid = self.proc.pid
+        self.info = self._read(timeout_s)
+        if "ready" not in self.info:
+            self.stop()
+            raise RuntimeError(f"worker failed to start: {self.info}")
+
+    def call(self, op: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
+        """Send one command and return its answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def send(self, op: str, **args: Any) -> None:
+        """Send a command without waiting for its answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The next line the worker printed."""
+        return self._read(timeout_s)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"worker {self.pid} silent for {timeout_s} s")
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"worker {self.pid} exited with {self.proc.wait(5)}")
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+
+    def kill(self) -> None:
+        """SIGKILL (also continues a stopped process) and reap."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Close the client gracefully if it still answers, else kill; always reaped."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                self.call("close", timeout_s=20)
+                self.proc.wait(20)
+            except (OSError, TimeoutError, RuntimeError, subprocess.TimeoutExpired):
+                self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+# --- worker side ---------------------------------------------------------------------------------
+
+def _serve(config_json: str) -> None:
+    from kvpool_client.client import KVPoolClient
+    from kvpool_client.config import ClientConfig
+    from kvpool_client.status import KVPoolError, Status
+    from kvpool_client.types import PutOptions
+
+    client = KVPoolClient(ClientConfig.from_dict(json.loads(config_json)))
+    _reply({"ready": True, "client_id": client.client_id, "segment_ids": client.segment_ids,
+            "hostname": client.hostname, "pid": os.getpid()})
+
+    def options(cmd: dict[str, Any]) -> PutOptions | None:
+        if cmd.get("segment"):
+            return PutOptions(preferred_segment=cmd["segment"])
+        return None
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "close":
+                client.close()
+                _reply({"closed": True})
+                return
+            if op == "put":
+                keys, size = cmd["keys"], cmd["size"]
+                datas = [payload(k, size) for k in keys]
+                api = cmd.get("api", "put_batch")
+                if api == "put":
+                    for k, d in zip(keys, datas, strict=True):
+                        client.put(k, d, options=options(cmd))
+                    statuses = [Status.OK] * len(keys)
+                elif api == "batch_put_regions":
+                    regions = [[memoryview(d)[: size // 2], memoryview(d)[size // 2:]]
+                               for d in datas]
+                    statuses = client.batch_put_regions(keys, regions, options(cmd))
+                else:
+                    statuses = client.put_batch(keys, datas, options=options(cmd))
+                _reply({"statuses": [s.name for s in statuses]})
+            elif op == "check":
+                keys, size = cmd["keys"], cmd["size"]
+                values = client.get_batch(keys)
+                _reply({"results": ["missing" if v is None else
+                                    ("ok" if v == payload(k, size) else "mismatch")
+                                    for k, v in zip(keys, values, strict=True)]})
+            elif op == "put_loop":
+                # Put batches until killed; report each batch once it returned.
+                size, batch = cmd["size"], cmd["batch"]
+                for n in range(cmd["count"]):
+                    keys = [f"{cmd['prefix']}-{n}-{i}" for i in range(batch)]
+                    statuses = client.put_batch(keys, [payload(k, size) for k in keys],
+                                                options=options(cmd))
+                    _reply({"batch": n, "statuses": [s.name for s in statuses]})
+                _reply({"done": True})
+            elif op == "flush":
+                client.flush()
+                _reply({"flushed": True})
+            elif op == "info":
+                _reply({"client_id": client.client_id, "segment_ids": client.segment_ids})
+            else:
+                _reply({"error": "INVALID_ARGUMENT", "message": f"unknown op {op!r}"})
+        except KVPoolError as exc:
+            _reply({"error": exc.status.name, "message": str(exc)})
+
+
+def _reply(answer: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

@@ -1,0 +1,278 @@
+"""Every form of the client API against a real master on 127.0.0.1 (one client process)."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool_client.buffers import alloc_bytes
+from kvpool_client.client import AsyncKVPoolClient, KVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_client.status import KVPoolError, Status
+from kvpool_client.types import PutOptions
+
+
+def make_config(master: Any, **changes: Any) -> ClientConfig:
+    values: dict[str, Any] = {"master_server_address": master.address,
+                              "global_segment_size": "64mb", "rpc_timeout_s": 5}
+    values.update(changes)
+    return ClientConfig.from_dict(values)
+
+
+@pytest.fixture
+def client(master: Any) -> Iterator[KVPoolClient]:
+    with KVPoolClient(make_config(master)) as c:
+        yield c
+
+
+def pattern(seed: int, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def test_alloc_bytes_fills_the_returned_object() -> None:
+    obj, view = alloc_bytes(10)
+    view[:] = b"0123456789"
+    assert obj == b"0123456789" and isinstance(obj, bytes)
+    assert alloc_bytes(0)[0] == b""
+
+
+def test_put_get_exists_size(client: KVPoolClient) -> None:
+    client.put("alpha", b"hello")
+    client.put(b"\x00raw-key", bytearray(b"bytes key"))
+    assert client.get("alpha") == b"hello"
+    assert client.get(b"\x00raw-key") == b"bytes key"
+    assert client.get("absent") is None
+    assert client.exists("alpha") and not client.exists("absent")
+    assert client.get_size("alpha") == 5 and client.get_size("absent") is None
+    client.put("alpha", b"second value")  # write-once: succeeds, keeps the first value
+    assert client.get("alpha") == b"hello"
+    assert client.hostname.startswith("127.0.0.1:") and len(client.segment_ids) == 1
+
+
+@pytest.mark.parametrize("bad_key", ["", "k" * 1025, 17])
+def test_bad_keys_are_refused(client: KVPoolClient, bad_key: Any) -> None:
+    with pytest.raises(KVPoolError) as info:
+        client.put(bad_key, b"x")
+    assert info.value.status == Status.INVALID_KEY
+    assert client.put_batch([bad_key, "good"], [b"x", b"y"]) == [Status.INVALID_KEY, Status.OK]
+
+
+def test_empty_object_is_refused(client: KVPoolClient) -> None:
+    with pytest.raises(KVPoolError) as info:
+        client.put("empty", b"")
+    assert info.value.status == Status.INVALID_ARGUMENT
+    assert not client.exists("empty")
+
+
+def test_zero_copy_single(client: KVPoolClient) -> None:
+    src = pattern(1, 1 << 20)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    client.register_buffer(src)
+    client.register_buffer(dst)
+    client.put_from("zc", src, 4096, 100_000)
+    assert client.get_into("zc", dst, 10, 200_000) == 100_000
+    assert np.array_equal(dst[10:100_010], src[4096:104_096])
+    with pytest.raises(KVPoolError) as info:
+        client.get_into("zc", dst, 0, 99_999)  # buffer smaller than the object
+    assert info.value.status == Status.BUFFER_OVERFLOW
+    with pytest.raises(KVPoolError) as info:
+        client.get_into("zc", dst, (1 << 20) - 10, 100)  # range outside the buffer
+    assert info.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KVPoolError) as info:
+        client.get_into("zc", b"\x00" * 200_000, 0, 200_000)  # read-only destination
+    assert info.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KVPoolError) as info:
+        client.get_into("missing", dst, 0, 10)
+    assert info.value.status == Status.NOT_FOUND
+    client.unregister_buffer(dst)
+    with pytest.raises(KVPoolError):
+        client.unregister_buffer(dst)
+    unregistered = bytearray(100_000)  # registration is optional for the native API
+    assert client.get_into("zc", unregistered, 0, 100_000) == 100_000
+    assert bytes(unregistered) == src[4096:104_096].tobytes()
+
+
+def test_batch_bytes_forms(client: KVPoolClient) -> None:
+    keys = [f"b{i}" for i in range(40)]
+    datas = [pattern(i, 1000 + i).tobytes() for i in range(40)]
+    assert client.put_batch(keys, datas) == [Status.OK] * 40
+    assert client.get_batch([*keys, "nope"]) == [*datas, None]
+    # duplicates in one batch: stored once, the first value wins, both answer OK
+    assert client.put_batch(["dup", "dup"], [b"first", b"second"]) == [Status.OK, Status.OK]
+    assert client.get("dup") == b"first"
+    with pytest.raises(KVPoolError) as info:
+        client.put_batch(["a", "b"], [b"x"])
+    assert info.value.status == Status.INVALID_ARGUMENT
+
+
+def test_batch_zero_copy_forms(client: KVPoolClient) -> None:
+    size = 64 << 10
+    src = pattern(7, 8 * size)
+    client.register_buffer(src)
+    keys = [f"bzc{i}" for i in range(8)]
+    offsets = [i * size for i in range(8)]
+    assert client.batch_put_from(keys, src, offsets, [size] * 8) == [Status.OK] * 8
+    dst = np.zeros(8 * size, dtype=np.uint8)
+    sizes = [size] * 7 + [size - 1]  # the last destination is one byte short
+    got = client.batch_get_into([*keys[:7], keys[7]], dst, offsets, sizes)
+    assert got == [size] * 7 + [int(Status.BUFFER_OVERFLOW)]
+    assert np.array_equal(dst[:7 * size], src[:7 * size])
+    # one buffer per key
+    per_key = [np.zeros(size, dtype=np.uint8) for _ in range(3)]
+    assert client.batch_get_into(["bzc0", "missing", "bzc2"], per_key, [0, 0, 0],
+                                 [size] * 3) == [size, int(Status.NOT_FOUND), size]
+    assert np.array_equal(per_key[2], src[2 * size:3 * size])
+    parts = [pattern(100 + i, 5000) for i in range(2)]
+    assert client.batch_put_from(["pk0", "pk1"], parts, [0, 1000], [5000, 4000]) == \
+        [Status.OK, Status.OK]
+    assert client.get("pk1") == parts[1][1000:].tobytes()
+    # a bad range fails its key alone
+    assert client.batch_put_from(["ok", "bad"], src, [0, len(src)], [10, 10]) == \
+        [Status.OK, Status.INVALID_ARGUMENT]
+
+
+def test_scatter_gather_regions(client: KVPoolClient) -> None:
+    layers = [pattern(i, 3000 + 100 * i) for i in range(6)]  # e.g. [L0.K, L0.V, L1.K, ...]
+    whole = b"".join(layer.tobytes() for layer in layers)
+    assert client.batch_put_regions(["sg"], [layers]) == [Status.OK]
+    assert client.get("sg") == whole
+    # read back split differently: the object is the concatenation, in order
+    out = np.zeros(len(whole), dtype=np.uint8)
+    regions = [out[:1], out[1:7000], out[7000:]]
+    assert client.batch_get_regions(["sg", "missing"], [regions, [np.zeros(4, np.uint8)]]) == \
+        [len(whole), int(Status.NOT_FOUND)]
+    assert out.tobytes() == whole
+    small = [np.zeros(100, np.uint8)]
+    assert client.batch_get_regions(["sg"], [small]) == [int(Status.BUFFER_OVERFLOW)]
+    assert client.batch_put_regions(["bad-regions"], [[b"x", 42]]) == [Status.INVALID_ARGUMENT]
+
+
+def test_lookups_leases_and_removal(client: KVPoolClient) -> None:
+    chain = [f"chain-{i}" for i in range(6)]
+    client.put_batch(chain[:3], [b"a", b"b", b"c"])
+    client.put("chain-4", b"e")
+    assert client.query_prefix(chain) == 3
+    assert client.batch_exists(chain) == [True, True, True, False, True, False]
+    assert client.get("chain-0") == b"a"  # grants a read lease
+    with pytest.raises(KVPoolError) as info:
+        client.remove("chain-0")
+    assert info.value.status == Status.HAS_LEASE
+    client.remove("chain-0", force=True)
+    with pytest.raises(KVPoolError) as info:
+        client.remove("chain-0")
+    assert info.value.status == Status.NOT_FOUND
+    assert client.batch_remove(["chain-3", "chain-4"], force=True) == \
+        [Status.NOT_FOUND, Status.OK]
+    client.put_batch(["rx-1", "rx-2", "keep"], [b"1", b"2", b"3"])
+    assert client.remove_by_regex("^rx-", force=True) == 2
+    with pytest.raises(KVPoolError) as info:
+        client.remove_by_regex("(", force=True)
+    assert info.value.status == Status.INVALID_ARGUMENT
+    assert client.remove_all(force=True) >= 3
+    assert client.batch_exists(["keep", "chain-1"]) == [False, False]
+
+
+def test_read_your_writes_from_many_threads(client: KVPoolClient) -> None:
+    errors: list[str] = []
+
+    def work(thread: int) -> None:
+        for i in range(60):
+            key = f"ryw-{thread}-{i}"
+            value = f"{thread}:{i}".encode() * 10
+            client.put(key, value)
+            if client.get(key) != value or not client.exists(key):
+                errors.append(key)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+
+
+def test_async_writes_flush(master: Any) -> None:
+    with KVPoolClient(make_config(master, async_write_queue_size=4)) as c:
+        values = {f"aw-{i}": pattern(i, 2048).tobytes() for i in range(50)}
+        for key, value in values.items():
+            c.put(key, value, async_write=True)  # the bounded queue makes later puts wait
+        assert c.batch_put_regions(["aw-r"], [[b"ab", b"cd"]], async_write=True) == [Status.OK]
+        c.flush(timeout_s=30)
+        assert c.get_batch(list(values)) == list(values.values())
+        assert c.get("aw-r") == b"abcd"
+        assert c.metrics.async_queue_depth == 0
+
+
+def test_async_write_failures_are_reported(master: Any) -> None:
+    with KVPoolClient(make_config(master, global_segment_size="1mb")) as c:
+        c.put("fits", b"x" * 1000, async_write=True)
+        c.put("too-big-1", b"x" * (2 << 20), async_write=True)
+        c.put("too-big-2", b"x" * (2 << 20), async_write=True)
+        with pytest.raises(KVPoolError) as info:
+            c.flush(timeout_s=30)
+        assert info.value.status == Status.NO_SPACE
+        assert "2 async writes failed" in str(info.value)
+        assert c.metrics.async_failures == 2
+        c.flush()  # reported once, then counted afresh
+        assert c.get("fits") == b"x" * 1000
+
+
+def test_close_flushes_and_reports(master: Any) -> None:
+    c = KVPoolClient(make_config(master, global_segment_size="1mb"))
+    c.put("late", b"y" * 100, async_write=True)
+    c.put("late-too-big", b"y" * (2 << 20), async_write=True)
+    with pytest.raises(KVPoolError) as info:
+        c.close()
+    assert info.value.status == Status.NO_SPACE
+    c.close()  # idempotent
+    with pytest.raises(KVPoolError) as info:
+        c.put("after-close", b"z")
+    assert info.value.status == Status.UNAVAILABLE
+
+
+def test_metrics_server(client: KVPoolClient) -> None:
+    port = client.start_metrics_server(0)
+    client.put("m1", b"z" * 4096)
+    assert client.get("m1") == b"z" * 4096
+    assert client.get("m-missing") is None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert 'kvpool_client_transfer_bytes_total{op="write",transport="shm"} 4096.0' in text
+    assert 'kvpool_client_transfer_bytes_total{op="read",transport="shm"} 4096.0' in text
+    assert "kvpool_client_lookup_keys_total 2.0" in text
+    assert "kvpool_client_lookup_hits_total 1.0" in text
+    assert 'kvpool_client_op_seconds_count{op="put"} 1.0' in text
+    assert 'kvpool_client_op_failures_total{op="get",status="NOT_FOUND"} 1.0' in text
+    assert "kvpool_client_data_server_refusals_total" in text
+
+
+def test_put_options_and_scheduler_role(master: Any, client: KVPoolClient) -> None:
+    scheduler = make_config(master, protocol="ascend_no_transport", global_segment_size=0)
+    with KVPoolClient(scheduler) as lookup_only:
+        assert lookup_only.segment_ids == [] and lookup_only.hostname == "127.0.0.1"
+        # it contributes nothing but can still write into the pool and look keys up
+        lookup_only.put("from-scheduler", b"s",
+                        options=PutOptions(preferred_segment=client.segment_ids[0]))
+        assert client.get("from-scheduler") == b"s"
+        assert lookup_only.query_prefix(["from-scheduler", "x"]) == 1
+
+
+def test_checksums_round_trip(master: Any) -> None:
+    with KVPoolClient(make_config(master, checksum=True)) as c:
+        c.put_batch(["c1", "c2"], [b"abc" * 1000, b"def"])
+        assert c.get_batch(["c1", "c2"]) == [b"abc" * 1000, b"def"]
+
+
+async def test_async_client(master: Any) -> None:
+    async with AsyncKVPoolClient(make_config(master)) as c:
+        await c.put("async-key", b"async value")
+        assert await c.get("async-key") == b"async value"
+        assert await c.batch_exists(["async-key", "nope"]) == [True, False]
+        buf = bytearray(32)
+        assert await c.get_into("async-key", buf, 0, 32) == 11
+        await c.flush()

@@ -1,0 +1,104 @@
+"""Two client processes on one master: process A writes, process B reads (and writes into A's
+segment), over shared memory and over forced TCP, checked byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool_client.client import KVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_client.status import Status
+from kvpool_client.types import PutOptions
+
+
+def _load_worker() -> Any:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).with_name("client_worker.py")
+    spec = importlib.util.spec_from_file_location("kvpool_test_client_worker", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cw = _load_worker()
+
+
+@pytest.fixture
+def writer(master: Any) -> Iterator[Any]:
+    worker = cw.Worker({"master_server_address": master.address, "global_segment_size": "64mb"})
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_writes_b_reads(master: Any, writer: Any, transport: str) -> None:
+    a_segment = writer.info["segment_ids"][0]
+    size = 300_001  # odd size: no accidental alignment
+    keys = [f"x-{transport}-{i}" for i in range(6)]
+    for api, chunk in (("put", keys[:2]), ("put_batch", keys[2:4]),
+                       ("batch_put_regions", keys[4:])):
+        answer = writer.call("put", keys=chunk, size=size, segment=a_segment, api=api)
+        assert answer["statuses"] == ["OK"] * len(chunk), answer
+    config = ClientConfig.from_dict({"master_server_address": master.address,
+                                     "global_segment_size": "16mb", "transport": transport})
+    with KVPoolClient(config) as reader:
+        expected = [cw.payload(k, size) for k in keys]
+        assert reader.get_batch(keys) == expected
+        assert reader.get(keys[0]) == expected[0]
+        dst = np.zeros(len(keys) * size, dtype=np.uint8)
+        reader.register_buffer(dst)
+        assert reader.batch_get_into(keys, dst, [i * size for i in range(len(keys))],
+                                     [size] * len(keys)) == [size] * len(keys)
+        assert dst.tobytes() == b"".join(expected)
+        halves = [np.zeros(size // 3, np.uint8), np.zeros(size - size // 3, np.uint8)]
+        assert reader.batch_get_regions([keys[5]], [halves]) == [size]
+        assert halves[0].tobytes() + halves[1].tobytes() == expected[5]
+        # the bytes really crossed over the transport asked for
+        used = {t for (t, op) in reader.metrics.transfer_bytes if op == "read"}
+        assert used == ({"tcp"} if transport == "tcp" else {"shm"})
+        objects_read = len(keys) + 1 + len(keys) + 1
+        assert reader.metrics.transfer_bytes[("tcp" if transport == "tcp" else "shm",
+                                              "read")] == objects_read * size
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_b_writes_into_a_segment(master: Any, writer: Any, transport: str) -> None:
+    a_segment = writer.info["segment_ids"][0]
+    size = 1 << 20
+    keys = [f"into-a-{transport}-{i}" for i in range(5)]
+    config = ClientConfig.from_dict({"master_server_address": master.address,
+                                     "global_segment_size": 0, "transport": transport})
+    with KVPoolClient(config) as b:
+        statuses = b.put_batch(keys, [cw.payload(k, size) for k in keys],
+                               options=PutOptions(preferred_segment=a_segment))
+        assert statuses == [Status.OK] * len(keys)
+        b.put(keys[0], b"ignored: the key exists")
+        b.flush()  # commits pipelined by put are answered before A looks
+        used = {t for (t, op) in b.metrics.transfer_bytes if op == "write"}
+        assert used == ({"tcp"} if transport == "tcp" else {"shm"})
+    assert writer.call("check", keys=keys, size=size)["results"] == ["ok"] * len(keys)
+
+
+def test_forced_tcp_through_host_id(master: Any) -> None:
+    """Processes that believe they are on different hosts use tcp without being told to."""
+    worker = cw.Worker({"master_server_address": master.address, "global_segment_size": "16mb"},
+                       env={"KVPOOL_HOST_ID": "another-host"})
+    try:
+        keys = ["host-0", "host-1"]
+        assert worker.call("put", keys=keys, size=70_000,
+                           segment=worker.info["segment_ids"][0])["statuses"] == ["OK", "OK"]
+        config = ClientConfig.from_dict({"master_server_address": master.address})
+        with KVPoolClient(config) as reader:
+            assert reader.get_batch(keys) == [cw.payload(k, 70_000) for k in keys]
+            assert {t for t, _ in reader.metrics.transfer_bytes} == {"tcp"}
+    finally:
+        worker.stop()
