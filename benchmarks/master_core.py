@@ -1,26 +1,32 @@
 """In-process speed and memory of the master core (no RPC).
 
 Prints keys/s for put_start+put_end, get_replicas, exist and query_prefix at batch sizes 1, 32
-and 1000; the time of one eviction pass over a full pool; the resident memory per million
-objects; and the allocator's fragmentation on a KV-like workload.
+and 1000; one eviction pass over a full pool; resident memory per million objects; snapshot
+and restore times; time to drop a segment; the allocator's fragmentation on a KV-like workload.
 
-    .venv/bin/python benchmarks/master_core.py            # ~1 min: 200k objects
-    .venv/bin/python benchmarks/master_core.py --full     # one million objects (~3 min)
+    .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
+    .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
 
-Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica.
+Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica. Reads are
+measured twice: keys drawn at random from the whole table (each lookup misses the CPU caches,
+the worst case) and one batch of 1000 keys read again and again (cache-warm, what a hot prefix
+sees).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 
 from kvpool_client.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.persist import StateStore
 
 OBJECT_BYTES = 64 << 10
 CLIENT = ClientId("bench-client")
@@ -50,33 +56,40 @@ def keys_of(start: int, count: int) -> list[ObjectKey]:
     return [ObjectKey(b"%064x" % i) for i in range(start, start + count)]
 
 
-def fill(core: MasterCore, keys: list[ObjectKey], batch: int = 1000, now: float = 1.0) -> None:
-    """Put and commit ``keys`` as the RPC layer would: fresh int objects per size and a
-    64-bit checksum per object (what a decoded request carries)."""
+def fill(core: MasterCore, keys: list[ObjectKey], batch: int = 1000, now: float = 1.0,
+         chain_length: int = 0) -> None:
+    """Put and commit ``keys`` as the RPC layer would: fresh int objects per size, a 64-bit
+    checksum per object, and (``chain_length`` > 0) each key's predecessor in its chain as a
+    fresh parent-key bytes object, as a decoded request carries them."""
     rng = random.Random(len(keys))
     zero = int("0")
     for i in range(0, len(keys), batch):
         chunk = keys[i:i + batch]
         sizes = [OBJECT_BYTES + zero for _ in chunk]
         checksums = [rng.getrandbits(64) for _ in chunk]
-        core.put_start(CLIENT, chunk, sizes, OPTIONS, now)
+        parents = None
+        if chain_length:
+            parents = [ObjectKey(bytes(keys[j - 1])) if j % chain_length else ObjectKey(b"")
+                       for j in range(i, i + len(chunk))]
+        core.put_start(CLIENT, chunk, sizes, OPTIONS, now, parent_keys=parents)
         core.put_end(CLIENT, chunk, now, checksums)
         core.take_events()
 
 
-def rate(label: str, batch: int, total_keys: int, run: Callable[[list[ObjectKey]], object],
+def rate(label: str, batch: int, run: Callable[[list[ObjectKey]], object],
          batches: list[list[ObjectKey]]) -> None:
     gc.collect()
+    total = sum(len(b) for b in batches)
     started = time.perf_counter()
     for chunk in batches:
         run(chunk)
     elapsed = time.perf_counter() - started
-    print(f"  {label:<22} batch {batch:>5}: {total_keys / elapsed / 1e6:7.3f} M keys/s"
-          f"  ({elapsed / len(batches) * 1e6:9.1f} us/call)")
+    print(f"  {label:<30} batch {batch:>5}: {total / elapsed / 1e6:6.2f} M keys/s"
+          f"  ({elapsed / len(batches) * 1e6:8.1f} us/call)")
 
 
 def bench_ops(num_objects: int) -> None:
-    print(f"ops (table of {num_objects:,} READY objects, 64-byte keys)")
+    print(f"ops (table of {num_objects:,} READY objects)")
     core = make_core(num_objects + 300_000, 0.5)
     fill(core, keys_of(0, num_objects))
     rng = random.Random(1)
@@ -85,7 +98,6 @@ def bench_ops(num_objects: int) -> None:
         total = 32_000 if batch > 1 else 10_000
         fresh = keys_of(next_key, total)
         next_key += total
-        batches = [fresh[i:i + batch] for i in range(0, total, batch)]
         sizes = [OBJECT_BYTES] * batch
 
         def put(chunk: list[ObjectKey], sizes: list[int] = sizes) -> None:
@@ -93,44 +105,61 @@ def bench_ops(num_objects: int) -> None:
             core.put_end(CLIENT, chunk, 2.0)
             core.take_events()
 
-        rate("put_start+put_end", batch, total, put, batches)
+        rate("put_start+put_end", batch, put, [fresh[i:i + batch] for i in range(0, total, batch)])
         hits = [ObjectKey(b"%064x" % rng.randrange(num_objects)) for _ in range(total)]
-        batches = [hits[i:i + batch] for i in range(0, total, batch)]
-        rate("get_replicas", batch, total, lambda c: core.get_replicas(c, 3.0), batches)
-        rate("exist", batch, total, lambda c: core.exist(c, 3.0), batches)
+        randoms = [hits[i:i + batch] for i in range(0, total, batch)]
+        warm = [keys_of(5000, batch)] * (total // batch)
+        rate("get_replicas (random)", batch, lambda c: core.get_replicas(c, 3.0), randoms)
+        rate("get_replicas (warm)", batch, lambda c: core.get_replicas(c, 3.0), warm)
+        rate("exist (random)", batch, lambda c: core.exist(c, 3.0), randoms)
+        rate("exist (warm)", batch, lambda c: core.exist(c, 3.0), warm)
         chain = keys_of(rng.randrange(num_objects - total), total)
-        batches = [chain[i:i + batch] for i in range(0, total, batch)]
-        rate("query_prefix", batch, total, lambda c: core.query_prefix(c, 3.0), batches)
-    misses = keys_of(10**12, 1000)
-    started = time.perf_counter()
-    for _ in range(100):
-        core.exist(misses, 4.0)
-    print(f"  exist of 1000 absent keys: {(time.perf_counter() - started) / 100 * 1e6:.1f} us")
-    started = time.perf_counter()
-    hits = keys_of(0, 1000)
-    for _ in range(100):
-        core.exist(hits, 4.0)
-    print(f"  exist of 1000 present keys: {(time.perf_counter() - started) / 100 * 1e6:.1f} us")
+        rate("query_prefix (a stored chain)", batch, lambda c: core.query_prefix(c, 3.0),
+             [chain[i:i + batch] for i in range(0, total, batch)])
+    misses = [keys_of(10**12, 1000)] * 30
+    rate("exist (absent keys)", 1000, lambda c: core.exist(c, 4.0), misses)
 
 
 def bench_memory_and_eviction(num_objects: int) -> None:
-    print(f"memory and eviction ({num_objects:,} objects)")
+    print(f"memory, eviction, persistence ({num_objects:,} objects in chains of 32 blocks, "
+          f"each with its parent key and a 64-bit checksum)")
     gc.collect()
     before = rss_bytes()
     # Capacity such that the table sits exactly at the 95 % high watermark when full.
     core = make_core(num_objects, 0.95)
-    fill(core, keys_of(0, num_objects))
+    fill(core, keys_of(0, num_objects), chain_length=32)
     gc.collect()
     grown = rss_bytes() - before
     stats = core.stats()
     print(f"  RSS {rss_bytes() / 2**20:.0f} MiB in all; growth {grown / 2**20:.0f} MiB for "
-          f"{stats.num_objects:,} objects "
-          f"= {grown / stats.num_objects:.0f} B/object "
+          f"{stats.num_objects:,} objects = {grown / stats.num_objects:.0f} B/object "
           f"= {grown / stats.num_objects * 1e6 / 2**20:.0f} MiB per million")
+    started = time.perf_counter()
+    gc.collect()
+    print(f"  one full gc.collect() with this table alive: "
+          f"{(time.perf_counter() - started) * 1e3:.0f} ms (a pause the server can avoid with "
+          f"gc.freeze() after start-up)")
+    with tempfile.TemporaryDirectory() as state_dir:
+        store = StateStore(state_dir, fsync="never")
+        store.load(MasterCore(CoreConfig()), 0.0)
+        started = time.perf_counter()
+        store.compact(core)
+        elapsed = time.perf_counter() - started
+        size = os.path.getsize(os.path.join(state_dir, "snapshot.kvp"))
+        store.close()
+        print(f"  snapshot (compaction): {elapsed:.2f} s, {size / 2**20:.0f} MiB on disk")
+        started = time.perf_counter()
+        restored = MasterCore(CoreConfig())
+        report = StateStore(state_dir).load(restored, 0.0)
+        print(f"  restore: {time.perf_counter() - started:.2f} s for "
+              f"{report.num_objects:,} objects")
+        del restored
+        gc.collect()
     # Read a tenth of them so the LRU order is not insertion order, then let leases lapse.
     rng = random.Random(2)
     core.get_replicas([ObjectKey(b"%064x" % rng.randrange(num_objects))
                        for _ in range(num_objects // 10)], 5.0)
+    core.take_events()
     started = time.perf_counter()
     core.put_start(CLIENT, keys_of(10**12, 1), [OBJECT_BYTES], OPTIONS, 100.0)
     elapsed = time.perf_counter() - started
@@ -138,46 +167,51 @@ def bench_memory_and_eviction(num_objects: int) -> None:
     events = core.take_events()
     print(f"  put_start that crossed the watermark: evicted {evicted:,} objects "
           f"({evicted / num_objects:.1%}) in {elapsed * 1e3:.1f} ms, {len(events):,} events")
+    started = time.perf_counter()
+    core.unmount_segment(CLIENT, SegmentId("seg-0"), 101.0)
+    elapsed = time.perf_counter() - started
+    lost = len(core.take_events()) - 1
+    print(f"  unmount of one of 8 segments: {elapsed * 1e3:.0f} ms ({lost:,} objects dropped)")
 
 
 def bench_fragmentation() -> None:
-    print("allocator fragmentation (KV-like: 95% 64 KiB blocks, 5% odd sizes, 2M ops of churn)")
+    print("allocator fragmentation (KV-like: 95% 64 KiB blocks, 5% odd sizes; churn at the "
+          "edge of a full 4 GiB segment)")
     rng = random.Random(3)
     allocator = Allocator(4 << 30)
     live: list[tuple[int, int]] = []
     odd = (4096, 12_000, 100_000, 300_000)
-    failures = 0
-    for _ in range(2_000_000):
-        if rng.random() < 0.5 or not live:
-            size = OBJECT_BYTES if rng.random() < 0.95 else rng.choice(odd)
-            offset = allocator.allocate(size)
-            if offset < 0:
-                failures += 1
-                if live:
-                    offset, size = live.pop(rng.randrange(len(live)))
-                    allocator.free(offset, size)
-                continue
+    refused_at: list[float] = []
+    started = time.perf_counter()
+    num_ops = 0
+    for _ in range(300_000):
+        size = OBJECT_BYTES if rng.random() < 0.95 else rng.choice(odd)
+        offset = allocator.allocate(size)
+        num_ops += 1
+        if offset >= 0:
             live.append((offset, size))
-        else:
+            continue
+        refused_at.append(allocator.used_bytes / allocator.size_bytes)
+        for _ in range(3):   # make room at random places, as evictions of mixed ages would
             index = rng.randrange(len(live))
             live[index], live[-1] = live[-1], live[index]
-            offset, size = live.pop()
-            allocator.free(offset, size)
-    print(f"  used {allocator.used_bytes / allocator.size_bytes:.1%} of 4 GiB, "
-          f"{allocator.num_free_extents:,} free extents, fragmentation "
-          f"{allocator.fragmentation():.3f} (1 - largest free / free), "
-          f"{failures:,} failed allocations")
+            allocator.free(*live.pop())
+            num_ops += 1
+    elapsed = time.perf_counter() - started
+    print(f"  {num_ops:,} allocate/free in {elapsed:.2f} s ({elapsed / num_ops * 1e6:.2f} us "
+          f"each); {len(refused_at):,} refusals at a mean utilisation of "
+          f"{sum(refused_at) / len(refused_at):.2%} (min {min(refused_at):.2%}); "
+          f"{allocator.num_free_extents:,} free extents at the end")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="memory/eviction at 1M objects")
-    parser.add_argument("--skip-fragmentation", action="store_true")
+    parser.add_argument("--full", action="store_true",
+                        help="memory, eviction and persistence at one million objects")
     args = parser.parse_args()
     bench_ops(200_000)
     bench_memory_and_eviction(1_000_000 if args.full else 200_000)
-    if not args.skip_fragmentation:
-        bench_fragmentation()
+    bench_fragmentation()
 
 
 if __name__ == "__main__":

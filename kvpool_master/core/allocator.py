@@ -33,13 +33,15 @@ def aligned(size_bytes: int) -> int:
 class Allocator:
     """Allocates aligned extents of ``[0, size_bytes)``."""
 
-    __slots__ = ("size_bytes", "used_bytes", "_by_size", "_start_to_size", "_end_to_start")
+    __slots__ = ("size_bytes", "used_bytes", "num_extents", "_by_size", "_start_to_size",
+                 "_end_to_start")
 
     def __init__(self, size_bytes: int) -> None:
         if not 0 < size_bytes <= MAX_SEGMENT_BYTES:
             raise ValueError(f"segment size must be in (0, 2**{OFFSET_BITS}], got {size_bytes}")
         self.size_bytes = size_bytes - size_bytes % ALIGN_BYTES  # a ragged tail is never usable
         self.used_bytes = 0
+        self.num_extents = 0  # allocated extents
         self._by_size: SortedList = SortedList()
         self._start_to_size: dict[int, int] = {}
         self._end_to_start: dict[int, int] = {}
@@ -64,6 +66,7 @@ class Allocator:
             if offset > cursor:
                 allocator._add_free(cursor, offset - cursor)
             allocator.used_bytes += size
+            allocator.num_extents += 1
             cursor = offset + size
         if cursor < allocator.size_bytes:
             allocator._add_free(cursor, allocator.size_bytes - cursor)
@@ -107,6 +110,7 @@ class Allocator:
         if extent_size > size:
             self._add_free(offset + size, extent_size - size)
         self.used_bytes += size
+        self.num_extents += 1
         return offset
 
     def free(self, offset: int, size_bytes: int) -> None:
@@ -123,6 +127,7 @@ class Allocator:
         if offset in self._start_to_size or end in self._end_to_start:
             raise ValueError(f"extent ({offset}, {size}) is already free")
         self._release(offset, end)
+        self.num_extents -= 1
 
     def free_many(self, extents: list[tuple[int, int]]) -> None:
         """Free many extents (each as ``free`` would) at once; return nothing.
@@ -162,6 +167,7 @@ class Allocator:
                 raise ValueError(f"extent ({start}, {end - start}) is already free")
         for start, end in runs:
             self._release(start, end)
+        self.num_extents -= len(packed)
 
     def free_extents(self) -> list[tuple[int, int]]:
         """Return the free extents as sorted (offset, size) pairs (for tests and snapshots)."""

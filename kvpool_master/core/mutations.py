@@ -103,6 +103,7 @@ class Mutations:
         num_segments = len(self._segments.mounted)
         max_key_bytes = config.max_key_bytes
         get = self._objects.key_to_object.get
+        id_to_segment = self._segments.id_to_segment
         size_to_int = self._objects.size_to_int
         exhausted: set[Tier] = set()
         results: list[PutResult] = []
@@ -141,8 +142,12 @@ class Mutations:
                 no_space += 1
                 results.append((Status.NO_SPACE, ()))
                 continue
-            self._objects.add_pending(key, ObjectEntry(size, placements, client_id, pin, parent),
-                                      now)
+            if parent is not None:
+                parent = self._objects.shared_key(parent)
+            self._objects.add_pending(
+                key, ObjectEntry(key, size, placements, client_id, pin, parent), now)
+            for p in placements:
+                self._note_key(id_to_segment[p.segment_id], key)
             started += 1
             results.append((Status.OK, placements))
         self._counters.put_started += started
@@ -305,20 +310,39 @@ class Mutations:
         self._segments.discard(state)
         segment_id = state.info.segment_id
         lost: list[ObjectKey] = []
-        for key, entry in self._objects.key_to_object.items():
-            placements = entry.placements
-            if len(placements) == 1:
-                if placements[0].segment_id == segment_id:
-                    lost.append(key)
-            elif any(p.segment_id == segment_id for p in placements):
-                kept = tuple(p for p in placements if p.segment_id != segment_id)
-                if kept:
-                    entry.placements = kept
-                else:
-                    lost.append(key)
+        for key, entry in self._live_on(state):
+            if len(entry.placements) == 1:
+                lost.append(key)
+                continue
+            kept = tuple(p for p in entry.placements if p.segment_id != segment_id)
+            if kept:
+                entry.placements = kept
+            else:
+                lost.append(key)
         self._drop(lost, "segment_lost", now)
         self._counters.segment_lost_objects += len(lost)
         self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
+
+    def _live_on(self, state: SegmentState) -> list[tuple[ObjectKey, ObjectEntry]]:
+        """Return (key, entry) of every object with a replica on ``state``, each once."""
+        get = self._objects.key_to_object.get
+        segment_id = state.info.segment_id
+        live = []
+        for key in dict.fromkeys(state.keys):
+            entry = get(key)
+            if entry is None:
+                continue
+            placements = entry.placements
+            if (placements[0].segment_id == segment_id if len(placements) == 1
+                    else any(p.segment_id == segment_id for p in placements)):
+                live.append((key, entry))
+        return live
+
+    def _note_key(self, state: SegmentState, key: ObjectKey) -> None:
+        keys = state.keys
+        keys.append(key)
+        if len(keys) > 2 * state.allocator.num_extents + 1024:
+            state.keys = [k for k, _ in self._live_on(state)]
 
     def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
                   same_host_id: str, now: float,

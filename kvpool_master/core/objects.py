@@ -21,14 +21,19 @@ from kvpool_client.types import ClientId, ObjectKey, Pin, Placement
 
 
 class ObjectEntry:
-    """One object. ``lease_expiry_s`` is 0.0 until its first read."""
+    """One object. ``lease_expiry_s`` is 0.0 until its first read.
 
-    __slots__ = ("size_bytes", "placements", "writer_id", "lease_expiry_s", "pin", "checksum",
-                 "parent_key")
+    ``key`` is the very bytes object the table is keyed by: a child naming this object as its
+    parent stores a reference to it instead of a copy (chains of blocks are the common case).
+    """
 
-    def __init__(self, size_bytes: int, placements: tuple[Placement, ...],
+    __slots__ = ("key", "size_bytes", "placements", "writer_id", "lease_expiry_s", "pin",
+                 "checksum", "parent_key")
+
+    def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Placement, ...],
                  writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
                  checksum: int = 0, lease_expiry_s: float = 0.0) -> None:
+        self.key = key
         self.size_bytes = size_bytes
         self.placements = placements
         self.writer_id = writer_id
@@ -92,6 +97,11 @@ class ObjectTable:
             else:
                 del counts[parent]
         return entry
+
+    def shared_key(self, key: ObjectKey) -> ObjectKey:
+        """Return the table's own copy of ``key`` when present (to share it), else ``key``."""
+        entry = self.key_to_object.get(key)
+        return entry.key if entry is not None else key
 
     def num_children(self, key: ObjectKey) -> int:
         """Return how many READY objects name ``key`` as their parent (prefix-lru only)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvpool_client.types import ClientId, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_client.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import MAX_SEGMENT_BYTES, Allocator, aligned
 
 #: Longest segment id accepted (segment ids travel in every placement).
@@ -23,16 +23,23 @@ MAX_SEGMENT_ID_BYTES = 256
 
 
 class SegmentState:
-    """One segment: its descriptor, its allocator, and whether it is mounted."""
+    """One segment: its descriptor, its allocator, whether it is mounted, and the keys of the
+    objects placed on it.
 
-    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s")
+    ``keys`` is append-only and may hold stale keys (objects removed or re-put elsewhere since)
+    and duplicates; ``note_key`` rebuilds it when stale keys outnumber live extents, so it stays
+    O(live objects) and losing a segment visits only its own objects.
+    """
+
+    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
-                 restore_deadline_s: float = 0.0) -> None:
+                 restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
         self.info = info
         self.allocator = allocator
         self.mounted = mounted
         self.restore_deadline_s = restore_deadline_s
+        self.keys: list[ObjectKey] = keys if keys is not None else []
 
 
 def segment_info_error(info: SegmentInfo) -> str:
@@ -114,18 +121,21 @@ class SegmentTable:
 
         Extents are grouped per segment and freed in one ``Allocator.free_many`` call each.
         """
-        segment_to_extents: dict[SegmentId, list[tuple[int, int]]] = {}
-        for placement in placements:
-            extents = segment_to_extents.get(placement.segment_id)
-            if extents is None:
-                segment_to_extents[placement.segment_id] = [(placement.offset, placement.length)]
-            else:
-                extents.append((placement.offset, placement.length))
         id_to_segment = self.id_to_segment
+        # None for a segment that is gone: its extents went with it.
+        segment_to_extents: dict[SegmentId, list[tuple[int, int]] | None] = {}
+        for placement in placements:
+            segment_id = placement.segment_id
+            extents = segment_to_extents.get(segment_id, _UNSEEN)
+            if extents is _UNSEEN:
+                extents = [] if segment_id in id_to_segment else None
+                segment_to_extents[segment_id] = extents
+            if extents is not None:
+                extents.append((placement.offset, placement.length))
         for segment_id, extents in segment_to_extents.items():
-            state = id_to_segment.get(segment_id)
-            if state is None:
-                continue  # the segment is gone, and its extents with it
+            if not extents:
+                continue
+            state = id_to_segment[segment_id]
             allocator = state.allocator
             before = allocator.used_bytes
             if len(extents) == 1:
@@ -180,6 +190,9 @@ class SegmentTable:
             if state.info.segment_id not in seen:
                 seen.add(state.info.segment_id)
                 yield state
+
+
+_UNSEEN: list[tuple[int, int]] = []
 
 
 def _placement_rank(state: SegmentState) -> tuple[int, int]:

@@ -115,7 +115,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         infos[info.segment_id] = info
     segment_to_extents: dict[SegmentId, list[tuple[int, int, ObjectKey]]] = {s: [] for s in infos}
     for row in snapshot.objects:
-        entry, key = _object_entry(row, infos, max_key_bytes)
+        entry, key = _object_entry(row, infos, max_key_bytes, objects)
         if entry is None or key in objects.key_to_object:
             dropped += 1
             continue
@@ -135,9 +135,10 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         objects.pop(key)
     dropped += len(doomed)
     for segment_id, info in infos.items():
-        used = [(o, s) for o, s, k in segment_to_extents[segment_id] if k not in doomed]
-        segments.add(SegmentState(info, Allocator.from_used(info.size_bytes, used), mounted=False,
-                                  restore_deadline_s=deadline_s))
+        live = [(o, s, k) for o, s, k in segment_to_extents[segment_id] if k not in doomed]
+        allocator = Allocator.from_used(info.size_bytes, [(o, s) for o, s, _ in live])
+        segments.add(SegmentState(info, allocator, mounted=False, restore_deadline_s=deadline_s,
+                                  keys=[k for _, _, k in live]))
     return RestoreCounts(len(clients), len(infos), len(objects), dropped)
 
 
@@ -154,30 +155,42 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
     return info
 
 
-def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
-                  max_key_bytes: int) -> tuple[ObjectEntry | None, ObjectKey]:
+def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo], max_key_bytes: int,
+                  objects: ObjectTable) -> tuple[ObjectEntry | None, ObjectKey]:
+    """Return the entry a row describes (None when malformed) and its key.
+
+    Sizes and segment ids are shared with the table (one int per size, the descriptor's id
+    string), as ``put_start`` does, so restored objects cost no more memory than new ones.
+    """
     try:
         key, size_bytes, flat, checksum, pin, parent_key = row
-        pin = Pin(pin)
-    except (TypeError, ValueError):
-        return None, ObjectKey(b"")
-    if (not isinstance(key, bytes) or not 0 < len(key) <= max_key_bytes
-            or type(size_bytes) is not int or size_bytes <= 0
-            or type(checksum) is not int or not 0 <= checksum < 1 << 64
-            or not (parent_key is None or (isinstance(parent_key, bytes)
-                                           and 0 < len(parent_key) <= max_key_bytes))
-            or not isinstance(flat, list | tuple) or not flat or len(flat) % 3):
-        return None, ObjectKey(b"")
-    placements: list[Placement] = []
-    for i in range(0, len(flat), 3):
-        segment_id, offset, length = flat[i:i + 3]
-        info = infos.get(SegmentId(segment_id)) if isinstance(segment_id, str) else None
-        if (info is None or type(offset) is not int or offset < 0 or offset % ALIGN_BYTES
-                or length != size_bytes
-                or offset + aligned(size_bytes) > info.size_bytes - info.size_bytes % ALIGN_BYTES
-                or any(p.segment_id == segment_id for p in placements)):
-            return None, ObjectKey(b"")
-        placements.append(Placement(SegmentId(segment_id), offset, size_bytes))
-    entry = ObjectEntry(size_bytes, tuple(placements), None, pin,
-                        ObjectKey(parent_key) if parent_key is not None else None, checksum)
+        if (type(key) is not bytes or not 0 < len(key) <= max_key_bytes
+                or type(size_bytes) is not int or size_bytes <= 0
+                or type(checksum) is not int or not 0 <= checksum < 1 << 64
+                or type(pin) is not int or not 0 <= pin < len(_PINS)
+                or not (parent_key is None or (type(parent_key) is bytes
+                                               and 0 < len(parent_key) <= max_key_bytes))
+                or len(flat) % 3 or not flat):
+            return None, _NO_KEY
+        size_bytes = objects.size_to_int.setdefault(size_bytes, size_bytes)
+        extent_bytes = aligned(size_bytes)
+        placements: list[Placement] = []
+        for i in range(0, len(flat), 3):
+            segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
+            info = infos.get(segment_id)
+            if (info is None or type(offset) is not int or offset < 0 or offset % ALIGN_BYTES
+                    or length != size_bytes
+                    or offset + extent_bytes > info.size_bytes - info.size_bytes % ALIGN_BYTES
+                    or any(p.segment_id == segment_id for p in placements)):
+                return None, _NO_KEY
+            placements.append(Placement(info.segment_id, offset, size_bytes))
+    except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
+        return None, _NO_KEY
+    parent = objects.shared_key(ObjectKey(parent_key)) if parent_key is not None else None
+    entry = ObjectEntry(ObjectKey(key), size_bytes, tuple(placements), None, _PINS[pin], parent,
+                        checksum)
     return entry, ObjectKey(key)
+
+
+_PINS = tuple(Pin)
+_NO_KEY = ObjectKey(b"")

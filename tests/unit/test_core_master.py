@@ -385,3 +385,23 @@ def test_lapsed_leases_are_counted_when_seen() -> None:
     stats = core.stats()
     assert (stats.leases_granted_total, stats.leases_lapsed_total) == (4, 2)
     assert (stats.read_keys_total, stats.read_hit_keys_total) == (4, 4)
+
+
+def test_the_per_segment_key_index_stays_small_and_exact() -> None:
+    core = core_with(A, B, config=CoreConfig(eviction_high_watermark_ratio=1.0))
+    # Churn 5000 objects through segment A, keeping 10 of them, and one two-replica object.
+    for i in range(5000):
+        key = ObjectKey(b"churn-%d" % i)
+        core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
+        core.put_end(A, [key], 1.0)
+        if i >= 10:
+            core.remove([key], False, 1.0)
+    put(core, A, [b"both"], size=64, replica_num=2)
+    state = core._segments.get(SegmentId("seg-client-a"))
+    assert state is not None and len(state.keys) <= 2 * 11 + 1024 + 1
+    core.take_events()
+    assert core.unmount_segment(A, SegmentId("seg-client-a"), 2.0) == Status.OK
+    dropped = sorted(e.key for e in core.take_events() if isinstance(e, ObjectRemoved))
+    assert dropped == sorted(ObjectKey(b"churn-%d" % i) for i in range(10))
+    [both] = core.get_replicas([ObjectKey(b"both")], 3.0)
+    assert [p.segment_id for p in both.placements] == ["seg-client-b"]

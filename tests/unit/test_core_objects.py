@@ -159,7 +159,7 @@ def check_no_overlap(core: MasterCore, now: float) -> None:
 
 
 pressure_op = st.tuples(
-    st.sampled_from(["put", "put", "put", "read", "remove", "advance", "pending"]),
+    st.sampled_from(["put", "put", "put", "read", "remove", "advance", "pending", "bounce"]),
     st.lists(st.integers(0, 40), min_size=1, max_size=4),
     st.sampled_from([4096, 4096, 4096, 9000, 20_000]),
     st.sampled_from([Pin.NONE, Pin.NONE, Pin.NONE, Pin.SOFT, Pin.HARD]),
@@ -215,6 +215,14 @@ def test_invariants_under_eviction_pressure(operations: list[tuple]) -> None:  #
         elif name == "remove":
             core.remove(keys, step % 2 == 0, now)
             check_events()
+        elif name == "bounce":   # the second segment goes away and comes back empty
+            owner = CLIENTS[1]
+            assert core.unmount_segment(owner, SegmentId("s1"), now) == Status.OK
+            check_events()
+            assert core.mount_segment(SegmentInfo(SegmentId("s1"), owner, 16 * 4096), now) == (
+                Status.OK)
+            for entry in core._objects.key_to_object.values():
+                assert all(p.segment_id == "s0" for p in entry.placements)
         for key in pending:
             assert core.exist([key], now) == ([Status.NOT_FOUND], [0])
         check_no_overlap(core, now)
