@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool_client.status import KVPoolError, Status
@@ -81,7 +83,15 @@ class CudaRuntime:
         torch = sys.modules.get("torch")
         if torch is not None and not torch.cuda.is_available():
             return None
-        for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"):
+        names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"]
+        # pip CUDA builds of torch ship the runtime in the nvidia-cuda-runtime package
+        try:
+            spec = importlib.util.find_spec("nvidia.cuda_runtime")
+        except ImportError:
+            spec = None
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            names += sorted(str(p) for p in Path(folder, "lib").glob("libcudart.so*"))
+        for name in names:
             try:
                 return cls(ctypes.CDLL(name))
             except OSError:

@@ -1,0 +1,83 @@
+"""CUDA device memory behind Mooncake pointers and MindIE tensors (marker ``gpu``).
+
+Registered CUDA regions are found through libcudart and staged through host memory around
+every transfer; puts may come from a thread other than the one that registered. Skipped where
+torch has no CUDA device.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_cuda_regions_round_trip_through_the_pool(master: Any) -> None:
+    from kvpool_client.compat.memory import RegionRegistry
+    from kvpool_client.compat.mooncake import MooncakeDistributedStore
+
+    k = torch.randn(8, 16, 2, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(8, 16, 2, 64, device="cuda", dtype=torch.float16)
+    out_k, out_v = torch.zeros_like(k), torch.zeros_like(v)
+    assert RegionRegistry().register(k.data_ptr(), k.numel() * 2).kind == "cuda"
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", master.address) == 0
+    try:
+        for t in (k, v, out_k, out_v):
+            assert store.register_buffer(t.data_ptr(), t.numel() * t.element_size()) == 0
+        block = k[0].numel() * 2
+        keys = [f"b{b}" for b in range(8)]
+        results: list[list[int]] = []
+        writer = threading.Thread(target=lambda: results.append(
+            store.batch_put_from_multi_buffers(
+                keys, [[k[b].data_ptr(), v[b].data_ptr()] for b in range(8)],
+                [[block, block]] * 8)))
+        writer.start()
+        writer.join(120)
+        assert results == [[0] * 8]
+        got = store.batch_get_into_multi_buffers(
+            keys, [[out_k[b].data_ptr(), out_v[b].data_ptr()] for b in range(8)],
+            [[block, block]] * 8, True)
+        assert got == [2 * block] * 8
+        torch.cuda.synchronize()
+        assert torch.equal(out_k, k) and torch.equal(out_v, v)
+        assert store.get("b3") == k[3].cpu().numpy().tobytes() + v[3].cpu().numpy().tobytes()
+    finally:
+        store.remove_all(True)
+        store.close()
+
+
+def test_mindie_connector_with_cuda_kv_caches(master: Any, tmp_path: Path) -> None:
+    from kvpool_client.connectors.mindie import KVPoolMempool
+
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"local_hostname": "127.0.0.1", "protocol": "ascend",
+                                  "metadata_server": "P2PHANDSHAKE",
+                                  "global_segment_size": 32 << 20,
+                                  "master_server_address": master.address}))
+    caches = [(torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16),
+               torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16))
+              for _ in range(2)]
+    pool = KVPoolMempool(str(config), "worker", device_id=0, kv_caches=caches)
+    try:
+        keys = [f"h{b}_0_1_m" for b in range(4)]
+        assert pool.put(keys, [[[k[b], v[b]] for k, v in caches] for b in range(4)]) == [True] * 4
+        expected = [(k.clone(), v.clone()) for k, v in caches]
+        for k, v in caches:
+            k.zero_()
+            v.zero_()
+        assert pool.get(keys[1:], [[[k[b], v[b]] for k, v in caches] for b in range(1, 4)]) == \
+            [True] * 3
+        torch.cuda.synchronize()
+        for (k, v), (ek, ev) in zip(caches, expected, strict=True):
+            assert torch.equal(k[1:], ek[1:]) and torch.equal(v[1:], ev[1:])
+            assert not k[0].any() and not v[0].any()
+    finally:
+        pool.close()
