@@ -130,40 +130,51 @@ class Allocator:
         self.num_extents -= 1
 
     def free_many(self, extents: list[tuple[int, int]]) -> None:
-        """Free many extents (each as ``free`` would) at once; return nothing.
+        """Free many ``(offset, size_bytes)`` extents (each as ``free`` would) at once.
 
-        Extents that touch are merged before they meet the free lists, so freeing a run of
-        neighbours (what an LRU eviction pass mostly frees) costs one sorted-list update per
-        run instead of two per extent. Raises ``ValueError`` like ``free`` (also when two of
-        the extents overlap), before changing anything.
+        Raises ``ValueError`` like ``free`` (also when two of them overlap), before changing
+        anything.
         """
-        limit = self.size_bytes
         packed: list[int] = []
         for offset, size_bytes in extents:
             size = aligned(size_bytes)
-            if offset < 0 or size <= 0 or offset + size > limit or offset % ALIGN_BYTES:
+            if offset < 0 or not 0 < size < MAX_SEGMENT_BYTES:
                 raise ValueError(f"extent ({offset}, {size}) lies outside the segment")
-            packed.append(offset << OFFSET_BITS | size)  # sorts by offset; sizes < 2**48
+            packed.append(offset << OFFSET_BITS | size)
+        self.free_packed(packed)
+
+    def free_packed(self, packed: list[int]) -> None:
+        """Free extents given as ``offset << OFFSET_BITS | aligned size`` (sorted in place).
+
+        Extents that touch are merged before they meet the free lists, so freeing a run of
+        neighbours (what an LRU eviction pass mostly frees) costs one sorted-list update per
+        run instead of two per extent. Raises ``ValueError`` like ``free`` (also when two
+        extents overlap), before changing anything.
+        """
         packed.sort()
+        limit = self.size_bytes
         runs: list[tuple[int, int]] = []
         run_start = run_end = -1
         for item in packed:
             offset = item >> OFFSET_BITS
-            size = item & _OFFSET_MASK
             if offset == run_end:
-                run_end += size
+                run_end += item & _OFFSET_MASK
                 continue
             if offset < run_end:
-                raise ValueError(f"extent ({offset}, {size}) is freed twice")
+                raise ValueError(f"extent at {offset} is freed twice")
+            if offset < 0 or offset % ALIGN_BYTES:
+                raise ValueError(f"extent at {offset} lies outside the segment")
             if run_end >= 0:
                 runs.append((run_start, run_end))
-            run_start, run_end = offset, offset + size
+            run_start, run_end = offset, offset + (item & _OFFSET_MASK)
+        if run_end > limit:
+            raise ValueError(f"extent ending at {run_end} lies outside the segment")
         if run_end >= 0:
             runs.append((run_start, run_end))
         start_to_size = self._start_to_size
         end_to_start = self._end_to_start
         for start, end in runs:
-            if start in start_to_size or end in end_to_start:
+            if start in start_to_size or end in end_to_start or start >= end:
                 raise ValueError(f"extent ({start}, {end - start}) is already free")
         for start, end in runs:
             self._release(start, end)

@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from kvpool_client.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
-from kvpool_master.core.allocator import MAX_SEGMENT_BYTES, Allocator, aligned
+from kvpool_master.core.allocator import (
+    ALIGN_BYTES,
+    MAX_SEGMENT_BYTES,
+    OFFSET_BITS,
+    Allocator,
+    aligned,
+)
 
 #: Longest segment id accepted (segment ids travel in every placement).
 MAX_SEGMENT_ID_BYTES = 256
@@ -122,26 +128,24 @@ class SegmentTable:
         Extents are grouped per segment and freed in one ``Allocator.free_many`` call each.
         """
         id_to_segment = self.id_to_segment
+        mask = ALIGN_BYTES - 1
         # None for a segment that is gone: its extents went with it.
-        segment_to_extents: dict[SegmentId, list[tuple[int, int]] | None] = {}
+        segment_to_packed: dict[SegmentId, list[int] | None] = {}
         for placement in placements:
             segment_id = placement.segment_id
-            extents = segment_to_extents.get(segment_id, _UNSEEN)
-            if extents is _UNSEEN:
-                extents = [] if segment_id in id_to_segment else None
-                segment_to_extents[segment_id] = extents
-            if extents is not None:
-                extents.append((placement.offset, placement.length))
-        for segment_id, extents in segment_to_extents.items():
-            if not extents:
+            packed = segment_to_packed.get(segment_id, _UNSEEN)
+            if packed is _UNSEEN:
+                packed = [] if segment_id in id_to_segment else None
+                segment_to_packed[segment_id] = packed
+            if packed is not None:
+                packed.append(placement.offset << OFFSET_BITS | ((placement.length + mask) & ~mask))
+        for segment_id, packed in segment_to_packed.items():
+            if not packed:
                 continue
             state = id_to_segment[segment_id]
             allocator = state.allocator
             before = allocator.used_bytes
-            if len(extents) == 1:
-                allocator.free(*extents[0])
-            else:
-                allocator.free_many(extents)
+            allocator.free_packed(packed)
             if state.mounted:
                 self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
 
@@ -192,7 +196,7 @@ class SegmentTable:
                 yield state
 
 
-_UNSEEN: list[tuple[int, int]] = []
+_UNSEEN: list[int] = []
 
 
 def _placement_rank(state: SegmentState) -> tuple[int, int]:
