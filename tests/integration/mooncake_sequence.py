@@ -63,6 +63,11 @@ def run(module_name: str, master: str, engine_module: str) -> list[list[Any]]:
     step("remove while leased", store.remove("a"))
     step("remove force", store.remove("a", True))
     step("remove missing", store.remove("a"))
+    for key in ("e1", "e2", "e3"):
+        store.put(key, b"v")
+    step("is_exist leases", [store.is_exist("e1"), store.remove("e1")])
+    step("batch_is_exist leases", [store.batch_is_exist(["e2"]), store.remove("e2")])
+    step("get_size leases", [store.get_size("e3"), store.remove("e3")])
 
     # zero-copy API over registered memory
     size = 1 << 20

@@ -43,6 +43,9 @@ EXPECTED: list[list[Any]] = [
     ["remove while leased", -706],
     ["remove force", 0],
     ["remove missing", -704],
+    ["is_exist leases", [1, -706]],  # a lookup grants a read lease, as a get does
+    ["batch_is_exist leases", [[1], -706]],
+    ["get_size leases", [1, -706]],
     ["register_buffer", 0],
     ["put_from", 0],
     ["get_into too small", -600],
@@ -69,7 +72,7 @@ EXPECTED: list[list[Any]] = [
     ["batch_remove force", [0, -704]],
     ["remove_by_regex force", 3],
     ["remove_by_regex bad pattern", -600],
-    ["remove_all force", 4],
+    ["remove_all force", 7],
     ["put x1", 0],
     ["put x2", 0],
     ["put x3", 0],
