@@ -52,7 +52,8 @@ def start_master(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]
     raise SystemExit("master not ready in 30 s")
 
 
-async def populate(address: str, keys: list[bytes]) -> None:
+async def populate(address: str, keys: list[bytes]) -> MasterRpc:
+    """Register the owner of the objects and put ``keys``; the owner must keep heartbeating."""
     rpc = MasterRpc(address)
     await rpc.register_client("bench", "bench-host", "")
     segment = SegmentInfo(SegmentId("bench-seg"), ClientId("bench"), 1 << 30)
@@ -62,8 +63,13 @@ async def populate(address: str, keys: list[bytes]) -> None:
         started = await rpc.put_start("bench", chunk, [4096] * len(chunk), PutOptions())
         assert all(s == Status.OK for s, _ in started)
         assert all(s == Status.OK for s in await rpc.put_end("bench", chunk))
-    await rpc.close()
+    return rpc
 
+
+async def heartbeat_forever(rpc: MasterRpc) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        assert await rpc.heartbeat("bench") == Status.OK
 
 async def single_latency(rpc: MasterRpc, key: bytes, seconds: float) -> dict[str, float]:
     for _ in range(200):  # warm up connection, caches
@@ -74,7 +80,7 @@ async def single_latency(rpc: MasterRpc, key: bytes, seconds: float) -> dict[str
         t0 = time.perf_counter()
         statuses, _ = await rpc.exist("bench", [key])
         samples.append(time.perf_counter() - t0)
-    assert statuses == [Status.OK]
+    assert statuses == [Status.OK], statuses
     samples.sort()
     return {"calls": len(samples),
             "p50_us": samples[len(samples) // 2] * 1e6,
@@ -105,7 +111,8 @@ async def batched_throughput(rpc: MasterRpc, keys: list[bytes], seconds: float,
 
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
-    await populate(address, keys)
+    owner = await populate(address, keys)
+    beating = asyncio.get_running_loop().create_task(heartbeat_forever(owner))
     results: dict[str, Any] = {}
     for transport, fast in (("grpc", False), ("lean", True)):
         rpc = MasterRpc(address, use_fast_path=fast, timeout_s=30)
@@ -115,6 +122,8 @@ async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
             "batched_exist": [await batched_throughput(rpc, keys, seconds, n) for n in (1, 4)],
         }
         await rpc.close()
+    beating.cancel()
+    await owner.close()
     return results
 
 
