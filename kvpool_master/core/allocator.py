@@ -52,24 +52,34 @@ class Allocator:
     def from_used(cls, size_bytes: int, used: Iterable[tuple[int, int]]) -> Allocator:
         """Return an allocator whose allocated extents are exactly ``used`` ((offset, size)).
 
-        Used to rebuild a segment's allocator from restored objects. Raises ``ValueError`` when
-        two extents overlap or one lies outside the segment.
+        Raises ``ValueError`` when two extents overlap or one lies outside the segment.
         """
+        return cls.from_packed(size_bytes, [offset << OFFSET_BITS | aligned(size)
+                                            for offset, size in used])
+
+    @classmethod
+    def from_packed(cls, size_bytes: int, packed: list[int]) -> Allocator:
+        """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size`` (sorted
+        in place): how a restore rebuilds a segment's allocator from its objects."""
         allocator = cls(size_bytes)
         allocator._by_size.clear()
         allocator._start_to_size.clear()
         allocator._end_to_start.clear()
+        packed.sort()
+        limit = allocator.size_bytes
         cursor = 0
-        for offset, size in sorted((offset, aligned(size)) for offset, size in used):
-            if offset < cursor or offset % ALIGN_BYTES or offset + size > allocator.size_bytes:
+        for item in packed:
+            offset = item >> OFFSET_BITS
+            size = item & _OFFSET_MASK
+            if offset < cursor or offset % ALIGN_BYTES or offset + size > limit or not size:
                 raise ValueError(f"extent ({offset}, {size}) overlaps or lies outside the segment")
             if offset > cursor:
                 allocator._add_free(cursor, offset - cursor)
-            allocator.used_bytes += size
-            allocator.num_extents += 1
             cursor = offset + size
-        if cursor < allocator.size_bytes:
-            allocator._add_free(cursor, allocator.size_bytes - cursor)
+        allocator.used_bytes = sum(item & _OFFSET_MASK for item in packed)
+        allocator.num_extents = len(packed)
+        if cursor < limit:
+            allocator._add_free(cursor, limit - cursor)
         return allocator
 
     @property

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_client.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
-from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
+from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
@@ -113,7 +113,8 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
             dropped += 1
             continue
         infos[info.segment_id] = info
-    segment_to_extents: dict[SegmentId, list[tuple[int, int, ObjectKey]]] = {s: [] for s in infos}
+    segment_to_packed: dict[SegmentId, list[int]] = {s: [] for s in infos}
+    segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     for row in snapshot.objects:
         entry, key = _object_entry(row, infos, max_key_bytes, objects)
         if entry is None or key in objects.key_to_object:
@@ -121,25 +122,50 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
             continue
         objects.add_ready(key, entry)
         for p in entry.placements:
-            segment_to_extents[p.segment_id].append((p.offset, aligned(p.length), key))
+            segment_to_packed[p.segment_id].append(p.offset << OFFSET_BITS | aligned(p.length))
+            segment_to_keys[p.segment_id].append(key)
+    try:
+        allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
+                      for s, packed in segment_to_packed.items()}
+    except ValueError:
+        # Overlapping extents: a corrupt index. Drop every object after the first on each
+        # overlap, then rebuild (the slow path; a checksummed snapshot never takes it).
+        doomed = _overlapping(objects, segment_to_keys)
+        for key in doomed:
+            objects.pop(key)
+        dropped += len(doomed)
+        for segment_id in infos:
+            segment_to_keys[segment_id] = [k for k in segment_to_keys[segment_id]
+                                           if k not in doomed]
+        allocators = {s: Allocator.from_used(infos[s].size_bytes,
+                                             [(o, n) for o, n, _ in _extents(objects, s, keys)])
+                      for s, keys in segment_to_keys.items()}
+    for segment_id, info in infos.items():
+        segments.add(SegmentState(info, allocators[segment_id], mounted=False,
+                                  restore_deadline_s=deadline_s,
+                                  keys=segment_to_keys[segment_id]))
+    return RestoreCounts(len(clients), len(infos), len(objects), dropped)
+
+
+def _extents(objects: ObjectTable, segment_id: SegmentId,
+             keys: list[ObjectKey]) -> list[tuple[int, int, ObjectKey]]:
+    """Return (offset, aligned size, key) of each object's replica on ``segment_id``."""
+    return [(p.offset, aligned(p.length), key) for key in keys
+            for p in objects.key_to_object[key].placements if p.segment_id == segment_id]
+
+
+def _overlapping(objects: ObjectTable,
+                 segment_to_keys: dict[SegmentId, list[ObjectKey]]) -> set[ObjectKey]:
+    """Return the keys whose extent overlaps one before it on the same segment."""
     doomed: set[ObjectKey] = set()
-    for extents in segment_to_extents.values():
-        extents.sort()
+    for segment_id, keys in segment_to_keys.items():
         end = 0
-        for offset, size, key in extents:
+        for offset, size, key in sorted(_extents(objects, segment_id, keys)):
             if offset < end:
-                doomed.add(key)   # overlaps an extent before it: corrupt, keep the first
+                doomed.add(key)
             else:
                 end = offset + size
-    for key in doomed:
-        objects.pop(key)
-    dropped += len(doomed)
-    for segment_id, info in infos.items():
-        live = [(o, s, k) for o, s, k in segment_to_extents[segment_id] if k not in doomed]
-        allocator = Allocator.from_used(info.size_bytes, [(o, s) for o, s, _ in live])
-        segments.add(SegmentState(info, allocator, mounted=False, restore_deadline_s=deadline_s,
-                                  keys=[k for _, _, k in live]))
-    return RestoreCounts(len(clients), len(infos), len(objects), dropped)
+    return doomed
 
 
 def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
