@@ -5,7 +5,8 @@ Rules of this file:
   other half (clients, segments, reads, housekeeping). They share state through the attributes
   declared below, which ``MasterCore.__init__`` sets.
 - Every object leaves through ``_drop`` (one ``ObjectRemoved`` event each, extents freed, or
-  parked in ``DeferredFrees`` while a read lease on them is live).
+  parked in ``DeferredFrees`` while a read lease on them is live), or through ``_reclaim``
+  for a PENDING object whose writer vanished or ran out of time.
 - Eviction inside ``put_start``: when an allocation fails, passes run (DRAM first) until it
   fits or nothing evictable is left; after a successful allocation that pushes a tier above
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found

@@ -89,6 +89,10 @@ def test_a_clock_jump_the_server_corrected_expires_nobody() -> None:
     core.tick(19.8)
     assert core.heartbeat(A, 19.8) == Status.OK
     assert core.stats().clients_expired_total == 0
+    # The core is honest about the clock it is given: an uncorrected jump would expire.
+    core.tick(19.8 + 10.001)
+    assert core.heartbeat(A, 30.0) == Status.UNKNOWN_CLIENT
+    assert core.stats().clients_expired_total == 1
 
 
 @pytest.mark.parametrize(("client_id", "host_id", "key"), [
