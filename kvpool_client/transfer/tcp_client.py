@@ -5,10 +5,11 @@ Rules of this file (the wire format is in ``tcp.py``):
   carries up to ``max_inflight_per_connection`` pipelined requests. A placement larger than
   ``chunk_bytes`` is sent as several requests (sub-ranges under the same capability) spread
   over the connections.
-- No intermediate copy: a request's payload is handed to the event loop's transport as views
-  of the caller's regions (uvloop writes them with ``writev`` and keeps references, it does not
-  copy them; CPython's own selector loop copies what it cannot send at once), and an answer's
-  payload is received straight into the caller's regions (``BufferedProtocol.get_buffer``).
+- No intermediate copy: a request's header and payload go to the event loop's transport in one
+  ``writelines`` of views of the caller's regions (uvloop sends them with ``writev`` and keeps
+  references to what it could not send yet, it never copies them; CPython 3.11's own loop would
+  join them into one bytes object, so kvpool runs on uvloop), and an answer's payload is
+  received straight into the caller's regions (``BufferedProtocol.get_buffer``).
 - Every request has a deadline (``timeout_s`` from when it is sent, or from when it starts
   waiting for a connection). When it passes, the request fails with TIMEOUT and its connection
   is aborted, since the stream position is lost; the other requests of that connection fail
