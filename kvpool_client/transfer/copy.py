@@ -68,7 +68,7 @@ class ParallelCopier:
         self.inline_max_bytes = inline_max_bytes
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def start(self, copies: Sequence[Copy]) -> asyncio.Future[object]:
+    def start(self, copies: Sequence[Copy]) -> asyncio.Future[list[None]]:
         """Start copying; return a future that completes when every byte has been copied.
 
         The future completes only after the worker threads are done, even if the task awaiting
@@ -82,8 +82,8 @@ class ParallelCopier:
         copy_now([pair for pair in copies if pair[0].nbytes < MIN_SPLIT_BYTES] if large
                  else copies)
         if not large:
-            done: asyncio.Future[object] = loop.create_future()
-            done.set_result(None)
+            done: asyncio.Future[list[None]] = loop.create_future()
+            done.set_result([])
             return done
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
