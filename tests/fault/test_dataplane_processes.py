@@ -24,7 +24,7 @@ import xxhash
 from kvpool_client import capability
 from kvpool_client.segments import SHM_DIR, cleanup_stale_segments, host_id
 from kvpool_client.status import KVPoolError, Status
-from kvpool_client.transfer import ShmTransport, TcpTransport, TransportRouter
+from kvpool_client.transfer import ShmTransport, TcpTransport, choose
 from kvpool_client.types import Op, Placement, SegmentInfo
 
 SEGMENT_BYTES = 32 << 20
@@ -111,26 +111,27 @@ def test_process_b_writes_and_reads_process_a_byte_exact(cluster: str, path: str
             offsets.append(offsets[-1] + len(data))
 
         async def main() -> None:
-            router = TransportRouter(host_id())
+            shm, tcp = ShmTransport(), TcpTransport()
             try:
-                expected = ShmTransport if path == "shm" else TcpTransport
-                assert isinstance(router.choose(owner.info), expected)
+                transport = choose(owner.info, host_id(), shm=shm, tcp=tcp)
+                assert transport is (shm if path == "shm" else tcp)
                 writes = []
                 for offset, data in zip(offsets, objects, strict=True):
                     view = memoryview(data)
                     half = len(data) // 2
                     writes.append((owner.info, owner.placement(offset, len(data), Op.WRITE),
                                    [view[:half], view[half:]]))
-                assert await router.write_batch(writes) == [Status.OK] * len(objects)
+                assert await transport.write_batch(writes) == [Status.OK] * len(objects)
                 for offset, data in zip(offsets, objects, strict=True):
                     assert owner.digest(offset, len(data)) == xxhash.xxh3_128_hexdigest(data)
                 outs = [bytearray(len(data)) for data in objects]
                 reads = [(owner.info, owner.placement(offset, len(out), Op.READ),
                           [memoryview(out)]) for offset, out in zip(offsets, outs, strict=True)]
-                assert await router.read_batch(reads) == [Status.OK] * len(objects)
+                assert await transport.read_batch(reads) == [Status.OK] * len(objects)
                 assert [bytes(out) for out in outs] == objects
             finally:
-                await router.close()
+                await shm.close()
+                await tcp.close()
 
         uvloop.run(main())
 

@@ -14,7 +14,7 @@ import xxhash
 
 from kvpool_client.segments import SHM_DIR, LocalSegment
 from kvpool_client.status import KVPoolError, Status
-from kvpool_client.transfer import ShmTransport, TransportRouter, choose
+from kvpool_client.transfer import ShmTransport, choose
 from kvpool_client.transfer.copy import ParallelCopier, split_by_bytes
 from kvpool_client.types import Placement, SegmentInfo
 
@@ -234,21 +234,6 @@ async def test_choose_without_instances_shares_them_per_loop(info: SegmentInfo) 
     from kvpool_client.transfer import close_shared_transports
 
     await close_shared_transports()
-
-
-async def test_router_sends_each_item_its_own_way(segment: LocalSegment,
-                                                  info: SegmentInfo) -> None:
-    router = TransportRouter("this-host")
-    try:
-        elsewhere = dataclasses.replace(info, host_id="other-host", tcp_endpoint="")
-        statuses = await router.write_batch([
-            (info, _place(info, 0, 4), [memoryview(b"abcd")]),
-            (elsewhere, _place(info, 4, 4), [memoryview(b"efgh")]),  # tcp, no endpoint
-        ])
-        assert statuses == [Status.OK, Status.INVALID_ARGUMENT]
-        assert bytes(segment.buffer[:4]) == b"abcd"
-    finally:
-        await router.close()
 
 
 def test_split_by_bytes_balances_and_preserves_bytes() -> None:
