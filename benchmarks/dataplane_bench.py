@@ -36,6 +36,7 @@ import numpy as np
 import uvloop
 
 from kvpool_client import capability
+from kvpool_client.segments import cleanup_stale_segments
 from kvpool_client.transfer import ShmTransport, TcpTransport
 from kvpool_client.types import Op, Placement, SegmentInfo
 
@@ -335,8 +336,15 @@ def main() -> None:
         segment = SegmentInfo(**described)
         results = uvloop.run(transfers(segment, key, args.rounds, args.round_seconds))
     finally:
-        server.kill()
-        server.wait()
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.close()  # EOF: the child closes its server and segment
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+        cleanup_stale_segments("bench")
     print(f"{'case':26s} {'GB/s':>7s} {'baseline GB/s':>22s} {'ratio':>8s}")
     for name, (rate, base, ratio) in results.items():
         base_name = "memcpy" if name.startswith("shm") else "loopback tcp"
