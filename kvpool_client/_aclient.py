@@ -44,6 +44,7 @@ from kvpool_client.rpc import MasterRpc, TlsConfig
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
+from kvpool_client.transfer.copy import ParallelCopier
 from kvpool_client.types import PutOptions, SegmentInfo
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ class AsyncKVPoolClient:
                                    self.metrics)
         self._datapath = DataPath(
             rpc=rpc, client_id=self.client_id, local_host_id=self.host_id,
-            transport=config.transport, shm=ShmTransport(self._segments),
+            transport=config.transport,
+            shm=ShmTransport(self._segments, copier=ParallelCopier(copy_threads())),
             tcp=TcpTransport(timeout_s=config.transfer_timeout_s),
             checksum_enabled=config.checksum, commit_nowait=config.commit_nowait,
             metrics=self.metrics, reregistered=self._reregistered)
@@ -201,18 +203,13 @@ class AsyncKVPoolClient:
             self._metrics_server = None
 
     async def _leave(self, rpc: MasterRpc) -> None:
-        """Tell the master this client is gone, so its objects go now and not after client_ttl."""
+        """Tell the master this client is gone, so its objects go now and not after client_ttl
+        (an unreachable master expires it after client_ttl instead)."""
         try:
             await rpc.unregister_client(self.client_id)
-            return
-        except (KVPoolError, AttributeError) as exc:
-            logger.debug("unregister failed (%s); unmounting segments one by one", exc)
-        for segment_id in self._segments:
-            try:
-                await rpc.unmount_segment(self.client_id, segment_id)
-            except KVPoolError as exc:
-                logger.warning("unmount of %s at close failed: %s", segment_id, exc)
-                return
+        except KVPoolError as exc:
+            logger.warning("leaving the pool: the master did not answer (%s); it expires this "
+                           "client after client_ttl", exc)
 
     async def __aenter__(self) -> AsyncKVPoolClient:
         await self.start()
@@ -417,9 +414,13 @@ class AsyncKVPoolClient:
             return trim_regions(dst, size_bytes)
 
         datapath = self._path()
+        dst_sizes = None
+        if dsts is not None:
+            dst_sizes = [0 if isinstance(d, Status) else total_bytes(d)
+                         for d in (dsts[i] for i in index_of)]
         if raws:
             try:
-                results = await datapath.read(raws, dst_for)
+                results = await datapath.read(raws, dst_for, dst_sizes)
             except KVPoolError as exc:
                 results = [int(exc.status)] * len(raws)
             for position, result in enumerate(results):
@@ -663,6 +664,13 @@ class AsyncKVPoolClient:
             except KVPoolError:
                 out.append(None)
         return out
+
+
+def copy_threads() -> int:
+    """Threads for large shared-memory copies: one copy thread already runs at memory bandwidth
+    on small machines (measured: 19.8 GB/s with one thread, 20.4 GB/s with two, on 2 cores);
+    a second one only pays where cores are to spare, so leave half the cores to the rest."""
+    return max(1, min(2, (os.cpu_count() or 2) // 2))
 
 
 def _same_length(keys: Sequence[Any], values: Sequence[Any]) -> None:

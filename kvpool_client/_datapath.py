@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpool_client.buffers import Regions, checksum
 from kvpool_client.metrics import ClientMetrics
@@ -38,6 +38,10 @@ LEASE_MARGIN_RATIO = 0.02
 LEASE_MARGIN_MIN_S = 0.001
 #: Writes stop this long before liveness or the write capability runs out.
 WRITE_MARGIN_S = 0.05
+#: Batches of at least twice this many bytes are cut into concurrent sub-batches (at most
+#: PIPELINE_MAX_PARTS), so that master calls overlap copies.
+PIPELINE_MIN_BYTES = 8 << 20
+PIPELINE_MAX_PARTS = 2
 
 
 class LivenessView(Protocol):
@@ -156,9 +160,20 @@ class DataPath:
         """Write objects (each key once, each size > 0); one Status per key (OK on success,
         ALREADY_EXISTS counts as OK).
 
-        Raises KVPoolError only when ``put_start`` itself failed (RPC_FAILED, TIMEOUT, ...):
-        then nothing was written.
+        Large batches are cut into a few sub-batches run concurrently, so that the master calls
+        of one overlap the copies of another. Raises KVPoolError only when every ``put_start``
+        failed (RPC_FAILED, TIMEOUT, ...): then nothing was written.
         """
+        spans = pipeline_spans(sizes)
+        if len(spans) == 1:
+            return await self._write_batch(keys, regions, sizes, options)
+        parts = await asyncio.gather(
+            *(self._write_batch(keys[a:b], regions[a:b], sizes[a:b], options) for a, b in spans),
+            return_exceptions=True)
+        return _joined(parts, spans)
+
+    async def _write_batch(self, keys: list[bytes], regions: list[Regions], sizes: list[int],
+                           options: PutOptions) -> list[Status]:
         checksums = [checksum(r) for r in regions] if self.checksum_enabled else None
         epoch = self._epoch()
         answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
@@ -242,13 +257,25 @@ class DataPath:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    async def read(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
+    async def read(self, keys: Sequence[bytes], dst_for: DstFor,
+                   dst_sizes: Sequence[int] | None = None) -> list[int]:
         """Read objects into the regions ``dst_for(index, size_bytes)`` returns (or a Status to
         fail that key, e.g. BUFFER_OVERFLOW). Returns per key the bytes read, or a negative
         Status: NOT_FOUND, LEASE_EXPIRED, CHECKSUM_MISMATCH, TRANSFER_FAILED, ...
 
-        Raises KVPoolError only when ``get_replicas`` itself failed.
+        With ``dst_sizes`` (the destination sizes, when known in advance) large batches are cut
+        into sub-batches run concurrently, like writes. Raises KVPoolError only when every
+        ``get_replicas`` failed.
         """
+        spans = pipeline_spans(dst_sizes) if dst_sizes is not None else [(0, len(keys))]
+        if len(spans) == 1:
+            return await self._read_batch(keys, dst_for)
+        parts = await asyncio.gather(
+            *(self._read_batch(keys[a:b], _shifted(dst_for, a)) for a, b in spans),
+            return_exceptions=True)
+        return [int(x) for x in _joined(parts, spans)]
+
+    async def _read_batch(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
         sent = time.monotonic()
         results, lease_ttl_s = await self.rpc.get_replicas(self.client_id, keys)
         deadline = sent + lease_ttl_s - max(lease_ttl_s * LEASE_MARGIN_RATIO, LEASE_MARGIN_MIN_S)
@@ -306,6 +333,50 @@ class DataPath:
 
     async def _wait_reregistered(self) -> None:
         await self._reregistered()
+
+
+def pipeline_spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Cut a batch into ``[start, end)`` spans of about ``PIPELINE_MIN_BYTES`` or more, at most
+    ``PIPELINE_MAX_PARTS`` of them (one span for small batches)."""
+    total = sum(sizes)
+    parts = min(PIPELINE_MAX_PARTS, total // PIPELINE_MIN_BYTES, len(sizes))
+    if parts <= 1:
+        return [(0, len(sizes))]
+    share = total / parts
+    spans: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for index, size in enumerate(sizes):
+        acc += size
+        if acc >= share * (len(spans) + 1) and len(spans) < parts - 1:
+            spans.append((start, index + 1))
+            start = index + 1
+    spans.append((start, len(sizes)))
+    return [span for span in spans if span[0] < span[1]]
+
+
+def _shifted(dst_for: DstFor, start: int) -> DstFor:
+    """``dst_for`` of a sub-batch that starts at index ``start`` of the whole batch."""
+    def shifted(index: int, size_bytes: int) -> Regions | Status:
+        return dst_for(start + index, size_bytes)
+    return shifted
+
+
+def _joined(parts: Sequence[object], spans: list[tuple[int, int]]) -> list[Any]:
+    """Per-key results of sub-batches, in order; a sub-batch that raised fails its keys alone,
+    unless every one raised (then the first error is raised, nothing having happened)."""
+    errors = [p for p in parts if isinstance(p, BaseException)]
+    if len(errors) == len(parts):
+        raise errors[0]
+    out: list[Any] = []
+    for part, (start, end) in zip(parts, spans, strict=True):
+        if isinstance(part, KVPoolError):
+            out.extend([part.status] * (end - start))
+        elif isinstance(part, BaseException):
+            raise part
+        else:
+            assert isinstance(part, list)
+            out.extend(part)
+    return out
 
 
 def split_sizes(total_bytes: int, max_bytes: int) -> list[int]:

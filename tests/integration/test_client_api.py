@@ -276,3 +276,19 @@ async def test_async_client(master: Any) -> None:
         buf = bytearray(32)
         assert await c.get_into("async-key", buf, 0, 32) == 11
         await c.flush()
+
+
+def test_large_batches_run_as_concurrent_sub_batches(client: KVPoolClient) -> None:
+    size = 3 << 20  # 8 x 3 MiB = 24 MiB: cut into sub-batches whose calls overlap copies
+    src = pattern(42, 8 * size)
+    keys = [f"big-{i}" for i in range(8)]
+    offsets = [i * size for i in range(8)]
+    assert client.batch_put_from(keys, src, offsets, [size] * 8) == [Status.OK] * 8
+    dst = np.zeros(8 * size, dtype=np.uint8)
+    wanted = [*keys[:5], "big-missing", keys[6], keys[7]]
+    sizes = [size] * 7 + [size - 1]  # the last destination is one byte short
+    got = client.batch_get_into(wanted, dst, offsets, sizes)
+    assert got == [size] * 5 + [int(Status.NOT_FOUND), size, int(Status.BUFFER_OVERFLOW)]
+    assert np.array_equal(dst[:5 * size], src[:5 * size])
+    assert np.array_equal(dst[6 * size:7 * size], src[6 * size:7 * size])
+    assert client.get(keys[7]) == src[7 * size:].tobytes()

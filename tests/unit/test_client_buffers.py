@@ -7,7 +7,7 @@ import pytest
 import xxhash
 from prometheus_client import generate_latest
 
-from kvpool_client._datapath import split_sizes
+from kvpool_client._datapath import PIPELINE_MIN_BYTES, pipeline_spans, split_sizes
 from kvpool_client.buffers import (
     BufferRegistry,
     address_of,
@@ -96,6 +96,20 @@ def test_segment_split() -> None:
     assert split_sizes(10, 0) == [10]
     assert split_sizes(10, 4) == [4, 4, 2]
     assert split_sizes(8, 4) == [4, 4]
+
+
+def test_pipeline_spans() -> None:
+    small = [4096] * 32
+    assert pipeline_spans(small) == [(0, 32)]
+    big = [1 << 20] * 32  # 32 MiB
+    spans = pipeline_spans(big)
+    assert spans == [(0, 16), (16, 32)]
+    assert pipeline_spans([PIPELINE_MIN_BYTES * 4]) == [(0, 1)]  # one key is never cut
+    uneven = [20 << 20, 1, 1, 20 << 20]
+    spans = pipeline_spans(uneven)
+    assert spans[0][0] == 0 and spans[-1][1] == 4
+    assert all(a < b for a, b in spans) and all(spans[i][1] == spans[i + 1][0]
+                                                for i in range(len(spans) - 1))
 
 
 def test_metrics_exposition() -> None:
