@@ -91,7 +91,18 @@ class MasterServer:
     # -- start ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Restore state, bind every listener, start the tick, write the ready file."""
+        """Restore state, bind every listener, start the tick, write the ready file.
+
+        Raises OSError/RuntimeError (after releasing whatever it had opened) when a listener
+        cannot be bound or the state directory cannot be read.
+        """
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         self._restore()
         await self._start_grpc()
         if self.config.fast_port >= 0:

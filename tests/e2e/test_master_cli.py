@@ -183,3 +183,10 @@ def test_signal_during_traffic_finishes_calls_and_exits_0(start_master, signum: 
     assert "OK" in outcomes
     assert master.proc.wait(30) == 0
     assert "stopped" in master.log()
+
+
+def test_fast_port_in_use_exits_1_without_leaking(master) -> None:
+    result = _run("--host", "127.0.0.1", "--port", "0", "--fast-port", str(master.fast_port),
+                  "--metrics-port", "0")
+    assert result.returncode == 1
+    assert "cannot start" in result.stderr and "Traceback" not in result.stderr
