@@ -287,3 +287,26 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
         assert info.value.status == Status.UNKNOWN_CLIENT
         monkeypatch.undo()
         assert not c.exists("abandoned")
+
+
+def test_heartbeats_are_not_starved_by_a_busy_data_path(start_master: Any) -> None:
+    # A short lease: the space of removed (leased) objects is free again 0.1 s later.
+    master = start_master(client_ttl=1, default_kv_lease_ttl=100)
+    with KVPoolClient(config(master.address, global_segment_size="1gb")) as c:
+        import numpy as np
+
+        size = 8 << 20
+        src = np.ones(16 * size, dtype=np.uint8)
+        keys = [f"busy-{i}" for i in range(16)]
+        offsets = [i * size for i in range(16)]
+        deadline = time.monotonic() + 4  # four client_ttl of back-to-back 128 MiB batches
+        rounds = 0
+        while time.monotonic() < deadline:
+            assert c.batch_put_from(keys, src, offsets, [size] * 16) == [Status.OK] * 16
+            assert c.batch_get_into(keys, src, offsets, [size] * 16) == [size] * 16
+            assert c.batch_remove(keys, force=True) == [Status.OK] * 16
+            rounds += 1
+        print(f"{rounds} rounds of 128 MiB puts and gets; heartbeat failures "
+              f"{c.metrics.heartbeat_failures}, re-registrations {c.metrics.reregistrations}")
+        assert c.metrics.reregistrations == 0  # never expired
+        assert stats(master.address)["totals"]["clients_expired_total"] == 0

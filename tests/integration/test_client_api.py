@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -292,3 +293,19 @@ def test_large_batches_run_as_concurrent_sub_batches(client: KVPoolClient) -> No
     assert np.array_equal(dst[:5 * size], src[:5 * size])
     assert np.array_equal(dst[6 * size:7 * size], src[6 * size:7 * size])
     assert client.get(keys[7]) == src[7 * size:].tobytes()
+
+
+def test_from_config_file_and_environment(master: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                                "global_segment_size": "8mb", "protocol": "tcp",
+                                "device_name": "", "master_server_address": master.address}))
+    with KVPoolClient.from_config(str(path)) as c:
+        c.put("from-file", b"1")
+        assert c.config.global_segment_size == 8 << 20
+    monkeypatch.delenv("KVPOOL_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4mb")
+    with KVPoolClient.from_config() as c:
+        assert c.config.global_segment_size == 4 << 20
+        assert c.get("from-file") is None  # the first client left: its objects went with it
