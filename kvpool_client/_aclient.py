@@ -82,6 +82,7 @@ class AsyncKVPoolClient:
         self._rpc_epoch = 0
         self._background: set[asyncio.Task[None]] = set()
         self._started = False
+        self._registered = False
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -132,6 +133,7 @@ class AsyncKVPoolClient:
         self._rpc = rpc = self._master.stub()
         sent = time.monotonic()
         registration = await rpc.register_client(self.client_id, self.host_id, self.hostname)
+        self._registered = True
         if self._server is not None:
             self._server.capability_key = registration.capability_key
         descriptors = self._descriptors()
@@ -186,7 +188,7 @@ class AsyncKVPoolClient:
     async def _shutdown(self) -> None:
         if self._liveness is not None:
             await asyncio.to_thread(self._liveness.stop)
-        if self._rpc is not None and self._datapath is not None:
+        if self._rpc is not None and self._registered:
             await self._leave(self._rpc)
         if self._server is not None:
             await asyncio.to_thread(self._server.close)

@@ -181,6 +181,7 @@ class DataPath:
             await self._wait_reregistered()
             epoch = self._epoch()
             answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
+        _check_answers("PutStart", answers, keys)
         statuses = [Status.OK] * len(keys)
         jobs: list[tuple[int, Placement]] = []
         for index, (status, placements) in enumerate(answers):
@@ -249,6 +250,7 @@ class DataPath:
             return
         try:
             answers = await self.rpc.put_end(self.client_id, commit_keys, commit_sums)
+            _check_answers("PutEnd", answers, commit_keys)
         except KVPoolError as exc:
             answers = [exc.status] * len(written)
         for index, status in zip(written, answers, strict=True):
@@ -278,6 +280,7 @@ class DataPath:
     async def _read_batch(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
         sent = time.monotonic()
         results, lease_ttl_s = await self.rpc.get_replicas(self.client_id, keys)
+        _check_answers("GetReplicas", results, keys)
         deadline = sent + lease_ttl_s - max(lease_ttl_s * LEASE_MARGIN_RATIO, LEASE_MARGIN_MIN_S)
         out = [0] * len(keys)
         need = [p.segment_id for r in results if r.status == Status.OK for p in r.placements]
@@ -352,6 +355,14 @@ def pipeline_spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
             start = index + 1
     spans.append((start, len(sizes)))
     return [span for span in spans if span[0] < span[1]]
+
+
+def _check_answers(call: str, answers: Sequence[object], keys: Sequence[bytes]) -> None:
+    """A batch answer must have one item per key: a short one would leave keys unanswered,
+    and an unanswered key must never pass for a success. Raises INTERNAL_ERROR."""
+    if len(answers) != len(keys):
+        raise KVPoolError(Status.INTERNAL_ERROR,
+                          f"{call} answered {len(answers)} items for {len(keys)} keys")
 
 
 def _shifted(dst_for: DstFor, start: int) -> DstFor:
