@@ -309,3 +309,30 @@ def test_from_config_file_and_environment(master: Any, tmp_path: Any, monkeypatc
     with KVPoolClient.from_config() as c:
         assert c.config.global_segment_size == 4 << 20
         assert c.get("from-file") is None  # the first client left: its objects went with it
+
+
+def test_read_falls_back_to_another_replica(master: Any, monkeypatch: Any) -> None:
+    config = make_config(master, global_segment_size="16mb", max_segment_size="8mb",
+                         replica_num=2)
+    with KVPoolClient(config) as c:
+        assert len(c.segment_ids) == 2
+        value = pattern(9, 100_000).tobytes()
+        c.put("two-replicas", value)
+        path = c.async_client._datapath
+        assert path is not None
+        results, _ = c._thread.run(path.rpc.get_replicas(c.client_id, [b"two-replicas"]))
+        placements = results[0].placements
+        assert len({p.segment_id for p in placements}) == 2
+        broken = placements[0].segment_id  # the replica tried first fails
+        original = type(path.shm).read_batch
+        tried: list[str] = []
+
+        async def failing_read_batch(self: Any, items: Any) -> list[Status]:
+            tried.extend(item[1].segment_id for item in items)
+            if any(item[1].segment_id == broken for item in items):
+                return [Status.TRANSFER_FAILED] * len(items)
+            return await original(self, items)
+
+        monkeypatch.setattr(type(path.shm), "read_batch", failing_read_batch)
+        assert c.get("two-replicas") == value
+        assert tried == [broken, placements[1].segment_id]
