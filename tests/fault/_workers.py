@@ -1,5 +1,6 @@
 """Helper processes for the reliability tests: a real KVPoolClient in its own process.
 
+``python _workers.py put_loop CONFIG_JSON PREFIX SIZE BATCH SEGMENT``: see :func:`put_loop`.
 ``python _workers.py soak CONFIG_JSON DURATION_S SEED WORKER`` runs a mixed put/get/remove loop
 for DURATION_S seconds and prints one JSON line of counts. Every value stored under a key is
 :func:`payload` (derived from the key), so every read is checked by an xxhash checksum.
@@ -84,8 +85,32 @@ def soak(config: dict[str, Any], duration_s: float, seed: int, worker: int,
     return counts
 
 
+def put_loop(config: dict[str, Any], prefix: str, size_bytes: int, batch: int,
+             segment: str) -> None:
+    """Put one object on its own segment, print ``{"ready": ...}``, then put batches of
+    ``batch`` objects into ``segment`` until killed, printing ``{"batch": n}`` after each."""
+    from kvpool_client.client import KVPoolClient
+    from kvpool_client.config import ClientConfig
+    from kvpool_client.types import PutOptions
+
+    client = KVPoolClient(ClientConfig.from_dict(config))
+    own = client.segment_ids[0]
+    client.put("own-0", payload("own-0", 4096), options=PutOptions(preferred_segment=own))
+    print(json.dumps({"ready": True, "client_id": client.client_id, "segment_id": own}),
+          flush=True)
+    options = PutOptions(preferred_segment=segment)
+    for n in range(100_000):
+        keys = [f"{prefix}-{n}-{i}" for i in range(batch)]
+        statuses = client.put_batch(keys, [payload(k, size_bytes) for k in keys],
+                                    options=options)
+        print(json.dumps({"batch": n, "statuses": [s.name for s in statuses]}), flush=True)
+    client.close()
+
+
 def main(argv: list[str]) -> None:
-    if argv[1] == "soak":
+    if argv[1] == "put_loop":
+        put_loop(json.loads(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6])
+    elif argv[1] == "soak":
         config = json.loads(argv[2])
         result = soak(config, float(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]))
         result["pid"] = os.getpid()
