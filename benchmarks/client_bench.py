@@ -55,7 +55,7 @@ APIS = ("single", "single_zc", "batch", "batch_zc")
 RATIO_TARGETS = 0.70
 # Force-removed objects keep their bytes until their read leases lapse (readers may still be
 # copying); a short lease lets repetitions reuse the space.
-LEASE_TTL_MS = 1000
+LEASE_TTL_MS = 2000
 OPS_TARGETS = {("put", 4 * KiB): 4400.0, ("get", 4 * KiB): 8200.0}
 
 
@@ -418,6 +418,17 @@ class Worker:
         procs.stop(self.p)
 
 
+def deferred_bytes(m: Master) -> int:
+    """Bytes the master keeps for removed objects until their read leases lapse."""
+    import asyncio
+
+    from kvpool_client.cli_status import fetch_stats
+    from kvpool_client.liveness import MasterAddress
+
+    document = asyncio.run(fetch_stats(MasterAddress(m.addr, 10.0, None, "", True)))
+    return int(document["objects"].get("deferred_free_bytes", 0))
+
+
 def measure_limits(procs: Procs, reps: int, quick: bool) -> dict[str, Any]:
     import numpy as np
 
@@ -557,10 +568,12 @@ def main() -> int:
             for left in procs.stop_all():
                 res["notes"].append(f"phase {name}: stopped leftover {left}")
 
-    def settle(num_bytes: int) -> None:
-        """After removing a large repetition, let its leases lapse so its space is free."""
-        if num_bytes > seg // 5:
-            time.sleep(LEASE_TTL_MS / 1000 + 0.05)
+    def settle(m: Master) -> None:
+        """After removing a repetition, wait (if needed) until the space still held for readers'
+        leases is small enough for the next repetition to fit without eviction."""
+        deadline = time.monotonic() + 2 * LEASE_TTL_MS / 1000 + 5
+        while deferred_bytes(m) > 0.25 * seg and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def client_cfg(m: Master, transport: str = "auto") -> dict[str, Any]:
         return {"client": {"master_server_address": m.addr, "global_segment_size": seg,
@@ -586,7 +599,7 @@ def main() -> int:
                         g = w.call("get", api=api, size=size, keys=keys)
                         ok = g["digest"] == w.call("digest", size=size, slot=g["slot"])
                         w.call("remove_all")
-                        settle(n * size)
+                        settle(m)
                         a = acc[api]
                         a["put"].append(p["secs"])
                         a["pf"].append(p["failed"])
@@ -627,7 +640,7 @@ def main() -> int:
         B.call("read_all", keys=A.call("fill", total_bytes=warm, preferred=a_seg))
         A.call("fill", total_bytes=warm, preferred=b_seg)
         A.call("remove_all")
-        time.sleep(LEASE_TTL_MS / 1000 + 0.2)  # the warm-up's leases lapse, its space is free
+        settle(m)  # the warm-up's leases lapse, its space is free
         rows = []
         for size in sizes:
             for api in ("single", "batch_zc"):
@@ -641,13 +654,13 @@ def main() -> int:
                     acc["g"].append(g["secs"])
                     acc["gf"].append(g["failed"])
                     A.call("remove_all")
-                    settle(n * size)
+                    settle(m)
                     keys = [f"dp-{size}-{api}-{rep}-{i}" for i in range(n)]
                     p = A.call("put", api=api, size=size, keys=keys, preferred=b_seg)
                     acc["p"].append(p["secs"])
                     acc["pf"].append(p["failed"])
                     A.call("remove_all")
-                    settle(n * size)
+                    settle(m)
                 rows.append({"transport": transport, "api": api, "op": "get(B<-A segment)",
                              **tp_entry(size, n, acc["g"], acc["gf"],
                                         {"content_ok": all(acc["ok"])})})
