@@ -39,6 +39,7 @@ def rss_bytes(pid: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(soak_seconds() + 300)
 def test_soak_mixed_load_under_eviction(start_master: Any) -> None:
     duration_s = soak_seconds()
     master = start_master(eviction_high_watermark_ratio=0.8, eviction_ratio=0.1,
@@ -71,6 +72,8 @@ def test_soak_mixed_load_under_eviction(start_master: Any) -> None:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
     total = {k: sum(r[k] for r in results) for k in results[0] if isinstance(results[0][k], int)
              and k != "pid"}
     with open(f"/proc/{master.pid}/status") as f:
