@@ -71,10 +71,12 @@ def free_port() -> int:
 def test_writer_killed_mid_put_leaves_no_partial_object(start_master: Any) -> None:
     master = start_master(client_ttl=2)
     size, batch = 2 << 20, 8
+    # A cluster of its own: no other client on this host cleans the writer's memory meanwhile.
+    cluster = f"killtest{os.getpid()}"
     with KVPoolClient(config(master.address, global_segment_size="256mb")) as reader:
         target = reader.segment_ids[0]
         writer = cw.Worker({"master_server_address": master.address,
-                            "global_segment_size": "16mb"})
+                            "global_segment_size": "16mb", "cluster_id": cluster})
         try:
             own = writer.info["segment_ids"][0]
             assert writer.call("put", keys=["own-0", "own-1"], size=4096,
@@ -110,9 +112,9 @@ def test_writer_killed_mid_put_leaves_no_partial_object(start_master: Any) -> No
         assert reader.get("own-0") is None  # objects on the vanished segment went with it
         assert reader.get_batch(keys) == values  # what was readable stays readable
         wait_until(lambda: stats(master.address)["objects"]["pending"] == 0, timeout_s=10)
-    leftovers = glob.glob(os.path.join(SHM_DIR, f"kvpool.kvpool.*.{writer.pid}.*"))
+    leftovers = glob.glob(os.path.join(SHM_DIR, f"kvpool.{cluster}.*.{writer.pid}.*"))
     assert leftovers, "the killed writer's shared memory stays until the next start cleans it"
-    with KVPoolClient(config(master.address, global_segment_size=0)):
+    with KVPoolClient(config(master.address, global_segment_size=0, cluster_id=cluster)):
         pass  # starting a client removes shared memory of dead processes
     assert not any(os.path.exists(p) for p in leftovers)
 
@@ -291,7 +293,7 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
 
 def test_heartbeats_are_not_starved_by_a_busy_data_path(start_master: Any) -> None:
     # A short lease: the space of removed (leased) objects is free again 0.1 s later.
-    master = start_master(client_ttl=1, default_kv_lease_ttl=100)
+    master = start_master(client_ttl=2, default_kv_lease_ttl=100)
     with KVPoolClient(config(master.address, global_segment_size="1gb")) as c:
         import numpy as np
 
@@ -299,7 +301,7 @@ def test_heartbeats_are_not_starved_by_a_busy_data_path(start_master: Any) -> No
         src = np.ones(16 * size, dtype=np.uint8)
         keys = [f"busy-{i}" for i in range(16)]
         offsets = [i * size for i in range(16)]
-        deadline = time.monotonic() + 4  # four client_ttl of back-to-back 128 MiB batches
+        deadline = time.monotonic() + 5  # 2.5 client_ttl of back-to-back 128 MiB batches
         rounds = 0
         while time.monotonic() < deadline:
             assert c.batch_put_from(keys, src, offsets, [size] * 16) == [Status.OK] * 16
