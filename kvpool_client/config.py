@@ -43,6 +43,8 @@ MOONCAKE_IGNORED_KEYS = frozenset(
         "standalone_storage",  # SGLang: Mooncake's standalone storage mode
         "transfer_timeout",  # LMCache's Mooncake connector (seconds, engine-internal)
         "storage_root_dir",  # Mooncake's SSD offload directory
+        "enable_ssd_offload",  # vllm-ascend's mooncake.json: Mooncake's SSD offload switch
+        "ssd_offload_path",  # vllm-ascend's mooncake.json: Mooncake's SSD offload directory
     }
 )
 
@@ -201,6 +203,14 @@ def _str(raw: Any) -> str:
     return raw
 
 
+def _segment_or_flag(raw: Any) -> str:
+    # vllm-ascend's mooncake.json writes `"preferred_segment": true` ("my own segment"); its
+    # backend names the segment per put, so the boolean form leaves the default to the master.
+    if isinstance(raw, bool):
+        return ""
+    return _str(raw)
+
+
 def _nonempty_str(raw: Any) -> str:
     text = _str(raw).strip()
     if not text:
@@ -296,7 +306,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "device_name": _str,
     "master_server_address": _address,
     "use_ascend_direct": _bool,
-    "preferred_segment": _str,
+    "preferred_segment": _segment_or_flag,
     "prefer_alloc_in_same_node": _bool,
     "replica_num": _int_range(1, 16),
     "transport": _choice(TRANSPORTS),

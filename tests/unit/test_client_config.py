@@ -213,3 +213,15 @@ def test_config_path_env_names_are_the_documented_ones() -> None:
     assert config_module.CONFIG_PATH_ENVS == ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
     assert set(config_module.ENV_OVERRIDES) == {"MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                                                 "MOONCAKE_LOCAL_BUFFER_SIZE", "MOONCAKE_PROTOCOL"}
+
+
+def test_vllm_ascend_mooncake_json_is_accepted() -> None:
+    from kvpool_client.config import ClientConfig
+
+    config = ClientConfig.from_dict({
+        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": "127.0.0.1:50051", "protocol": "ascend",
+        "global_segment_size": "1gb", "preferred_segment": True,
+        "enable_ssd_offload": False, "ssd_offload_path": "/tmp/x"})
+    assert config.preferred_segment == ""
+    assert config.global_segment_size == 1 << 30
