@@ -225,3 +225,29 @@ def lean_socket() -> Iterator[Any]:
 def master(start_master: StartMaster) -> MasterProcess:
     """A master with default settings on 127.0.0.1 (ephemeral ports)."""
     return start_master()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate (paths)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI missing")
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.crt", "-days", "2", "-subj", "/CN=kvpool-test-ca")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                f"{name}.csr", "-subj", f"/CN=kvpool-{name}")
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile",
+                f"{name}.ext")
+    return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt",
+                                    "client.key")}

@@ -12,7 +12,8 @@ from pathlib import Path
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     # (title, unit, [(expr, legend)])
     ("Pool hit rate (leading blocks found / looked up)", "percentunit", [
-        ("sum(rate(kvpool_lookup_hit_blocks_total[5m])) / sum(rate(kvpool_lookup_blocks_total[5m]))",
+        ("sum(rate(kvpool_lookup_hit_blocks_total[5m]))"
+         " / sum(rate(kvpool_lookup_blocks_total[5m]))",
          "hit rate")]),
     ("Usage per tier", "bytes", [
         ("sum by (tier) (kvpool_used_bytes)", "used {{tier}}"),
@@ -23,7 +24,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Master calls per second", "reqps", [
         ("sum by (method) (rate(kvpool_rpc_requests_total[1m]))", "{{method}}")]),
     ("Master call latency p99", "s", [
-        ("histogram_quantile(0.99, sum by (le, method) (rate(kvpool_rpc_duration_seconds_bucket[5m])))",
+        ("histogram_quantile(0.99, sum by (le, method) "
+         "(rate(kvpool_rpc_duration_seconds_bucket[5m])))",
          "{{method}}")]),
     ("Eviction", "Bps", [("rate(kvpool_evicted_bytes_total[5m])", "evicted bytes/s")]),
     ("Put outcomes", "ops", [

@@ -8,9 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,26 +27,6 @@ SEGMENT_BYTES = 16 << 20
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI missing")
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.crt", "-days", "2", "-subj", "/CN=kvpool-test-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN=kvpool-{name}", cwd=d)
-        (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile",
-                 f"{name}.ext", cwd=d)
-    return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt",
-                                    "client.key")}
 
 
 def _config(address: str, **values: Any) -> ClientConfig:

@@ -3,10 +3,8 @@ refuses (and counts) requests without a valid capability."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,30 +13,6 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import Placement, SegmentId
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI missing")
-    d = tmp_path_factory.mktemp("client-pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.crt", "-days", "2", "-subj", "/CN=kvpool-client-test-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN=kvpool-{name}", cwd=d)
-        (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile",
-                 f"{name}.ext", cwd=d)
-    return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt",
-                                    "client.key")}
 
 
 def test_client_over_mutual_tls_with_a_token(start_master: Any, pki: dict[str, str]) -> None:
