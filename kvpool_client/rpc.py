@@ -434,8 +434,8 @@ class MasterRpc:
         """Mount (or identically remount) a segment this client owns."""
         descriptor = pb.SegmentDescriptor(
             segment_id=segment.segment_id, client_id=segment.client_id,
-            size_bytes=segment.size_bytes, tier=int(segment.tier), host_id=segment.host_id,
-            shm_name=segment.shm_name, tcp_endpoint=segment.tcp_endpoint,
+            size_bytes=segment.size_bytes, tier=cast(pb.Tier, int(segment.tier)),
+            host_id=segment.host_id, shm_name=segment.shm_name, tcp_endpoint=segment.tcp_endpoint,
             engine_endpoint=segment.engine_endpoint)
         response = await self._call(RPC_METHODS["MountSegment"], pb.MountSegmentRequest(
             client_id=client_id, segment=descriptor))
@@ -466,7 +466,7 @@ class MasterRpc:
             options=pb.PutOptions(replica_num=options.replica_num,
                                   preferred_segment=options.preferred_segment,
                                   prefer_same_host=options.prefer_same_host,
-                                  pin=int(options.pin)))
+                                  pin=cast(pb.Pin, int(options.pin))))
         response = await self._call(RPC_METHODS["PutStart"], request)
         return [(_status(s), _placements(r) if r.placements else ())
                 for s, r in zip(response.statuses, response.replicas, strict=False)]
