@@ -98,13 +98,22 @@ def test_connections_past_the_limit_are_refused(start_master, lean_socket) -> No
 async def test_in_flight_calls_past_the_limit_are_resource_exhausted(start_master) -> None:
     master = start_master(max_inflight_requests=1)
     rpc = MasterRpc(master.address, use_fast_path=False, timeout_s=30)
-    keys = [f"k{i}".encode() for i in range(5000)]
+    keys = [f"k{i}".encode() for i in range(20000)]
     try:
-        outcomes = await asyncio.gather(*(rpc.exist("c", keys) for _ in range(64)),
-                                        return_exceptions=True)
-        refused = [o for o in outcomes if isinstance(o, KVPoolError)]
-        served = [o for o in outcomes if not isinstance(o, BaseException)]
-        assert len(refused) + len(served) == len(outcomes)
+        # Overlap of calls depends on scheduling on a loaded machine: try a few bounded rounds
+        # until one shows calls past the limit (each round must still answer every call).
+        refused: list[KVPoolError] = []
+        served: list[object] = []
+        for _ in range(5):
+            outcomes = await asyncio.gather(*(rpc.exist("c", keys) for _ in range(64)),
+                                            return_exceptions=True)
+            round_refused = [o for o in outcomes if isinstance(o, KVPoolError)]
+            round_served = [o for o in outcomes if not isinstance(o, BaseException)]
+            assert len(round_refused) + len(round_served) == len(outcomes)
+            refused += round_refused
+            served += round_served
+            if round_refused:
+                break
         assert all(e.status == Status.RESOURCE_EXHAUSTED for e in refused)
         assert refused and served
         print(f"max_inflight_requests 1, 64 concurrent calls: {len(served)} served, "
