@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install proto test test-fast lint run bench clean
+.PHONY: install proto test test-fast lint run bench clean lmcache-env
 
 install: $(BIN)/kvpool-master
 
@@ -17,7 +17,20 @@ $(BIN)/kvpool-master: pyproject.toml
 proto:
 	$(BIN)/python -m kvpool_client._pb.generate
 
-test: install
+# A second environment with LMCache 0.5.6 and its pins (numpy<=2.2.6, grpcio 1.78, protobuf 6):
+# the LMCache engine test runs its scenario there, in a subprocess, when it exists.
+LMCACHE_VENV ?= .venv-lmcache
+lmcache-env: $(LMCACHE_VENV)/bin/lmcache-ready
+
+$(LMCACHE_VENV)/bin/lmcache-ready: pyproject.toml tests/engines/lmcache-requirements.txt
+	$(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/pip install -q -r tests/engines/lmcache-requirements.txt \
+		-c tests/engines/lmcache-requirements.txt -e .
+	$(LMCACHE_VENV)/bin/pip install -q --no-deps lmcache==0.5.6
+	touch $@
+
+test: install lmcache-env
 	$(BIN)/python -m pytest -q tests
 
 test-fast: install
@@ -36,4 +49,4 @@ bench: install
 	$(BIN)/python benchmarks/client_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LMCACHE_VENV) build *.egg-info .pytest_cache

@@ -263,7 +263,7 @@ class PutOptions(_message.Message):
     preferred_segment: str
     prefer_same_host: bool
     pin: Pin
-    def __init__(self, replica_num: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., prefer_same_host: _Optional[bool] = ..., pin: _Optional[_Union[Pin, str]] = ...) -> None: ...
+    def __init__(self, replica_num: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., prefer_same_host: bool = ..., pin: _Optional[_Union[Pin, str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options")
@@ -379,7 +379,7 @@ class RemoveRequest(_message.Message):
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     force: bool
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: bool = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("statuses",)
@@ -393,7 +393,7 @@ class RemoveAllRequest(_message.Message):
     FORCE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     force: bool
-    def __init__(self, client_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., force: bool = ...) -> None: ...
 
 class RemoveAllResponse(_message.Message):
     __slots__ = ("status", "num_removed")
@@ -411,7 +411,7 @@ class RemoveByRegexRequest(_message.Message):
     client_id: str
     pattern: str
     force: bool
-    def __init__(self, client_id: _Optional[str] = ..., pattern: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., pattern: _Optional[str] = ..., force: bool = ...) -> None: ...
 
 class RemoveByRegexResponse(_message.Message):
     __slots__ = ("status", "num_removed")

@@ -5,7 +5,7 @@ import warnings
 
 from . import kvpool_pb2 as kvpool__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class MasterStub:
+class MasterStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -116,7 +116,7 @@ class MasterStub:
                 _registered_method=True)
 
 
-class MasterServicer:
+class MasterServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterClient(self, request, context):
@@ -306,7 +306,7 @@ def add_MasterServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Master:
+class Master(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
