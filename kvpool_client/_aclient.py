@@ -238,6 +238,12 @@ class AsyncKVPoolClient:
         """Ids of the segments this client contributes."""
         return list(self._segments)
 
+    def background_busy(self) -> bool:
+        """True while work that no call waits for is left on the loop: queued async writes,
+        unanswered pipelined commits, background tasks."""
+        writer = self._writer
+        return bool(self._background) or (writer is not None and writer.pending > 0)
+
     def _descriptors(self) -> list[SegmentInfo]:
         endpoint = self._server.endpoint if self._server is not None else ""
         return [s.describe(self.host_id, endpoint) for s in self._segments.values()]

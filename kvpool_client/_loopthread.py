@@ -1,8 +1,17 @@
-"""A private event loop on its own thread, and the cheap handoff that runs coroutines on it.
+"""Private event loops for the synchronous client and the heartbeat, and the cheap handoff
+that runs a coroutine on a loop another thread is running.
 
-The sync client and the heartbeat both use one. The handoff costs one ``call_soon_threadsafe``
-and one raw lock (no ``concurrent.futures.Future``, whose condition variable costs more), and
-any thread may call it: nothing is tied to the thread that created the loop.
+- :class:`LoopThread`: a loop running forever on its own daemon thread (the heartbeat).
+- :class:`CallerLoop`: the sync client's loop. A blocking call runs the loop *on the calling
+  thread* when no other thread is running it, so a single put or get costs no thread switch
+  (measured on 2 cores: 40 µs a call saved, an ``exists`` twice as fast). When the loop is busy
+  elsewhere (concurrent callers, a caller inside its own event loop), the call is handed to
+  whoever runs it. A helper thread runs the loop only while work is left for the background
+  (handed-over calls, async writes, pipelined commits), then lets callers borrow it again.
+
+The handoff costs one ``call_soon_threadsafe`` and one raw lock (no ``concurrent.futures
+.Future``, whose condition variable costs more). Nothing is tied to the thread that created a
+loop: any thread may call.
 """
 
 from __future__ import annotations
@@ -11,12 +20,17 @@ import _thread
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvpool_client.status import KVPoolError, Status
 
 T = TypeVar("T")
+
+#: While background work is left, the helper thread re-checks it this often.
+BACKGROUND_POLL_S = 0.001
+#: A handed-over call waiting this long checks whether the loop was closed without taking it.
+_CLOSED_CHECK_S = 1.0
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -27,6 +41,68 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
+               on_done: Callable[[], None] | None = None) -> T:
+    """Run ``coro`` on ``loop``, which another thread runs (or will run), and wait for it.
+
+    Raises ``UNAVAILABLE`` when the loop is closed or the call was cancelled by a shutdown.
+    """
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    box: list[asyncio.Task[T]] = []
+
+    def release(_: object) -> None:
+        lock.release()
+        if on_done is not None:
+            on_done()
+
+    def start() -> None:
+        task = loop.create_task(coro)
+        box.append(task)
+        task.add_done_callback(release)
+
+    try:
+        loop.call_soon_threadsafe(start)
+    except RuntimeError:
+        coro.close()
+        raise KVPoolError(Status.UNAVAILABLE, "the client is closed") from None
+    while not lock.acquire(timeout=_CLOSED_CHECK_S):
+        if loop.is_closed() and not box:  # closed before the call was taken
+            coro.close()
+            raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
+    try:
+        return box[0].result()
+    except asyncio.CancelledError:
+        raise KVPoolError(Status.UNAVAILABLE, "the client was closed during the call") from None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task left on the (stopped) loop and let them finish, then close it."""
+    for _ in range(3):  # tasks started by callbacks still queued get another round
+        with contextlib.suppress(asyncio.CancelledError):  # a queued _cancel_tasks
+            loop.run_until_complete(asyncio.sleep(0))  # run the callbacks queued so far
+        left = asyncio.all_tasks(loop)
+        if not left:
+            break
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class LoopThread:
@@ -46,13 +122,7 @@ class LoopThread:
             self.loop.run_forever()
         finally:
             # Calls still waiting in run() must wake up: cancel what is left and let it finish.
-            left = asyncio.all_tasks(self.loop)
-            for task in left:
-                task.cancel()
-            if left:
-                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
+            _cancel_all(self.loop)
 
     @property
     def in_thread(self) -> bool:
@@ -69,28 +139,7 @@ class LoopThread:
             coro.close()
             raise KVPoolError(Status.INTERNAL_ERROR,
                               "a blocking client call was made from the client's own loop thread")
-        lock = _thread.allocate_lock()
-        lock.acquire()
-        box: list[asyncio.Task[T]] = []
-
-        def release(_: object) -> None:
-            lock.release()
-
-        def start() -> None:
-            task = self.loop.create_task(coro)
-            box.append(task)
-            task.add_done_callback(release)
-
-        try:
-            self.loop.call_soon_threadsafe(start)
-        except RuntimeError:
-            coro.close()
-            raise KVPoolError(Status.UNAVAILABLE, "the client is closed") from None
-        lock.acquire()
-        try:
-            return box[0].result()
-        except asyncio.CancelledError:
-            raise KVPoolError(Status.UNAVAILABLE, "the client was closed during the call") from None
+        return _hand_over(self.loop, coro)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop and wait for its thread (idempotent)."""
@@ -100,3 +149,89 @@ class LoopThread:
             with contextlib.suppress(RuntimeError):  # closed between the check and the call
                 self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
+
+
+class CallerLoop:
+    """The sync client's loop: borrowed by the calling thread, run in the background only
+    while background work is left (see the module docstring).
+
+    ``background_busy`` (settable after construction) tells whether work other than calls is
+    left on the loop, e.g. queued async writes; it is read on the loop's running thread.
+    """
+
+    def __init__(self, name: str, background_busy: Callable[[], bool] | None = None) -> None:
+        self.loop = new_event_loop()
+        self.background_busy = background_busy or (lambda: False)
+        self._baton = threading.Lock()  # held by the thread running the loop
+        self._mutex = threading.Lock()
+        self._handed_over = 0  # calls handed to the loop and not finished yet
+        self._kick = threading.Event()
+        self._stopping = False
+        self._helper = threading.Thread(target=self._serve_background, name=name, daemon=True)
+        self._helper.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and return its result (or raise its exception).
+
+        Raises ``UNAVAILABLE`` when the loop is stopped, ``INTERNAL_ERROR`` when called from a
+        coroutine running on this loop (that would deadlock).
+        """
+        running = _running_loop()
+        if running is self.loop:
+            coro.close()
+            raise KVPoolError(Status.INTERNAL_ERROR,
+                              "a blocking client call was made from the client's own loop")
+        if self._stopping:
+            coro.close()
+            raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
+        if running is None and self._baton.acquire(blocking=False):
+            try:
+                if self.loop.is_closed():
+                    coro.close()
+                    raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
+                return self.loop.run_until_complete(coro)
+            except asyncio.CancelledError:
+                raise KVPoolError(Status.UNAVAILABLE,
+                                  "the client was closed during the call") from None
+            finally:
+                self._baton.release()
+                if self._handed_over or self.background_busy():
+                    self._kick.set()
+        with self._mutex:
+            self._handed_over += 1
+        self._kick.set()  # whoever runs the loop now may stop before taking this call
+        return _hand_over(self.loop, coro, self._finished_handover)
+
+    def _finished_handover(self) -> None:
+        with self._mutex:
+            self._handed_over -= 1
+
+    def _serve_background(self) -> None:
+        while True:
+            self._kick.wait()
+            self._kick.clear()
+            with self._baton:
+                if self.loop.is_closed():
+                    return
+                if self._stopping:
+                    _cancel_all(self.loop)
+                    return
+                with contextlib.suppress(asyncio.CancelledError):  # stop() cancelled it
+                    self.loop.run_until_complete(self._until_idle())
+
+    async def _until_idle(self) -> None:
+        while (self._handed_over or self.background_busy()) and not self._stopping:
+            await asyncio.sleep(BACKGROUND_POLL_S)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Cancel what is left on the loop, close it and end the helper thread (idempotent).
+
+        Raises ``INTERNAL_ERROR`` when called from a coroutine on this loop."""
+        if _running_loop() is self.loop:
+            raise KVPoolError(Status.INTERNAL_ERROR, "cannot stop a loop from inside it")
+        self._stopping = True
+        self._kick.set()
+        # A call running on the loop (borrowed or handed over) must end: cancel it there.
+        with contextlib.suppress(RuntimeError):  # already closed
+            self.loop.call_soon_threadsafe(_cancel_tasks, self.loop)
+        self._helper.join(timeout_s)

@@ -1,9 +1,10 @@
 """KVPoolClient: the synchronous client. It runs :class:`AsyncKVPoolClient` (the one
-implementation) on a private uvloop thread; every method hands its coroutine over and waits.
+implementation) on a private uvloop loop: a call runs the loop on the calling thread when no
+other thread is running it, and is handed to the thread that runs it otherwise (see
+``_loopthread.CallerLoop``).
 
 Any thread may call any method at the same time (MindIE puts from a background thread); calls
-are served concurrently on the client's loop. The handoff costs one ``call_soon_threadsafe``
-and one lock (see ``_loopthread``).
+are served concurrently on the client's loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client._aclient import AsyncKVPoolClient
-from kvpool_client._loopthread import LoopThread
+from kvpool_client._loopthread import CallerLoop
 from kvpool_client.buffers import KeyLike
 from kvpool_client.config import ClientConfig
 from kvpool_client.metrics import ClientMetrics
@@ -26,7 +27,7 @@ __all__ = ["AsyncKVPoolClient", "ClientConfig", "KVPoolClient"]
 logger = logging.getLogger(__name__)
 
 
-def _close_at_exit(thread: LoopThread, client: AsyncKVPoolClient) -> None:
+def _close_at_exit(thread: CallerLoop, client: AsyncKVPoolClient) -> None:
     """Best-effort close of a client nobody closed (garbage collection or interpreter exit)."""
     try:
         thread.run(client.close())
@@ -44,8 +45,9 @@ class KVPoolClient:
 
         Raises KVPoolError (RPC_FAILED / TIMEOUT when the master cannot be reached, ...).
         """
-        self._thread = LoopThread("kvpool-client")
+        self._thread = CallerLoop("kvpool-client")
         self._client = AsyncKVPoolClient(config)
+        self._thread.background_busy = self._client.background_busy
         try:
             self._thread.run(self._client.start())
         except BaseException:
