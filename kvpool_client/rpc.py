@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import ssl
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +144,15 @@ class _NotSent(KVPoolError):
     """The request never left this process (connection refused): safe to retry any call."""
 
 
+class _Expired(Exception):
+    """A lean call's deadline passed before its answer came."""
+
+
+def _expire(future: asyncio.Future[bytes]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
 # --- lean framing connection ---------------------------------------------------------------------
 
 class _LeanConnection(asyncio.Protocol):
@@ -163,21 +174,28 @@ class _LeanConnection(asyncio.Protocol):
     @classmethod
     def open(cls, loop: asyncio.AbstractEventLoop, host: str, port: int,
              ssl_context: ssl.SSLContext | None, token: str, timeout_s: float,
-             max_frame_bytes: int) -> _LeanConnection:
+             max_frame_bytes: int, local_sock: socket.socket | None = None) -> _LeanConnection:
+        """Connect to ``host:port``, or adopt ``local_sock`` (a connected Unix socket)."""
         conn = cls(loop, max_frame_bytes)
         if token:
             conn._send_auth(token)
         # Held so the task is not garbage-collected while it connects.
-        conn._connect_task = loop.create_task(conn._connect(host, port, ssl_context, timeout_s))
+        conn._connect_task = loop.create_task(
+            conn._connect(host, port, ssl_context, timeout_s, local_sock))
         return conn
 
     async def _connect(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
-                       timeout_s: float) -> None:
+                       timeout_s: float, local_sock: socket.socket | None) -> None:
         try:
+            if local_sock is not None:
+                await self._loop.create_unix_connection(lambda: self, sock=local_sock)
+                return
             await asyncio.wait_for(self._loop.create_connection(
                 lambda: self, host, port, ssl=ssl_context,
                 server_hostname=host if ssl_context else None), timeout_s)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            if local_sock is not None:
+                local_sock.close()
             self._fail(_NotSent(Status.RPC_FAILED, f"cannot reach master lean port "
                                                    f"{host}:{port}: {exc}"))
 
@@ -279,6 +297,30 @@ def _ssl_context(tls: TlsConfig) -> ssl.SSLContext:
     return context
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _connect_local(name: str, expected_pid: int) -> socket.socket | None:
+    """A connected socket to the master's abstract Unix socket ``name``, or None when it
+    cannot be reached from here (another host or network namespace, no such socket) or the
+    process serving it is not the master that advertised it (pid ``expected_pid``)."""
+    if not name or not expected_pid or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect("\0" + name)
+        pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     _PEERCRED.size))
+    except OSError:
+        sock.close()
+        return None
+    if pid != expected_pid:
+        sock.close()
+        return None
+    return sock
+
+
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -305,6 +347,8 @@ class MasterRpc:
         self._channel: grpc.aio.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
         self._fast_port = 0
+        self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
+        self._master_pid = 0
         self._lean: _LeanConnection | None = None
         self._lean_retry_at = 0.0
         self._grpc_nowait: set[asyncio.Task[list[Status]]] = set()
@@ -349,9 +393,14 @@ class MasterRpc:
         if loop.time() < self._lean_retry_at:
             return None
         ssl_context = _ssl_context(self._tls) if self._tls is not None else None
+        local_sock = None
+        if ssl_context is None and self._fast_socket:
+            local_sock = _connect_local(self._fast_socket, self._master_pid)
+            if local_sock is None:
+                self._fast_socket = ""  # not on the master's host: loopback or network TCP
         self._lean = _LeanConnection.open(loop, self._host, self._fast_port, ssl_context,
                                           self._auth_token, self._timeout_s,
-                                          self._max_message_bytes)
+                                          self._max_message_bytes, local_sock)
         return self._lean
 
     async def _call(self, method: RpcMethod, request: Any) -> Any:
@@ -390,14 +439,18 @@ class MasterRpc:
     async def _lean_call(self, conn: _LeanConnection, method: RpcMethod,
                          future: asyncio.Future[bytes], deadline: float) -> Any:
         loop = asyncio.get_running_loop()
+        # A timer on the future itself: asyncio.wait_for would add a task per call.
+        timer = loop.call_at(deadline, _expire, future)
         try:
-            raw = await asyncio.wait_for(future, max(deadline - loop.time(), 0.001))
-        except asyncio.TimeoutError:
+            raw = await future
+        except _Expired:
             conn.forget(future)
             raise KVPoolError(Status.TIMEOUT, f"no answer within {self._timeout_s:g} s") from None
         except _NotSent:
             self._lean_retry_at = loop.time() + _LEAN_RETRY_AFTER_S  # use gRPC meanwhile
             raise
+        finally:
+            timer.cancel()
         return method.response_type.FromString(raw)
 
     # -- clients and segments ---------------------------------------------------------------------
@@ -409,8 +462,10 @@ class MasterRpc:
         status = _status(response.status)
         if status != Status.OK:
             raise KVPoolError(status, f"RegisterClient {client_id!r} refused")
-        if response.fast_port != self._fast_port:
+        if (response.fast_port, response.fast_socket) != (self._fast_port, self._fast_socket):
             self._fast_port = response.fast_port
+            self._fast_socket = response.fast_socket
+            self._master_pid = response.master_pid
             if self._lean is not None:
                 self._lean.close()
                 self._lean = None

@@ -113,6 +113,11 @@ class MasterServer:
                 ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused)
             self.fast_port = await self._lean.start(self.config.host, self.config.fast_port)
             self.servicer.fast_port = self.fast_port
+            if self.config.local_socket and not self.config.tls_enabled:
+                try:
+                    self.servicer.fast_socket = await self._lean.start_local()
+                except OSError as exc:  # no abstract Unix sockets here: TCP only
+                    log.warning("lean framing on a local Unix socket is off: %s", exc)
         if self.config.metrics_port >= 0:
             self._http = HttpEndpoint(self.metrics)
             self.metrics_port = await self._http.start(self.config.metrics_host,

@@ -172,20 +172,24 @@ class RegisterClientRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms")
+    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_KEY_FIELD_NUMBER: _ClassVar[int]
     FAST_PORT_FIELD_NUMBER: _ClassVar[int]
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PID_FIELD_NUMBER: _ClassVar[int]
     status: Status
     client_ttl_ms: int
     capability_key: bytes
     fast_port: int
     master_id: str
     default_lease_ttl_ms: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    fast_socket: str
+    master_pid: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id",)

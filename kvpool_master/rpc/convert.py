@@ -74,13 +74,15 @@ def decode_register_client(request: Any) -> tuple[ClientId, str, str]:
 
 
 def encode_register_client(status: Status, *, client_ttl_s: float, capability_key: bytes,
-                           fast_port: int, master_id: str,
-                           default_lease_ttl_s: float) -> pb.RegisterClientResponse:
+                           fast_port: int, master_id: str, default_lease_ttl_s: float,
+                           fast_socket: str = "", master_pid: int = 0
+                           ) -> pb.RegisterClientResponse:
     """The RegisterClient answer."""
     return pb.RegisterClientResponse(
         status=status, client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
         fast_port=max(fast_port, 0), master_id=master_id,
-        default_lease_ttl_ms=round(default_lease_ttl_s * 1000))
+        default_lease_ttl_ms=round(default_lease_ttl_s * 1000), fast_socket=fast_socket,
+        master_pid=master_pid if fast_socket else 0)
 
 
 def decode_client_id(request: Any) -> ClientId:

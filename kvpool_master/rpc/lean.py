@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
+import socket
 import ssl
 from collections.abc import Callable
 from typing import cast
@@ -56,6 +58,7 @@ class LeanServer:
         self._on_refusal = on_refusal
         self._method_by_id = convert.method_by_id()
         self._server: asyncio.Server | None = None
+        self._local_server: asyncio.AbstractServer | None = None
         self.connections: set[_LeanProtocol] = set()
 
     async def start(self, host: str, port: int) -> int:
@@ -66,14 +69,36 @@ class LeanServer:
                                                 backlog=1024)
         return int(self._server.sockets[0].getsockname()[1])
 
+    async def start_local(self) -> str:
+        """Also listen on an abstract Unix socket (Linux) with a random name; return the name.
+
+        Why: a round trip over a Unix socket costs about a quarter less than over loopback TCP
+        here, and clients on the master's host make every call on it. The name is random and
+        only reachable from the master's network namespace; clients also check the peer's pid
+        (see kvpool_client.rpc). Raises OSError where abstract sockets do not exist.
+        """
+        name = f"kvpool-master-{secrets.token_hex(8)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+            sock.listen(1024)
+            sock.setblocking(False)
+            self._local_server = await asyncio.get_running_loop().create_unix_server(
+                lambda: _LeanProtocol(self), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        return name
+
     async def close(self) -> None:
         """Stop accepting; close every connection after its queued answers are written."""
-        if self._server is not None:
-            self._server.close()
+        servers = [s for s in (self._server, self._local_server) if s is not None]
+        for server in servers:
+            server.close()
         for conn in list(self.connections):
             conn.close()
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in servers:
+            await server.wait_closed()
 
 
 class _LeanProtocol(asyncio.Protocol):

@@ -58,6 +58,7 @@ class Servicer:
         self._status_document = status_document
         self._wall_clock = wall_clock
         self.fast_port = 0  # advertised to clients once the lean port is bound
+        self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "RegisterClient": self._register_client,
             "Heartbeat": self._heartbeat,
@@ -138,7 +139,8 @@ class Servicer:
         return convert.encode_register_client(
             status, client_ttl_s=config.client_ttl_s, capability_key=key,
             fast_port=self.fast_port, master_id=self._master_id,
-            default_lease_ttl_s=config.default_lease_ttl_s)
+            default_lease_ttl_s=config.default_lease_ttl_s, fast_socket=self.fast_socket,
+            master_pid=os.getpid())
 
     def _heartbeat(self, request: Any) -> Any:
         status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
