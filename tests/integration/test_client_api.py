@@ -336,3 +336,30 @@ def test_read_falls_back_to_another_replica(master: Any, monkeypatch: Any) -> No
         monkeypatch.setattr(type(path.shm), "read_batch", failing_read_batch)
         assert c.get("two-replicas") == value
         assert tried == [broken, placements[1].segment_id]
+
+
+def test_grpc_only_client_from_several_threads(master: Any) -> None:
+    """Every call over gRPC (no lean framing), made from the main thread and from workers, so
+    the loop that grpc.aio is bound to is borrowed by different threads in turn."""
+    with KVPoolClient(make_config(master, use_fast_path=False)) as client:
+        assert client.async_client._rpc.fast_port == 0
+        client.put("grpc-main", b"from main")
+        errors: list[BaseException] = []
+
+        def work(index: int) -> None:
+            try:
+                for j in range(20):
+                    key = f"grpc-{index}-{j}"
+                    client.put(key, key.encode())
+                    assert client.get(key) == key.encode()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        assert not errors and not any(w.is_alive() for w in workers)
+        assert client.get("grpc-main") == b"from main"
+        assert client.batch_exists([f"grpc-{i}-19" for i in range(3)]) == [True] * 3
