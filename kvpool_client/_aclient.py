@@ -238,6 +238,14 @@ class AsyncKVPoolClient:
         """Ids of the segments this client contributes."""
         return list(self._segments)
 
+    def set_direct(self, on: bool) -> None:
+        """Let master calls block the calling thread while the sync client runs a call
+        synchronously on it (see ``_loopthread.CallerLoop``). Never with pipelined commits:
+        they travel on the loop's connection and later calls must stay behind them."""
+        rpc = self._rpc
+        if rpc is not None and not self.config.commit_nowait:
+            rpc.direct = on
+
     def background_busy(self) -> bool:
         """True while work that no call waits for is left on the loop: queued async writes,
         unanswered pipelined commits, background tasks."""

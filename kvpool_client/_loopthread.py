@@ -21,8 +21,8 @@ import _thread
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeVar, cast
 
 from kvpool_client.status import KVPoolError, Status
 
@@ -77,6 +77,39 @@ def _hand_over(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
         return box[0].result()
     except asyncio.CancelledError:
         raise KVPoolError(Status.UNAVAILABLE, "the client was closed during the call") from None
+
+
+class _Resumed:
+    """Awaitable that continues a coroutine which already yielded ``waiting_for`` (what it
+    waits on, e.g. a future of the loop) when it was stepped by hand, as if a task had run it
+    from the start."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waiting_for: Any) -> None:
+        self._coro = coro
+        self._waiting_for = waiting_for
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, waiting_for = self._coro, self._waiting_for
+        while True:
+            try:
+                sent = yield waiting_for
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in by the task (cancellation): pass it on
+                try:
+                    waiting_for = coro.throw(exc)
+                except StopIteration as finished:
+                    return finished.value
+            else:
+                try:
+                    waiting_for = coro.send(sent)
+                except StopIteration as finished:
+                    return finished.value
+
+
+async def _resume(coro: Coroutine[Any, Any, T], waiting_for: Any) -> T:
+    return cast(T, await _Resumed(coro, waiting_for))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -163,6 +196,9 @@ class CallerLoop:
     def __init__(self, name: str, background_busy: Callable[[], bool] | None = None) -> None:
         self.loop = new_event_loop()
         self.background_busy = background_busy or (lambda: False)
+        #: Called with True before and False after each synchronous stretch of a call run on
+        #: the calling thread (the client lets master calls block that thread meanwhile).
+        self.set_direct: Callable[[bool], None] = lambda on: None
         self._baton = threading.Lock()  # held by the thread running the loop
         self._mutex = threading.Lock()
         self._handed_over = 0  # calls handed to the loop and not finished yet
@@ -190,7 +226,7 @@ class CallerLoop:
                 if self.loop.is_closed():
                     coro.close()
                     raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
-                return self.loop.run_until_complete(coro)
+                return self._run_here(coro)
             except asyncio.CancelledError:
                 raise KVPoolError(Status.UNAVAILABLE,
                                   "the client was closed during the call") from None
@@ -202,6 +238,22 @@ class CallerLoop:
             self._handed_over += 1
         self._kick.set()  # whoever runs the loop now may stop before taking this call
         return _hand_over(self.loop, coro, self._finished_handover)
+
+    def _run_here(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this thread, which holds the baton: synchronously, with no loop
+        iteration at all, as far as it gets without waiting (``set_direct`` lets its I/O block
+        this thread meanwhile); if it has to wait, the rest runs on the loop, run here."""
+        set_direct = self.set_direct
+        asyncio._set_running_loop(self.loop)  # what it creates belongs to this loop
+        set_direct(True)
+        try:
+            waiting_for = coro.send(None)
+        except StopIteration as finished:
+            return cast(T, finished.value)
+        finally:
+            set_direct(False)
+            asyncio._set_running_loop(None)
+        return self.loop.run_until_complete(_resume(coro, waiting_for))
 
     def _finished_handover(self) -> None:
         with self._mutex:

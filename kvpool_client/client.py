@@ -48,6 +48,7 @@ class KVPoolClient:
         self._thread = CallerLoop("kvpool-client")
         self._client = AsyncKVPoolClient(config)
         self._thread.background_busy = self._client.background_busy
+        self._thread.set_direct = self._client.set_direct
         try:
             self._thread.run(self._client.start())
         except BaseException:

@@ -17,6 +17,8 @@ FRAME_HEADER = struct.Struct("<IBI")
 FRAME_LENGTH = struct.Struct("<I")
 FRAME_METHOD_ID = struct.Struct("<BI")
 FRAME_OVERHEAD_BYTES = 5  # method + request id, counted in the length
+#: The method of the error frame that ends a connection (``METHOD_ERROR`` in proto/).
+ERROR_METHOD_ID = 255
 
 
 class FrameError(ValueError):

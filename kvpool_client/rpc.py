@@ -9,7 +9,10 @@ Rules of this file:
   | u32 LE request id | protobuf bytes``), which costs a small fraction of a grpc.aio call in
   Python. Once a registration advertised the port, every call uses one persistent, pipelined lean
   connection; frames on it are served in order, which is what makes ``put_end_nowait`` safe.
-- One instance belongs to one event loop.
+- One instance belongs to one event loop. While ``direct`` is set (by the sync client, only
+  around code it runs synchronously on the thread that holds that loop), lean calls block the
+  calling thread on a connection of their own instead (``lean_blocking``); a commit sent
+  without waiting is never pending then (the sync client sets ``direct`` only without them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import grpc
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
+from kvpool_client.lean_blocking import BlockingLeanConnection
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import (
     ClientId,
@@ -350,6 +354,8 @@ class MasterRpc:
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._master_pid = 0
         self._lean: _LeanConnection | None = None
+        self._blocking: BlockingLeanConnection | None = None
+        self.direct = False  # see the module docstring
         self._lean_retry_at = 0.0
         self._grpc_nowait: set[asyncio.Task[list[Status]]] = set()
         self._closed = False
@@ -422,6 +428,10 @@ class MasterRpc:
 
     async def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
+        if self.direct and self._fast_port and self._use_fast_path and self._tls is None \
+                and not self._closed and loop.time() >= self._lean_retry_at:
+            return method.response_type.FromString(
+                self._blocking_call(method, payload, deadline - loop.time()))
         conn = self._lean_connection()
         if conn is not None:
             return await self._lean_call(conn, method, conn.send(method.method_id, payload),
@@ -453,6 +463,33 @@ class MasterRpc:
             timer.cancel()
         return method.response_type.FromString(raw)
 
+    def _blocking_call(self, method: RpcMethod, payload: bytes, timeout_s: float) -> bytes:
+        """One lean call on the blocking connection (opened, and authenticated, on first use)."""
+        conn = self._blocking
+        if conn is None or conn.closed:
+            conn = self._blocking = self._open_blocking(timeout_s)
+        return conn.call(method.method_id, payload, timeout_s)
+
+    def _open_blocking(self, timeout_s: float) -> BlockingLeanConnection:
+        sock = _connect_local(self._fast_socket, self._master_pid) if self._fast_socket else None
+        if sock is None:
+            try:
+                sock = socket.create_connection((self._host, self._fast_port),
+                                                timeout=max(timeout_s, 0.001))
+            except OSError as exc:
+                self._lean_retry_at = asyncio.get_running_loop().time() + _LEAN_RETRY_AFTER_S
+                where = f"{self._host}:{self._fast_port}"
+                raise _NotSent(Status.RPC_FAILED,
+                               f"cannot reach master lean port {where}: {exc}") from None
+        conn = BlockingLeanConnection(sock, self._max_message_bytes)
+        if self._auth_token:
+            answer = conn.call(METHOD_AUTH, pb.AuthRequest(token=self._auth_token)
+                               .SerializeToString(), timeout_s)
+            if pb.AuthResponse.FromString(answer).status != pb.STATUS_OK:
+                conn.close()
+                raise KVPoolError(Status.PERMISSION_DENIED, "master refused the auth token")
+        return conn
+
     # -- clients and segments ---------------------------------------------------------------------
 
     async def register_client(self, client_id: str, host_id: str, hostname: str) -> Registration:
@@ -469,6 +506,9 @@ class MasterRpc:
             if self._lean is not None:
                 self._lean.close()
                 self._lean = None
+            if self._blocking is not None:
+                self._blocking.close()
+                self._blocking = None
         return Registration(response.client_ttl_ms / 1000, response.capability_key,
                             response.master_id, response.default_lease_ttl_ms / 1000,
                             response.fast_port)
@@ -637,6 +677,9 @@ class MasterRpc:
         self._closed = True
         if self._grpc_nowait:
             await asyncio.wait(list(self._grpc_nowait), timeout=self._timeout_s)
+        if self._blocking is not None:
+            self._blocking.close()
+            self._blocking = None
         if self._lean is not None:
             self._lean.close()
             await self._lean.wait_closed(self._timeout_s)

@@ -144,6 +144,9 @@ class ShmTransport:
             self._release(used)
             failure = KVPoolError(Status.TRANSFER_FAILED, f"copy failed: {exc}")
             return [error if error is not None else failure for error in errors]
+        if done.done():  # copied inline: release now, not from a loop callback
+            self._release(used)
+            return errors
         done.add_done_callback(lambda _: self._release(used))
         # Shielded: a cancelled caller must not let the mapping go while threads still copy.
         await asyncio.shield(done)

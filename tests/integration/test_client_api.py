@@ -363,3 +363,17 @@ def test_grpc_only_client_from_several_threads(master: Any) -> None:
         assert not errors and not any(w.is_alive() for w in workers)
         assert client.get("grpc-main") == b"from main"
         assert client.batch_exists([f"grpc-{i}-19" for i in range(3)]) == [True] * 3
+
+
+def test_single_ops_run_on_the_calling_thread_over_a_blocking_connection(master: Any) -> None:
+    with KVPoolClient(make_config(master)) as client:
+        client.put("direct", b"bytes")
+        assert client.get("direct") == b"bytes" and client.exists("direct")
+        blocking = client.async_client._rpc._blocking
+        assert blocking is not None and not blocking.closed
+        print(f"blocking lean connection peer: {blocking._sock.getpeername()!r}")
+    # Pipelined commits travel on the loop's connection: later calls must queue behind them.
+    with KVPoolClient(make_config(master, commit_nowait=True)) as client:
+        client.put("nowait", b"bytes")
+        assert client.get("nowait") == b"bytes"
+        assert client.async_client._rpc._blocking is None

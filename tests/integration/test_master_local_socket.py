@@ -36,10 +36,12 @@ def test_clients_on_the_host_call_over_the_unix_socket(master: Any, lean_socket:
     with _client(master) as client:
         client.put("over-unix", b"payload")
         assert client.get("over-unix") == b"payload"
-        lean = client.async_client._rpc._lean
-        peer = lean._transport.get_extra_info("peername")
-        print(f"client's lean connection peer: {peer!r}")
-        assert peer == b"\0" + reply.fast_socket.encode()
+        rpc = client.async_client._rpc
+        name = b"\0" + reply.fast_socket.encode()
+        # calls run on the loop, and single ops run on the calling thread: both connections
+        assert rpc._lean._transport.get_extra_info("peername") == name
+        assert rpc._blocking._sock.getpeername() == name
+        print(f"client's lean connections' peer: {name!r}")
 
 
 def test_a_socket_served_by_another_process_is_not_used(master: Any, lean_socket: Any) -> None:
@@ -59,8 +61,9 @@ def test_local_socket_off_keeps_clients_on_tcp(start_master: Any, lean_socket: A
     with _client(master) as client:
         client.put("over-tcp", b"payload")
         assert client.get("over-tcp") == b"payload"
-        peer = client.async_client._rpc._lean._transport.get_extra_info("peername")
-        assert peer == ("127.0.0.1", master.fast_port)
+        rpc = client.async_client._rpc
+        assert rpc._lean._transport.get_extra_info("peername") == ("127.0.0.1", master.fast_port)
+        assert rpc._blocking._sock.getpeername() == ("127.0.0.1", master.fast_port)
 
 
 async def test_no_unix_socket_is_served_with_tls(start_master: Any, pki: dict[str, str]) -> None:

@@ -156,3 +156,51 @@ def test_stop_ends_calls_that_wait_forever() -> None:
         caller.join(WAIT_S)
         assert not caller.is_alive()
     assert [exc.status for exc in outcome] == [Status.UNAVAILABLE] * 2
+
+
+def test_a_call_that_never_waits_runs_without_a_loop_iteration(caller_loop: CallerLoop) -> None:
+    direct: list[bool] = []
+    caller_loop.set_direct = direct.append
+    ran: list[str] = []
+
+    async def quick() -> bool:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(ran.append, "callback")  # runs at the loop's next iteration only
+        return loop is caller_loop.loop
+
+    assert caller_loop.run(quick()) is True
+    assert direct == [True, False] and ran == []  # no iteration of the loop happened
+
+    async def yield_once() -> None:
+        await asyncio.sleep(0)
+
+    caller_loop.run(yield_once())
+    assert ran == ["callback"]
+
+
+def test_a_call_that_waits_continues_on_the_loop(caller_loop: CallerLoop) -> None:
+    direct: list[bool] = []
+    caller_loop.set_direct = direct.append
+
+    async def waits() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        failing: asyncio.Future[None] = loop.create_future()
+        loop.call_soon(failing.set_exception, KVPoolError(Status.TIMEOUT, "late"))
+        try:
+            await failing  # the exception is thrown back into this coroutine
+        except KVPoolError as exc:
+            assert exc.status == Status.TIMEOUT
+        done: asyncio.Future[int] = loop.create_future()
+        loop.call_soon(done.set_result, 7)
+        return await done, threading.get_ident()
+
+    assert caller_loop.run(waits()) == (7, threading.get_ident())
+    assert direct == [True, False]  # only the stretch before the first wait was direct
+
+    async def fails_later() -> None:
+        await asyncio.sleep(0)
+        raise KVPoolError(Status.NOT_FOUND, "after a wait")
+
+    with pytest.raises(KVPoolError) as info:
+        caller_loop.run(fails_later())
+    assert info.value.status == Status.NOT_FOUND

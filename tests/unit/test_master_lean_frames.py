@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
+from kvpool_client._pb import kvpool_pb2
+from kvpool_client.framing import (
+    ERROR_METHOD_ID,
+    FrameDecoder,
+    FrameError,
+    encode_frame,
+    error_reason,
+)
 from kvpool_client.status import Status
 
 
@@ -30,3 +37,7 @@ def test_bad_lengths_are_refused_before_buffering(length: int) -> None:
 def test_error_payload_names_a_status() -> None:
     assert error_reason(b"PERMISSION_DENIED: token") == (Status.PERMISSION_DENIED, "token")
     assert error_reason(b"garbage \xff") == (Status.RPC_FAILED, "garbage \ufffd")
+
+
+def test_the_error_method_id_matches_the_proto() -> None:
+    assert ERROR_METHOD_ID == kvpool_pb2.METHOD_ERROR

@@ -1,0 +1,100 @@
+"""A lean-framing connection driven by blocking socket calls on the calling thread.
+
+Why: the sync client runs a single put or get synchronously on the caller's thread when its
+loop is free (see ``_loopthread.CallerLoop``); its master calls then cost one ``sendall`` and
+one or two ``recv_into`` instead of an event-loop run. The messages, the framing and the
+master's handlers are the same as on the asyncio lean connection (``rpc._LeanConnection``).
+
+Rules of this file:
+- One caller at a time (the thread that holds the client's loop); nothing here is locked.
+- Any failure closes the connection: a late answer must never be read as the next call's.
+  A timeout raises ``TIMEOUT``, anything else ``RPC_FAILED`` (the master's reason when it sent
+  one); a request id or method that does not match the call is ``RPC_FAILED`` too.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from kvpool_client.framing import (
+    ERROR_METHOD_ID,
+    FRAME_HEADER,
+    FRAME_OVERHEAD_BYTES,
+    encode_frame,
+    error_reason,
+)
+from kvpool_client.status import KVPoolError, Status
+
+
+class BlockingLeanConnection:
+    """One lean connection over a connected blocking socket; see the module docstring."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
+        sock.setblocking(True)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock: socket.socket | None = sock
+        self._max_frame_bytes = max_frame_bytes
+        self._header = bytearray(FRAME_HEADER.size)
+        self._next_id = 1
+
+    @property
+    def closed(self) -> bool:
+        """True once closed (by ``close`` or by a failed call)."""
+        return self._sock is None
+
+    def call(self, method_id: int, payload: bytes, timeout_s: float) -> bytes:
+        """Send one request and return its answer's payload.
+
+        Raises KVPoolError: TIMEOUT (no answer within ``timeout_s``), RPC_FAILED (connection
+        lost or closed, a frame that does not answer this call), or the status of the master's
+        error frame.
+        """
+        sock = self._sock
+        if sock is None:
+            raise KVPoolError(Status.RPC_FAILED, "lean connection closed")
+        if timeout_s <= 0:
+            raise KVPoolError(Status.TIMEOUT, "deadline passed before the call was sent")
+        request_id = self._next_id
+        self._next_id = (request_id + 1) & 0xFFFFFFFF or 1
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(encode_frame(method_id, request_id, payload))
+            self._recv_exact(sock, memoryview(self._header))
+            length, answer_method, answer_id = FRAME_HEADER.unpack(self._header)
+            if not FRAME_OVERHEAD_BYTES <= length <= self._max_frame_bytes + FRAME_OVERHEAD_BYTES:
+                raise KVPoolError(Status.RPC_FAILED, f"bad frame length {length} from master")
+            body = bytearray(length - FRAME_OVERHEAD_BYTES)
+            self._recv_exact(sock, memoryview(body))
+        except TimeoutError:
+            self.close()
+            raise KVPoolError(Status.TIMEOUT, f"no answer within {timeout_s:.3g} s") from None
+        except OSError as exc:
+            self.close()
+            raise KVPoolError(Status.RPC_FAILED, f"lean connection to master lost: {exc}") from None
+        except KVPoolError:
+            self.close()
+            raise
+        if answer_method == ERROR_METHOD_ID:
+            self.close()
+            status, reason = error_reason(bytes(body))
+            raise KVPoolError(status, f"master closed the lean connection: {reason}")
+        if answer_id != request_id or answer_method != method_id:
+            self.close()
+            raise KVPoolError(Status.RPC_FAILED, f"answer {answer_method}/{answer_id} does not "
+                                                 f"match call {method_id}/{request_id}")
+        return bytes(body)
+
+    @staticmethod
+    def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+        while view:
+            received = sock.recv_into(view)
+            if received == 0:
+                raise ConnectionError("closed by the master")
+            view = view[received:]
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()

@@ -1,0 +1,105 @@
+"""The blocking lean connection against a peer that answers badly (a socketpair plays the
+master): every bad answer fails the call with a clear status and closes the connection, so a
+late or stray frame is never read as the next call's answer."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool_client.framing import FRAME_HEADER, encode_frame
+from kvpool_client.lean_blocking import BlockingLeanConnection
+from kvpool_client.status import KVPoolError, Status
+
+METHOD = 7
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[BlockingLeanConnection, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    conn = BlockingLeanConnection(ours, max_frame_bytes=1 << 20)
+    yield conn, theirs
+    conn.close()
+    theirs.close()
+
+
+def _request_id(theirs: socket.socket) -> int:
+    header = theirs.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
+    length, _method, request_id = FRAME_HEADER.unpack(header)
+    theirs.recv(length - 5, socket.MSG_WAITALL)
+    return int(request_id)
+
+
+def _call_fails(conn: BlockingLeanConnection, timeout_s: float = 2.0) -> KVPoolError:
+    with pytest.raises(KVPoolError) as info:
+        conn.call(METHOD, b"request", timeout_s)
+    assert conn.closed
+    return info.value
+
+
+def test_answers_come_back_in_order(pair) -> None:
+    conn, theirs = pair
+    theirs.settimeout(5)
+    for payload in (b"one", b"", b"three" * 1000):
+        # the peer answers only after reading the request, as the master does
+        worker = threading.Thread(target=lambda data=payload: theirs.sendall(
+            encode_frame(METHOD, _request_id(theirs), data)))
+        worker.start()
+        assert conn.call(METHOD, b"request", 5.0) == payload
+        worker.join(5)
+    assert not conn.closed
+
+
+def test_an_error_frame_raises_its_status(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(encode_frame(255, 1, b"PERMISSION_DENIED: authenticate first"))
+    error = _call_fails(conn)
+    assert error.status == Status.PERMISSION_DENIED and "authenticate first" in error.message
+
+
+def test_an_answer_to_another_call_is_refused(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(encode_frame(METHOD, 99, b"stale"))  # request id 1 was sent
+    assert _call_fails(conn).status == Status.RPC_FAILED
+    with pytest.raises(KVPoolError) as info:  # closed: nothing more is read from it
+        conn.call(METHOD, b"again", 1.0)
+    assert info.value.status == Status.RPC_FAILED
+
+
+def test_a_bad_length_is_refused(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(struct.pack("<IBI", (1 << 20) + 100, METHOD, 1))
+    assert _call_fails(conn).status == Status.RPC_FAILED
+    ours, theirs2 = socket.socketpair()
+    short = BlockingLeanConnection(ours, max_frame_bytes=1 << 20)
+    theirs2.sendall(struct.pack("<IBI", 2, METHOD, 1))  # shorter than method + request id
+    assert _call_fails(short).status == Status.RPC_FAILED
+    theirs2.close()
+
+
+def test_a_peer_that_closes_mid_frame_fails_the_call(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(encode_frame(METHOD, 1, b"complete answer")[:-4])
+    theirs.shutdown(socket.SHUT_WR)
+    assert _call_fails(conn).status == Status.RPC_FAILED
+
+
+def test_no_answer_times_out_within_the_deadline(pair) -> None:
+    conn, _theirs = pair
+    started = time.monotonic()
+    assert _call_fails(conn, timeout_s=0.3).status == Status.TIMEOUT
+    elapsed_s = time.monotonic() - started
+    print(f"silent peer: TIMEOUT after {elapsed_s:.2f} s (deadline 0.3 s)")
+    assert elapsed_s < 2.0
+    ours, theirs = socket.socketpair()
+    expired = BlockingLeanConnection(ours, 1 << 20)
+    with pytest.raises(KVPoolError) as info:
+        expired.call(METHOD, b"", 0.0)
+    assert info.value.status == Status.TIMEOUT
+    expired.close()
+    theirs.close()
