@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client._datapath import DataPath, split_sizes
+from kvpool_client._loopthread import wait_for
 from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import (
     BufferRegistry,
@@ -307,7 +308,7 @@ class AsyncKVPoolClient:
             raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client")
         timeout_s = self.config.rpc_timeout_s * 2
         try:
-            await asyncio.wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
+            await wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
         except TimeoutError:
             raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client and "
                               f"re-registration did not finish within {timeout_s:g} s") from None

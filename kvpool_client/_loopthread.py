@@ -10,6 +10,10 @@ that runs a coroutine on a loop another thread is running.
   whoever runs it. A helper thread runs the loop only while work is left for the background
   (handed-over calls, async writes, pipelined commits), then lets callers borrow it again.
 
+Code that a :class:`CallerLoop` runs must not need a current task in its synchronous stretch
+(``asyncio.timeout``, and ``asyncio.wait_for`` since Python 3.12, do): the client uses
+:func:`wait_for` from here instead (a test keeps it so).
+
 The handoff costs one ``call_soon_threadsafe`` and one raw lock (no ``concurrent.futures
 .Future``, whose condition variable costs more). Nothing is tied to the thread that created a
 loop: any thread may call.
@@ -21,7 +25,7 @@ import _thread
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, TypeVar, cast
 
 from kvpool_client.status import KVPoolError, Status
@@ -110,6 +114,28 @@ class _Resumed:
 
 async def _resume(coro: Coroutine[Any, Any, T], waiting_for: Any) -> T:
     return cast(T, await _Resumed(coro, waiting_for))
+
+
+async def wait_for(awaitable: Awaitable[T], timeout_s: float | None) -> T:
+    """``asyncio.wait_for`` that also works in the stretch of a call that a :class:`CallerLoop`
+    runs on the calling thread, where no task is current (Python 3.12's ``wait_for`` needs one).
+
+    Raises TimeoutError after ``timeout_s`` (None: no limit); the awaitable is cancelled and
+    waited for first.
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait(
+            [future], timeout=None if timeout_s is None else max(timeout_s, 0.0))
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await future
+        raise TimeoutError
+    return future.result()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -17,6 +17,7 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from kvpool_client._loopthread import wait_for
 from kvpool_client.buffers import Regions, total_bytes
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.status import KVPoolError, Status
@@ -119,7 +120,7 @@ class AsyncWriter:
         """
         if not self._idle.is_set():
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
+                await wait_for(self._idle.wait(), timeout_s)
             except TimeoutError:
                 raise KVPoolError(Status.TIMEOUT,
                                   f"{self._pending + self._pending_commits} async writes or "

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool_client._loopthread import LoopThread
+from kvpool_client._loopthread import LoopThread, wait_for
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, Registration, TlsConfig
 from kvpool_client.status import KVPoolError, Status
@@ -162,7 +162,7 @@ class Liveness:
                 # Wake for the next beat, or exactly when liveness lapses, or when poked.
                 wait_s = min(next_beat, self.alive_until if not self._suspended else next_beat)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(wait_s - now, 0.0))
+                    await wait_for(self._wake.wait(), max(wait_s - now, 0.0))
                 self._wake.clear()
                 if self._stopping:
                     break

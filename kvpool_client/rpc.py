@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import grpc
 
+from kvpool_client._loopthread import wait_for
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_client.lean_blocking import BlockingLeanConnection
@@ -194,7 +195,7 @@ class _LeanConnection(asyncio.Protocol):
             if local_sock is not None:
                 await self._loop.create_unix_connection(lambda: self, sock=local_sock)
                 return
-            await asyncio.wait_for(self._loop.create_connection(
+            await wait_for(self._loop.create_connection(
                 lambda: self, host, port, ssl=ssl_context,
                 server_hostname=host if ssl_context else None), timeout_s)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:

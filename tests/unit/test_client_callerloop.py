@@ -7,12 +7,14 @@ event that another part of the same test sets (a deadlock fails at the timeout i
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from kvpool_client._loopthread import CallerLoop
+from kvpool_client._loopthread import CallerLoop, wait_for
 from kvpool_client.status import KVPoolError, Status
 
 WAIT_S = 10.0
@@ -62,7 +64,7 @@ def test_a_call_made_while_another_thread_runs_the_loop_is_handed_over(
     async def hold() -> int:
         cross.append(asyncio.Event())
         holder_ready.set()
-        await asyncio.wait_for(cross[0].wait(), WAIT_S)
+        await wait_for(cross[0].wait(), WAIT_S)
         return threading.get_ident()
 
     async def release() -> int:
@@ -204,3 +206,24 @@ def test_a_call_that_waits_continues_on_the_loop(caller_loop: CallerLoop) -> Non
     with pytest.raises(KVPoolError) as info:
         caller_loop.run(fails_later())
     assert info.value.status == Status.NOT_FOUND
+
+
+def test_client_code_needs_no_current_task() -> None:
+    """The synchronous stretch of a call has no current task: asyncio.timeout (and, since
+    Python 3.12, asyncio.wait_for) would raise there. The client uses _loopthread.wait_for."""
+    root = Path(__file__).resolve().parents[2] / "kvpool_client"
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for path in sorted(root.rglob("*.py")) if "_pb" not in path.parts
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"asyncio\.(wait_for|timeout)\(", line)]
+    assert offenders == []
+
+
+async def test_wait_for_times_out_and_cancels() -> None:
+    event = asyncio.Event()
+    waiter = asyncio.ensure_future(event.wait())
+    with pytest.raises(TimeoutError):
+        await wait_for(waiter, 0.01)
+    assert waiter.cancelled()
+    event.set()
+    assert await wait_for(event.wait(), None) is True
