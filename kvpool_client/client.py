@@ -1,7 +1,7 @@
 """KVPoolClient: the synchronous client. It runs :class:`AsyncKVPoolClient` (the one
-implementation) on a private uvloop loop: a call runs the loop on the calling thread when no
-other thread is running it, and is handed to the thread that runs it otherwise (see
-``_loopthread.CallerLoop``).
+implementation) on the calling thread: synchronously as far as a call gets without waiting,
+then on a private uvloop loop that the calling thread runs when no other thread is running
+it; otherwise the call is handed to the thread that runs it (see ``_loopthread.CallerLoop``).
 
 Any thread may call any method at the same time (MindIE puts from a background thread); calls
 are served concurrently on the client's loop.
