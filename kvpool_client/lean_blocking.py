@@ -19,11 +19,14 @@ import socket
 from kvpool_client.framing import (
     ERROR_METHOD_ID,
     FRAME_HEADER,
+    FRAME_LENGTH,
     FRAME_OVERHEAD_BYTES,
     encode_frame,
     error_reason,
 )
 from kvpool_client.status import KVPoolError, Status
+
+_BUFFER_BYTES = 64 << 10
 
 
 class BlockingLeanConnection:
@@ -35,7 +38,7 @@ class BlockingLeanConnection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock: socket.socket | None = sock
         self._max_frame_bytes = max_frame_bytes
-        self._header = bytearray(FRAME_HEADER.size)
+        self._buffer = bytearray(_BUFFER_BYTES)  # most answers fit; larger ones get their own
         self._next_id = 1
 
     @property
@@ -60,12 +63,7 @@ class BlockingLeanConnection:
         try:
             sock.settimeout(timeout_s)
             sock.sendall(encode_frame(method_id, request_id, payload))
-            self._recv_exact(sock, memoryview(self._header))
-            length, answer_method, answer_id = FRAME_HEADER.unpack(self._header)
-            if not FRAME_OVERHEAD_BYTES <= length <= self._max_frame_bytes + FRAME_OVERHEAD_BYTES:
-                raise KVPoolError(Status.RPC_FAILED, f"bad frame length {length} from master")
-            body = bytearray(length - FRAME_OVERHEAD_BYTES)
-            self._recv_exact(sock, memoryview(body))
+            answer_method, answer_id, body = self._receive(sock)
         except TimeoutError:
             self.close()
             raise KVPoolError(Status.TIMEOUT, f"no answer within {timeout_s:.3g} s") from None
@@ -85,13 +83,34 @@ class BlockingLeanConnection:
                                                  f"match call {method_id}/{request_id}")
         return bytes(body)
 
+    def _receive(self, sock: socket.socket) -> tuple[int, int, bytes]:
+        """Read one answer frame: (method, request id, payload). A small answer takes one
+        ``recv_into``; nothing may follow it (the master answers one call at a time here)."""
+        buffer = self._buffer
+        view = memoryview(buffer)
+        received = 0
+        while received < FRAME_HEADER.size:
+            received += self._recv_some(sock, view[received:])
+        length, answer_method, answer_id = FRAME_HEADER.unpack_from(buffer)
+        if not FRAME_OVERHEAD_BYTES <= length <= self._max_frame_bytes + FRAME_OVERHEAD_BYTES:
+            raise KVPoolError(Status.RPC_FAILED, f"bad frame length {length} from master")
+        total = FRAME_LENGTH.size + length
+        if total > len(buffer):
+            buffer = bytearray(total)
+            buffer[:received] = view[:received]
+            view = memoryview(buffer)
+        while received < total:
+            received += self._recv_some(sock, view[received:total])
+        if received > total:
+            raise KVPoolError(Status.RPC_FAILED, "the master sent more than one answer")
+        return answer_method, answer_id, bytes(view[FRAME_HEADER.size:total])
+
     @staticmethod
-    def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-        while view:
-            received = sock.recv_into(view)
-            if received == 0:
-                raise ConnectionError("closed by the master")
-            view = view[received:]
+    def _recv_some(sock: socket.socket, view: memoryview) -> int:
+        received = sock.recv_into(view)
+        if received == 0:
+            raise ConnectionError("closed by the master")
+        return received
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

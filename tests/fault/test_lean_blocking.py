@@ -45,7 +45,7 @@ def _call_fails(conn: BlockingLeanConnection, timeout_s: float = 2.0) -> KVPoolE
 def test_answers_come_back_in_order(pair) -> None:
     conn, theirs = pair
     theirs.settimeout(5)
-    for payload in (b"one", b"", b"three" * 1000):
+    for payload in (b"one", b"", b"three" * 1000, bytes(range(256)) * 1000):  # > its buffer
         # the peer answers only after reading the request, as the master does
         worker = threading.Thread(target=lambda data=payload: theirs.sendall(
             encode_frame(METHOD, _request_id(theirs), data)))
@@ -69,6 +69,12 @@ def test_an_answer_to_another_call_is_refused(pair) -> None:
     with pytest.raises(KVPoolError) as info:  # closed: nothing more is read from it
         conn.call(METHOD, b"again", 1.0)
     assert info.value.status == Status.RPC_FAILED
+
+
+def test_a_stray_frame_after_the_answer_is_refused(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(encode_frame(METHOD, 1, b"answer") + encode_frame(METHOD, 2, b"stray"))
+    assert _call_fails(conn).status == Status.RPC_FAILED
 
 
 def test_a_bad_length_is_refused(pair) -> None:
