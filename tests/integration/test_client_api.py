@@ -31,6 +31,16 @@ def client(master: Any) -> Iterator[KVPoolClient]:
         yield c
 
 
+def run_in_threads(work: Any, count: int, timeout_s: float = 60.0) -> None:
+    """Run ``work(index)`` on ``count`` threads at once and wait for all of them."""
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def pattern(seed: int, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
@@ -189,11 +199,7 @@ def test_read_your_writes_from_many_threads(client: KVPoolClient) -> None:
             if client.get(key) != value or not client.exists(key):
                 errors.append(key)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_in_threads(work, 4)
     assert errors == []
 
 
@@ -355,12 +361,8 @@ def test_grpc_only_client_from_several_threads(master: Any) -> None:
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
-        workers = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(60)
-        assert not errors and not any(w.is_alive() for w in workers)
+        run_in_threads(work, 3)
+        assert not errors
         assert client.get("grpc-main") == b"from main"
         assert client.batch_exists([f"grpc-{i}-19" for i in range(3)]) == [True] * 3
 
