@@ -46,6 +46,7 @@ run: install
 bench: install
 	$(BIN)/python benchmarks/master_core.py
 	$(BIN)/python benchmarks/master_rpc.py
+	$(BIN)/python benchmarks/rpc_floor.py
 	$(BIN)/python benchmarks/client_bench.py
 
 clean:

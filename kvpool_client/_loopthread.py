@@ -7,8 +7,8 @@ that runs a coroutine on a loop another thread is running.
   far as it gets without waiting (``set_direct`` lets the client's master calls block the
   thread meanwhile), so a single put or get never enters the loop at all; a coroutine that
   has to wait continues in a task of the loop, run on the same thread. Measured on 2 cores:
-  a loop run costs 7 µs on a worker thread and 24 µs on the main thread (uvloop sets up
-  signal wake-ups on every run there), a handoff to a loop thread about 40 µs. When the loop
+  a loop run costs 5 µs on a worker thread and 25–30 µs on the main thread (uvloop sets up
+  signal wake-ups on every run there), a handoff to a loop thread 55–62 µs. When the loop
   is busy elsewhere (concurrent callers, a caller inside its own event loop), the call is
   handed to whoever runs it. A helper thread runs the loop only while work is left for the
   background (handed-over calls, async writes, pipelined commits), then lets callers borrow
