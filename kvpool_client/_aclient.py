@@ -1,5 +1,5 @@
-"""AsyncKVPoolClient: the one implementation of the client API (the sync client runs it on its
-private loop, borrowed by the calling thread).
+"""AsyncKVPoolClient: the one implementation of the client API (the sync client runs it on the
+calling thread; see ``_loopthread.CallerLoop``).
 
 Rules of this file:
 - Every public call is normalised into (key bytes, regions) by ``buffers`` and handed to the

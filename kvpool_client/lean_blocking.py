@@ -75,13 +75,13 @@ class BlockingLeanConnection:
             raise
         if answer_method == ERROR_METHOD_ID:
             self.close()
-            status, reason = error_reason(bytes(body))
+            status, reason = error_reason(body)
             raise KVPoolError(status, f"master closed the lean connection: {reason}")
         if answer_id != request_id or answer_method != method_id:
             self.close()
             raise KVPoolError(Status.RPC_FAILED, f"answer {answer_method}/{answer_id} does not "
                                                  f"match call {method_id}/{request_id}")
-        return bytes(body)
+        return body
 
     def _receive(self, sock: socket.socket) -> tuple[int, int, bytes]:
         """Read one answer frame: (method, request id, payload). A small answer takes one
