@@ -41,7 +41,7 @@ from kvpool_client.buffers import (
 from kvpool_client.config import ClientConfig
 from kvpool_client.liveness import Liveness, MasterAddress
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.rpc import MasterRpc, TlsConfig
+from kvpool_client.rpc import MasterRpc
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
@@ -65,11 +65,7 @@ class AsyncKVPoolClient:
                                    f"{secrets.token_hex(4)}"
         self.client_id = name
         self.host_id = host_id()
-        self._master = MasterAddress(
-            config.master_server_address, config.rpc_timeout_s,
-            TlsConfig(config.tls_ca, config.tls_cert, config.tls_key)
-            if (config.tls_ca or config.tls_cert) else None,
-            config.auth_token, config.use_fast_path)
+        self._master = MasterAddress.of(config)
         self._segments: dict[str, LocalSegment] = {}
         self._server: DataServer | None = None
         self._rpc: MasterRpc | None = None

@@ -15,7 +15,6 @@ from typing import Any
 
 from kvpool_client.config import ClientConfig, ConfigError
 from kvpool_client.liveness import MasterAddress
-from kvpool_client.rpc import TlsConfig
 from kvpool_client.status import KVPoolError
 
 DEFAULT_MASTER = "127.0.0.1:50051"
@@ -58,14 +57,6 @@ def client_config_from_args(args: argparse.Namespace, **overrides: Any) -> Clien
     return base.replace(**changes)
 
 
-def master_of(config: ClientConfig) -> MasterAddress:
-    """How to reach the master of ``config``."""
-    tls = TlsConfig(config.tls_ca, config.tls_cert, config.tls_key) \
-        if (config.tls_ca or config.tls_cert) else None
-    return MasterAddress(config.master_server_address, config.rpc_timeout_s, tls,
-                         config.auth_token, config.use_fast_path)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool status`."""
     add_master_arguments(parser)
@@ -85,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the master's status; returns 0, or 2 when the master cannot be asked."""
     try:
         config = client_config_from_args(args)
-        document = asyncio.run(fetch_stats(master_of(config)))
+        document = asyncio.run(fetch_stats(MasterAddress.of(config)))
     except (ConfigError, KVPoolError) as exc:
         print(f"kvpool status: {exc}", file=sys.stderr)
         return 2

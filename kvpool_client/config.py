@@ -100,6 +100,7 @@ class ClientConfig:
     async_write_queue_size: int = 1024  # objects queued by async writes before put blocks
     max_segment_size: int = 0  # split global_segment_size into segments of at most this; 0 = one
     commit_nowait: bool = False  # True: put returns once its commit is sent (see _datapath)
+    busy_poll_us: int = 500  # a call on the caller's thread polls this long for the answer
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:
@@ -326,6 +327,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "async_write_queue_size": _int_range(1, 1 << 20),
     "max_segment_size": _size,
     "commit_nowait": _bool,
+    "busy_poll_us": _int_range(0, 100_000),
 }
 
 

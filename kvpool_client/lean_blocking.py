@@ -5,8 +5,15 @@ loop is free (see ``_loopthread.CallerLoop``); its master calls then cost one ``
 one or two ``recv_into`` instead of an event-loop run. The messages, the framing and the
 master's handlers are the same as on the asyncio lean connection (``rpc._LeanConnection``).
 
+Waiting: after sending, the thread polls the socket for up to ``busy_poll_us`` before it
+sleeps in ``poll(2)``. A master answers a small call in tens of microseconds, and waking a
+sleeping thread costs about as much again on a virtual machine; polling keeps the caller on its
+core. It yields the core between polls (``sched_yield``), so a process waiting to run on the
+same core (the master, on a small host) is not held back. ``busy_poll_us`` 0: sleep at once.
+
 Rules of this file:
 - One caller at a time (the thread that holds the client's loop); nothing here is locked.
+- The socket is non-blocking; every wait is a bounded poll, so the deadline holds throughout.
 - Any failure closes the connection: a late answer must never be read as the next call's.
   A timeout raises ``TIMEOUT``, anything else ``RPC_FAILED`` (the master's reason when it sent
   one); a request id or method that does not match the call is ``RPC_FAILED`` too.
@@ -14,7 +21,11 @@ Rules of this file:
 
 from __future__ import annotations
 
+import math
+import os
+import select
 import socket
+import time
 
 from kvpool_client.framing import (
     ERROR_METHOD_ID,
@@ -30,14 +41,17 @@ _BUFFER_BYTES = 64 << 10
 
 
 class BlockingLeanConnection:
-    """One lean connection over a connected blocking socket; see the module docstring."""
+    """One lean connection over a connected socket; see the module docstring."""
 
-    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
-        sock.setblocking(True)
+    def __init__(self, sock: socket.socket, max_frame_bytes: int, busy_poll_us: int = 0) -> None:
+        sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock: socket.socket | None = sock
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._max_frame_bytes = max_frame_bytes
+        self._busy_poll_s = busy_poll_us / 1e6
         self._buffer = bytearray(_BUFFER_BYTES)  # most answers fit; larger ones get their own
         self._next_id = 1
 
@@ -60,10 +74,10 @@ class BlockingLeanConnection:
             raise KVPoolError(Status.TIMEOUT, "deadline passed before the call was sent")
         request_id = self._next_id
         self._next_id = (request_id + 1) & 0xFFFFFFFF or 1
+        deadline = time.monotonic() + timeout_s
         try:
-            sock.settimeout(timeout_s)
-            sock.sendall(encode_frame(method_id, request_id, payload))
-            answer_method, answer_id, body = self._receive(sock)
+            self._send(sock, encode_frame(method_id, request_id, payload), deadline)
+            answer_method, answer_id, body = self._receive(sock, deadline)
         except TimeoutError:
             self.close()
             raise KVPoolError(Status.TIMEOUT, f"no answer within {timeout_s:.3g} s") from None
@@ -83,14 +97,22 @@ class BlockingLeanConnection:
                                                  f"match call {method_id}/{request_id}")
         return body
 
-    def _receive(self, sock: socket.socket) -> tuple[int, int, bytes]:
+    def _send(self, sock: socket.socket, frame: bytes, deadline: float) -> None:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[sock.send(view):]
+            except BlockingIOError:  # the master is not reading: wait for room, bounded
+                self._wait(sock, select.POLLOUT, deadline)
+
+    def _receive(self, sock: socket.socket, deadline: float) -> tuple[int, int, bytes]:
         """Read one answer frame: (method, request id, payload). A small answer takes one
         ``recv_into``; nothing may follow it (the master answers one call at a time here)."""
         buffer = self._buffer
         view = memoryview(buffer)
         received = 0
         while received < FRAME_HEADER.size:
-            received += self._recv_some(sock, view[received:])
+            received += self._recv_some(sock, view[received:], deadline)
         length, answer_method, answer_id = FRAME_HEADER.unpack_from(buffer)
         if not FRAME_OVERHEAD_BYTES <= length <= self._max_frame_bytes + FRAME_OVERHEAD_BYTES:
             raise KVPoolError(Status.RPC_FAILED, f"bad frame length {length} from master")
@@ -100,17 +122,36 @@ class BlockingLeanConnection:
             buffer[:received] = view[:received]
             view = memoryview(buffer)
         while received < total:
-            received += self._recv_some(sock, view[received:total])
+            received += self._recv_some(sock, view[received:total], deadline)
         if received > total:
             raise KVPoolError(Status.RPC_FAILED, "the master sent more than one answer")
         return answer_method, answer_id, bytes(view[FRAME_HEADER.size:total])
 
-    @staticmethod
-    def _recv_some(sock: socket.socket, view: memoryview) -> int:
-        received = sock.recv_into(view)
-        if received == 0:
-            raise ConnectionError("closed by the master")
-        return received
+    def _recv_some(self, sock: socket.socket, view: memoryview, deadline: float) -> int:
+        """Receive what has arrived (at least one byte): polling first, then sleeping."""
+        spin_until = time.monotonic() + self._busy_poll_s
+        while True:
+            try:
+                received = sock.recv_into(view)
+            except BlockingIOError:
+                now = time.monotonic()
+                if now < spin_until and now < deadline:
+                    os.sched_yield()
+                else:
+                    self._wait(sock, select.POLLIN, deadline)
+                continue
+            if received == 0:
+                raise ConnectionError("closed by the master")
+            return received
+
+    def _wait(self, sock: socket.socket, events: int, deadline: float) -> None:
+        """Sleep until ``sock`` is ready for ``events``, failed, or the deadline came (the next
+        wait then raises TimeoutError)."""
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise TimeoutError
+        self._poller.modify(sock, events)
+        self._poller.poll(max(1, math.ceil(remaining_s * 1000)))
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool_client._loopthread import LoopThread, wait_for
+from kvpool_client.config import ClientConfig
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, Registration, TlsConfig
 from kvpool_client.status import KVPoolError, Status
@@ -49,11 +50,21 @@ class MasterAddress:
     tls: TlsConfig | None
     auth_token: str
     use_fast_path: bool
+    busy_poll_us: int = 0
+
+    @classmethod
+    def of(cls, config: ClientConfig) -> MasterAddress:
+        """How to reach the master of ``config``."""
+        tls = TlsConfig(config.tls_ca, config.tls_cert, config.tls_key) \
+            if (config.tls_ca or config.tls_cert) else None
+        return cls(config.master_server_address, config.rpc_timeout_s, tls, config.auth_token,
+                   config.use_fast_path, config.busy_poll_us)
 
     def stub(self, timeout_s: float | None = None) -> MasterRpc:
         """A new stub for the calling loop."""
         return MasterRpc(self.address, timeout_s=timeout_s or self.timeout_s, tls=self.tls,
-                         auth_token=self.auth_token, use_fast_path=self.use_fast_path)
+                         auth_token=self.auth_token, use_fast_path=self.use_fast_path,
+                         busy_poll_us=self.busy_poll_us)
 
 
 class Liveness:

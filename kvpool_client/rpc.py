@@ -340,7 +340,8 @@ class MasterRpc:
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
                  auth_token: str = "", use_fast_path: bool = True,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 busy_poll_us: int = 0) -> None:
         self._address = address
         self._host, self._port = _split_address(address)
         self._timeout_s = timeout_s
@@ -348,6 +349,7 @@ class MasterRpc:
         self._auth_token = auth_token
         self._use_fast_path = use_fast_path
         self._max_message_bytes = max_message_bytes
+        self._busy_poll_us = busy_poll_us  # blocking calls only (see lean_blocking)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._channel: grpc.aio.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
@@ -482,7 +484,7 @@ class MasterRpc:
                 where = f"{self._host}:{self._fast_port}"
                 raise _NotSent(Status.RPC_FAILED,
                                f"cannot reach master lean port {where}: {exc}") from None
-        conn = BlockingLeanConnection(sock, self._max_message_bytes)
+        conn = BlockingLeanConnection(sock, self._max_message_bytes, self._busy_poll_us)
         if self._auth_token:
             answer = conn.call(METHOD_AUTH, pb.AuthRequest(token=self._auth_token)
                                .SerializeToString(), timeout_s)

@@ -1,6 +1,8 @@
 """The blocking lean connection against a peer that answers badly (a socketpair plays the
 master): every bad answer fails the call with a clear status and closes the connection, so a
-late or stray frame is never read as the next call's answer."""
+late or stray frame is never read as the next call's answer. Every case runs with the caller
+sleeping at once (``busy_poll_us`` 0) and polling first (200 µs), and deadlines hold with any
+polling budget."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from kvpool_client.status import KVPoolError, Status
 METHOD = 7
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[BlockingLeanConnection, socket.socket]]:
+@pytest.fixture(params=[0, 200], ids=["sleep", "busy-poll"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[BlockingLeanConnection, socket.socket]]:
     ours, theirs = socket.socketpair()
-    conn = BlockingLeanConnection(ours, max_frame_bytes=1 << 20)
+    conn = BlockingLeanConnection(ours, max_frame_bytes=1 << 20, busy_poll_us=request.param)
     yield conn, theirs
     conn.close()
     theirs.close()
@@ -109,3 +111,38 @@ def test_no_answer_times_out_within_the_deadline(pair) -> None:
     assert info.value.status == Status.TIMEOUT
     expired.close()
     theirs.close()
+
+
+def test_a_polling_budget_longer_than_the_deadline_still_times_out() -> None:
+    ours, theirs = socket.socketpair()
+    conn = BlockingLeanConnection(ours, 1 << 20, busy_poll_us=100_000)  # polls up to 0.1 s
+    try:
+        started = time.monotonic()
+        assert _call_fails(conn, timeout_s=0.02).status == Status.TIMEOUT
+        elapsed_s = time.monotonic() - started
+        print(f"busy-polling caller: TIMEOUT after {elapsed_s * 1000:.1f} ms (deadline 20 ms)")
+        assert elapsed_s < 0.09
+    finally:
+        theirs.close()
+
+
+def test_a_large_request_waits_for_room_and_a_peer_that_never_reads_times_out(pair) -> None:
+    conn, theirs = pair
+    request = bytes(range(256)) * (16 << 10)  # 4 MiB: far more than a socket buffer holds
+
+    def serve() -> None:
+        header = theirs.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
+        length, _method, request_id = FRAME_HEADER.unpack(header)
+        received = bytearray()
+        while len(received) < length - 5:
+            time.sleep(0.001)  # a slow reader: the caller must wait for room, not fail
+            received += theirs.recv(1 << 16)
+        theirs.sendall(encode_frame(METHOD, request_id, bytes(received[-10:])))
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    assert conn.call(METHOD, request, 10.0) == request[-10:]
+    worker.join(10)
+    started = time.monotonic()
+    assert _call_fails(conn, timeout_s=0.3).status == Status.TIMEOUT  # nobody reads it now
+    assert time.monotonic() - started < 2.0

@@ -68,6 +68,7 @@ def test_size_strings_and_all_kvpool_keys(tmp_path: Path) -> None:
         "async_write_queue_size": 64,
         "max_segment_size": "1gb",
         "commit_nowait": False,
+        "busy_poll_us": 0,
     }
     config = ClientConfig.from_dict(values)
     assert config.global_segment_size == 4 * 2**30
@@ -79,6 +80,7 @@ def test_size_strings_and_all_kvpool_keys(tmp_path: Path) -> None:
     assert config.tls_ca == str(ca)
     assert config.data_host == "10.0.0.5"
     assert (config.checksum, config.use_fast_path, config.commit_nowait) == (True, False, False)
+    assert config.busy_poll_us == 0
 
 
 def test_known_mooncake_keys_are_ignored_silently() -> None:
@@ -106,6 +108,8 @@ def test_known_mooncake_keys_are_ignored_silently() -> None:
         ({"heartbeat_interval_s": float("nan")}, "key 'heartbeat_interval_s'"),
         ({"metrics_port": 70000}, "key 'metrics_port': must be between -1 and 65535"),
         ({"async_write_queue_size": 0}, "key 'async_write_queue_size'"),
+        ({"busy_poll_us": -5}, "key 'busy_poll_us': must be between 0 and 100000"),
+        ({"busy_poll_us": 1.5}, "key 'busy_poll_us'"),
         ({"cluster_id": "a/b"}, "key 'cluster_id'"),
         ({"tls_ca": "/nonexistent/ca.pem"}, "key 'tls_ca': file '/nonexistent/ca.pem' does not"),
         ({"tls_key": __file__}, "'tls_cert' and 'tls_key' must be given together"),
