@@ -92,6 +92,10 @@ class MasterMetrics:
         """Count one refused connection or call."""
         self.refusals.labels(transport, reason).inc()
 
+    def watch_busy_poll(self, poller: Any) -> None:
+        """Export the lingers of ``poller`` (a busypoll.BusyPoller)."""
+        self.registry.register(_BusyPollCollector(poller))
+
     def watch_store(self, store: Any) -> None:
         """Export the size of the state log of ``store`` (a persist.StateStore)."""
         self._state_log_bytes.set_function(lambda: store.log_bytes)
@@ -191,6 +195,25 @@ class _CoreCollector(Collector):
                                   "Time the master was not serving (excluded from deadlines)",
                                   value=self._clock.stalled_s)
         yield from core_metrics(self._core.stats())
+
+
+class _BusyPollCollector(Collector):
+    """What busy polling cost and how often it saved a wake-up."""
+
+    def __init__(self, poller: Any) -> None:
+        self._poller = poller
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvpool_busy_poll_seconds",
+                                  "Time the master polled its lean connections instead of "
+                                  "sleeping", value=self._poller.polled_s)
+        lingers = CounterMetricFamily("kvpool_busy_poll_lingers",
+                                      "Busy polls after serving, by outcome (hit: a call came "
+                                      "in; miss: none did within --busy-poll-us)",
+                                      labels=["outcome"])
+        lingers.add_metric(["hit"], self._poller.num_hits)
+        lingers.add_metric(["miss"], self._poller.num_misses)
+        yield lingers
 
 
 def core_metrics(stats: CoreStats) -> Iterator[Metric]:

@@ -110,7 +110,9 @@ class MasterServer:
                 self.servicer, max_connections=self.config.max_connections,
                 max_frame_bytes=self.config.max_message_bytes,
                 frame_timeout_s=self.config.frame_timeout_s, auth_token=self._auth_token,
-                ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused)
+                ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused,
+                busy_poll_us=self.config.busy_poll_us)
+            self.metrics.watch_busy_poll(self._lean.poller)
             self.fast_port = await self._lean.start(self.config.host, self.config.fast_port)
             self.servicer.fast_port = self.fast_port
             if self.config.local_socket and not self.config.tls_enabled:

@@ -9,7 +9,8 @@ Framing (see ``Method`` in proto/kvpool.proto): ``u32 LE length | u8 method | u3
 | protobuf bytes``; the answer echoes method and request id. Frames on one connection are served
 in order, synchronously, as soon as they are complete. A frame that cannot be served is
 answered with method 255 whose payload is ``"STATUS_NAME: reason"``, and the connection is
-closed. With a token configured, the first frame must be ``METHOD_AUTH``.
+closed. With a token configured, the first frame must be ``METHOD_AUTH``. After serving, the
+server lingers on its connections for a moment instead of sleeping (``busypoll``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvpool_client.framing import (
 from kvpool_client.rpc import METHOD_AUTH, METHOD_ERROR
 from kvpool_client.status import Status
 from kvpool_master.rpc import convert
+from kvpool_master.rpc.busypoll import BusyPoller
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
 
 log = logging.getLogger("kvpool.master.lean")
@@ -47,7 +49,8 @@ class LeanServer:
     def __init__(self, servicer: Servicer, *, max_connections: int, max_frame_bytes: int,
                  frame_timeout_s: float = 30.0, auth_token: str = "",
                  ssl_context: ssl.SSLContext | None = None,
-                 on_refusal: Callable[[str, str], None] = lambda transport, reason: None) -> None:
+                 on_refusal: Callable[[str, str], None] = lambda transport, reason: None,
+                 busy_poll_us: int = 0) -> None:
         self._servicer = servicer
         self._max_connections = max_connections
         self._max_frame_bytes = max_frame_bytes
@@ -60,6 +63,7 @@ class LeanServer:
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.AbstractServer | None = None
         self.connections: set[_LeanProtocol] = set()
+        self.poller = BusyPoller(busy_poll_us)
 
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port."""
@@ -99,6 +103,7 @@ class LeanServer:
             conn.close()
         for server in servers:
             await server.wait_closed()
+        self.poller.close()
 
 
 class _LeanProtocol(asyncio.Protocol):
@@ -109,6 +114,7 @@ class _LeanProtocol(asyncio.Protocol):
         self._authenticated = not server._auth_token
         self._closing = False
         self._partial_timer: asyncio.TimerHandle | None = None
+        self._fd = -1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -121,9 +127,14 @@ class _LeanProtocol(asyncio.Protocol):
             return
         self._server.connections.add(self)
         self._transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._fd = sock.fileno()
+            self._server.poller.watch(self._fd, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
+        self._server.poller.forget(self._fd, self)
         self._closing = True
         if self._partial_timer is not None:
             self._partial_timer.cancel()
@@ -149,6 +160,8 @@ class _LeanProtocol(asyncio.Protocol):
             if self._closing:
                 return
             self._serve_frame(method_id, request_id, payload)
+        if frames:
+            self._server.poller.served()
         if self._decoder.pending_bytes:
             if self._partial_timer is None:
                 self._partial_timer = asyncio.get_running_loop().call_later(
