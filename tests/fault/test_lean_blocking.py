@@ -146,3 +146,35 @@ def test_a_large_request_waits_for_room_and_a_peer_that_never_reads_times_out(pa
     started = time.monotonic()
     assert _call_fails(conn, timeout_s=0.3).status == Status.TIMEOUT  # nobody reads it now
     assert time.monotonic() - started < 2.0
+
+
+def test_polling_backs_off_while_answers_come_late_and_resumes_when_they_come_in_time() -> None:
+    ours, theirs = socket.socketpair()
+    conn = BlockingLeanConnection(ours, 1 << 20, busy_poll_us=1000)
+    theirs.settimeout(5)
+
+    def answer(delay_s: float) -> None:
+        request_id = _request_id(theirs)
+        time.sleep(delay_s)
+        theirs.sendall(encode_frame(METHOD, request_id, b"late" if delay_s else b"prompt"))
+
+    def call(delay_s: float) -> None:
+        worker = threading.Thread(target=answer, args=(delay_s,))
+        worker.start()
+        assert conn.call(METHOD, b"request", 5.0) == (b"late" if delay_s else b"prompt")
+        worker.join(5)
+
+    try:
+        skipped = []
+        for _ in range(4):
+            call(0.02)  # 20 ms: far beyond the 1 ms budget
+            skipped.append(conn._skip)
+        assert skipped == [1, 0, 2, 1]  # polled, slept, polled, slept: the backoff doubles
+        call(0.02)  # slept at once
+        assert (conn._skip, conn._backoff) == (0, 2)
+        call(0.0)  # polled, and the answer came in time: the backoff is reset
+        assert (conn._skip, conn._backoff) == (0, 0)
+        assert not conn.closed
+    finally:
+        conn.close()
+        theirs.close()
