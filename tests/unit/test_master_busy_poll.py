@@ -7,8 +7,19 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from kvpool_master.rpc.busypoll import MAX_BACKOFF, BusyPoller
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
 
 
 async def _one_linger(poller: BusyPoller) -> None:
@@ -17,9 +28,9 @@ async def _one_linger(poller: BusyPoller) -> None:
     await asyncio.sleep(0)
 
 
-async def test_a_linger_ends_when_bytes_arrive() -> None:
+async def test_a_linger_ends_when_bytes_arrive(pair) -> None:
     poller = BusyPoller(budget_us=2_000_000)  # 2 s: only bytes can end it early
-    ours, theirs = socket.socketpair()
+    ours, theirs = pair
     try:
         poller.watch(ours.fileno(), "conn")
         timer = threading.Timer(0.05, theirs.send, args=(b"x",))
@@ -33,13 +44,11 @@ async def test_a_linger_ends_when_bytes_arrive() -> None:
         assert ours.recv(1) == b"x"  # polling never reads: the bytes are still there
     finally:
         poller.close()
-        ours.close()
-        theirs.close()
 
 
-async def test_empty_lingers_back_off_and_a_hit_resets() -> None:
+async def test_empty_lingers_back_off_and_a_hit_resets(pair) -> None:
     poller = BusyPoller(budget_us=200)
-    ours, theirs = socket.socketpair()
+    ours, theirs = pair
     try:
         poller.watch(ours.fileno(), "conn")
         for _ in range(40):
@@ -56,13 +65,11 @@ async def test_empty_lingers_back_off_and_a_hit_resets() -> None:
         assert poller.num_hits == 2  # no skipping right after a hit
     finally:
         poller.close()
-        ours.close()
-        theirs.close()
 
 
-def test_a_reused_fd_number_stays_watched() -> None:
+def test_a_reused_fd_number_stays_watched(pair) -> None:
     poller = BusyPoller(budget_us=100)
-    ours, theirs = socket.socketpair()
+    ours, _theirs = pair
     try:
         poller.watch(ours.fileno(), "old")
         poller.watch(ours.fileno(), "new")  # the number was reused before "old" was forgotten
@@ -72,8 +79,6 @@ def test_a_reused_fd_number_stays_watched() -> None:
         assert poller._fd_to_owner == {}
     finally:
         poller.close()
-        ours.close()
-        theirs.close()
 
 
 async def test_budget_zero_never_lingers() -> None:
