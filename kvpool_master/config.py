@@ -173,7 +173,7 @@ OPTIONS: tuple[Option, ...] = (
            "(0 picks a free one, -1 or 'off' disables; default 50052)", "PORT"),
     Option("local_socket", "local_socket", _switch,
            "also serve the lean framing on an abstract Unix socket, used by clients on this "
-           "host (about a third cheaper per call than loopback TCP); never with TLS (default on)",
+           "host (a third to half cheaper per call than loopback TCP); never with TLS (default on)",
            "on|off"),
     Option("busy_poll_us", "busy_poll_us", _int(0, 10_000),
            "after serving lean calls, poll the lean connections this many MICROSECONDS before "

@@ -76,7 +76,7 @@ class LeanServer:
     async def start_local(self) -> str:
         """Also listen on an abstract Unix socket (Linux) with a random name; return the name.
 
-        Why: a round trip over a Unix socket costs about a third less than over loopback TCP
+        Why: a round trip over a Unix socket costs a third to half less than over loopback TCP
         here, and clients on the master's host make every call on it. The name is random and
         only reachable from the master's network namespace; clients also check the peer's pid
         (see kvpool_client.rpc). Raises OSError where abstract sockets do not exist.
