@@ -10,9 +10,8 @@ sleeps in ``poll(2)``. A master answers a small call in tens of microseconds, an
 sleeping thread costs about as much again on a virtual machine; polling keeps the caller on its
 core. It yields the core between polls (``sched_yield``), so a process waiting to run on the
 same core (the master, on a small host) is not held back. A call whose answer did not come
-within the budget makes the next 1, 2, 4 ... 64 calls sleep at once (reset by an answer that
-comes in time), so a slow or distant master costs little polling. ``busy_poll_us`` 0: sleep
-at once.
+within the budget makes the next 1, 2, 4 ... 64 calls sleep at once (``polling.PollBackoff``),
+so a slow or distant master costs little polling. ``busy_poll_us`` 0: sleep at once.
 
 Rules of this file:
 - One caller at a time (the thread that holds the client's loop); nothing here is locked.
@@ -38,10 +37,10 @@ from kvpool_client.framing import (
     encode_frame,
     error_reason,
 )
+from kvpool_client.polling import PollBackoff
 from kvpool_client.status import KVPoolError, Status
 
 _BUFFER_BYTES = 64 << 10
-MAX_BACKOFF = 64
 
 
 class BlockingLeanConnection:
@@ -57,8 +56,7 @@ class BlockingLeanConnection:
         self._max_frame_bytes = max_frame_bytes
         self._busy_poll_s = busy_poll_us / 1e6
         self._spin_s = 0.0  # this call's polling budget
-        self._backoff = 0  # calls to sleep at once after a budget ran out
-        self._skip = 0
+        self.backoff = PollBackoff()
         self._buffer = bytearray(_BUFFER_BYTES)  # most answers fit; larger ones get their own
         self._next_id = 1
 
@@ -84,8 +82,8 @@ class BlockingLeanConnection:
         deadline = time.monotonic() + timeout_s
         try:
             self._send(sock, encode_frame(method_id, request_id, payload), deadline)
-            self._spin_s = self._busy_poll_s if not self._skip else 0.0
-            self._skip = max(self._skip - 1, 0)
+            self._spin_s = self._busy_poll_s if self._busy_poll_s and self.backoff.take() \
+                else 0.0
             answer_method, answer_id, body = self._receive(sock, deadline)
         except TimeoutError:
             self.close()
@@ -149,14 +147,13 @@ class BlockingLeanConnection:
                     continue
                 if self._spin_s:  # the budget ran out: sleep at once on the next calls
                     self._spin_s = 0.0
-                    self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
-                    self._skip = self._backoff
+                    self.backoff.ran_out()
                 self._wait(sock, select.POLLIN, deadline)
                 continue
             if received == 0:
                 raise ConnectionError("closed by the master")
             if self._spin_s:
-                self._backoff = 0
+                self.backoff.paid()
             return received
 
     def _wait(self, sock: socket.socket, events: int, deadline: float) -> None:

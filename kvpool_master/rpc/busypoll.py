@@ -11,9 +11,9 @@ After a loop iteration that served lean frames, one callback polls that set, wit
 for at most ``budget_us``, and yields the core between polls (``sched_yield``) so that a process
 waiting for this core is not held back. It returns as soon as any connection has bytes; the
 event loop then reads them without sleeping. A linger that ends empty backs off: the next 1,
-2, 4 ... 64 chances to linger are skipped (reset by the next linger that sees bytes), so a
-master whose clients call now and then spends at most ``budget_us`` per 64 calls, while a busy
-master keeps polling.
+2, 4 ... 64 chances to linger are skipped (``kvpool_client.polling.PollBackoff``, which the
+client's calls use too), so a master whose clients call now and then spends at most
+``budget_us`` per 64 calls, while a busy master keeps polling.
 
 Costs, bounded: the loop's other work (gRPC calls, timers, the metrics endpoint) waits at most
 ``budget_us``; lean frames never wait. ``--busy-poll-us 0`` turns it off. The time spent and the
@@ -28,7 +28,7 @@ import os
 import select
 import time
 
-MAX_BACKOFF = 64
+from kvpool_client.polling import PollBackoff
 
 
 class BusyPoller:
@@ -40,8 +40,7 @@ class BusyPoller:
         self._epoll: select.epoll | None = select.epoll() if use else None
         self._fd_to_owner: dict[int, object] = {}
         self._armed = False
-        self._backoff = 0  # chances to skip after the last empty linger
-        self._skip = 0
+        self.backoff = PollBackoff()
         self.num_hits = 0  # lingers that ended because bytes arrived
         self.num_misses = 0  # lingers that ran out of budget
         self.polled_s = 0.0  # time spent lingering
@@ -70,10 +69,7 @@ class BusyPoller:
 
     def served(self) -> None:
         """Lean frames were served: linger once this loop iteration's callbacks have run."""
-        if self._epoll is None or self._armed:
-            return
-        if self._skip:
-            self._skip -= 1
+        if self._epoll is None or self._armed or not self.backoff.take():
             return
         self._armed = True
         asyncio.get_running_loop().call_soon(self._linger)
@@ -96,11 +92,10 @@ class BusyPoller:
         self.polled_s += time.monotonic() - started
         if hit:
             self.num_hits += 1
-            self._backoff = 0
+            self.backoff.paid()
         else:
             self.num_misses += 1
-            self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
-            self._skip = self._backoff
+            self.backoff.ran_out()
 
     def close(self) -> None:
         """Release the epoll set (idempotent)."""

@@ -168,12 +168,12 @@ def test_polling_backs_off_while_answers_come_late_and_resumes_when_they_come_in
         skipped = []
         for _ in range(4):
             call(0.02)  # 20 ms: far beyond the 1 ms budget
-            skipped.append(conn._skip)
+            skipped.append(conn.backoff.state[0])
         assert skipped == [1, 0, 2, 1]  # polled, slept, polled, slept: the backoff doubles
         call(0.02)  # slept at once
-        assert (conn._skip, conn._backoff) == (0, 2)
+        assert conn.backoff.state == (0, 2)
         call(0.0)  # polled, and the answer came in time: the backoff is reset
-        assert (conn._skip, conn._backoff) == (0, 0)
+        assert conn.backoff.state == (0, 0)
         assert not conn.closed
     finally:
         conn.close()

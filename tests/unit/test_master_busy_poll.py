@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_master.rpc.busypoll import MAX_BACKOFF, BusyPoller
+from kvpool_client.polling import MAX_SKIPS
+from kvpool_master.rpc.busypoll import BusyPoller
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ async def test_empty_lingers_back_off_and_a_hit_resets(pair) -> None:
         # lingers on calls 1, 3, 6, 11, 20, 37: skipping 1, 2, 4, 8, 16 calls in between
         assert poller.num_misses == 6 and poller.num_hits == 0
         theirs.send(b"x")
-        for _ in range(MAX_BACKOFF + 1):
+        for _ in range(MAX_SKIPS + 1):
             await _one_linger(poller)
             if poller.num_hits:
                 break
