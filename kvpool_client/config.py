@@ -100,7 +100,7 @@ class ClientConfig:
     async_write_queue_size: int = 1024  # objects queued by async writes before put blocks
     max_segment_size: int = 0  # split global_segment_size into segments of at most this; 0 = one
     commit_nowait: bool = False  # True: put returns once its commit is sent (see _datapath)
-    busy_poll_us: int = 500  # a call on the caller's thread polls this long for the answer
+    busy_poll_us: int = 500  # a call on the caller's thread polls this long for the answer (µs)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:
