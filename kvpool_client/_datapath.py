@@ -39,7 +39,8 @@ LEASE_MARGIN_MIN_S = 0.001
 #: Writes stop this long before liveness or the write capability runs out.
 WRITE_MARGIN_S = 0.05
 #: Batches of at least twice this many bytes are cut into concurrent sub-batches (at most
-#: PIPELINE_MAX_PARTS), so that master calls overlap copies.
+#: PIPELINE_MAX_PARTS), so that master calls overlap copies; not while master calls block the
+#: calling thread (see ``DataPath._spans``).
 PIPELINE_MIN_BYTES = 8 << 20
 PIPELINE_MAX_PARTS = 2
 
@@ -164,7 +165,7 @@ class DataPath:
         of one overlap the copies of another. Raises KVPoolError only when every ``put_start``
         failed (RPC_FAILED, TIMEOUT, ...): then nothing was written.
         """
-        spans = pipeline_spans(sizes)
+        spans = self._spans(sizes)
         if len(spans) == 1:
             return await self._write_batch(keys, regions, sizes, options)
         parts = await asyncio.gather(
@@ -269,7 +270,7 @@ class DataPath:
         into sub-batches run concurrently, like writes. Raises KVPoolError only when every
         ``get_replicas`` failed.
         """
-        spans = pipeline_spans(dst_sizes) if dst_sizes is not None else [(0, len(keys))]
+        spans = self._spans(dst_sizes) if dst_sizes is not None else [(0, len(keys))]
         if len(spans) == 1:
             return await self._read_batch(keys, dst_for)
         parts = await asyncio.gather(
@@ -328,6 +329,12 @@ class DataPath:
         if self.checksum_enabled and expected and checksum(dst) != expected:
             return int(Status.CHECKSUM_MISMATCH)
         return size_bytes
+
+    def _spans(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """Sub-batches to run concurrently; one while master calls complete on the calling
+        thread: there the batch is not waiting on the master and copies at once, and splitting
+        it would move the call onto the loop (no polling, a loop wake-up per step)."""
+        return [(0, len(sizes))] if self.rpc.blocks else pipeline_spans(sizes)
 
     # -- liveness hooks ---------------------------------------------------------------------------
 

@@ -429,10 +429,17 @@ class MasterRpc:
                 await asyncio.sleep(backoff_s)
         raise AssertionError("unreachable")
 
+    @property
+    def blocks(self) -> bool:
+        """True when a call made now completes on the calling thread (``direct`` is set and
+        the lean framing is usable); otherwise it waits on the loop."""
+        return (self.direct and bool(self._fast_port) and self._use_fast_path
+                and self._tls is None and not self._closed
+                and asyncio.get_running_loop().time() >= self._lean_retry_at)
+
     async def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
-        if self.direct and self._fast_port and self._use_fast_path and self._tls is None \
-                and not self._closed and loop.time() >= self._lean_retry_at:
+        if self.blocks:
             return method.response_type.FromString(
                 self._blocking_call(method, payload, deadline - loop.time()))
         conn = self._lean_connection()

@@ -5,8 +5,19 @@ with memoryview slice assignment (the cheapest call, but it holds the GIL), and 
 about 20 GB/s with ``numpy.copyto`` (which releases the GIL, so two threads overlap their
 copies, but costs a few microseconds per call). So small pieces, and batches too small to be
 worth a thread hand-off, are copied at once on the caller's thread; the large pieces of a
-larger batch are cut into two halves of equal byte count, copied by two worker threads while
-the event loop stays free.
+larger batch are cut into parts of equal byte count, one per copy thread.
+
+Who copies those parts depends on whether the calling thread may block:
+- On an event loop (the async client, or the sync client once a call waits on its loop), worker
+  threads copy every part while the loop stays free.
+- In the synchronous stretch of a sync client call (``caller_copies``, set by the client while
+  no loop runs on this thread), the calling thread copies one part itself while the workers
+  copy the rest, and waits for them without leaving the stretch. Nobody waits on a loop
+  wake-up, and the call stays synchronous to its end (its later master calls still poll
+  instead of sleeping). Measured on 2 cores (one helper beside the caller, two client
+  processes and a master): 32 × 1 MiB batches rose from 65 % / 65 % of single-thread memcpy
+  (get / put, one thread copying inline) to 76 % / 70 %, and 32 × 16 MiB batches from 70 % /
+  84 % to 107 % / 118 %.
 """
 
 from __future__ import annotations
@@ -61,19 +72,26 @@ def split_by_bytes(copies: Sequence[Copy], parts: int) -> list[list[Copy]]:
 
 
 class ParallelCopier:
-    """Runs batches of copies: small ones inline, large ones on ``num_threads`` worker threads."""
+    """Runs batches of copies: small ones inline, large ones on ``num_threads`` threads (see
+    the module docstring for who those are)."""
 
     def __init__(self, num_threads: int = 2, inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
         self.num_threads = max(1, num_threads)
         self.inline_max_bytes = inline_max_bytes
+        #: True while the calling thread may block: it then copies a part of a large batch
+        #: itself and ``start`` returns only when every byte has been copied.
+        self.caller_copies = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self, copies: Sequence[Copy]) -> asyncio.Future[list[None]]:
-        """Start copying; return a future that completes when every byte has been copied.
+        """Start copying; return a future that completes when every byte has been copied
+        (already completed when the copies were made on the calling thread).
 
         The future completes only after the worker threads are done, even if the task awaiting
         it is cancelled, so callers can tie the lifetime of mappings to it (await it through
-        ``asyncio.shield``). Must be called on a running event loop.
+        ``asyncio.shield``). Must be called on a running event loop (or in the synchronous
+        stretch of a call, which has one set). Raises what a copy raised when the calling
+        thread took part.
         """
         loop = asyncio.get_running_loop()
         large = [pair for pair in copies if pair[0].nbytes >= MIN_SPLIT_BYTES]
@@ -81,16 +99,36 @@ class ParallelCopier:
             large = []
         copy_now([pair for pair in copies if pair[0].nbytes < MIN_SPLIT_BYTES] if large
                  else copies)
+        done: asyncio.Future[list[None]]
+        if large and self.caller_copies:
+            self._copy_with_caller(large)
+            large = []
         if not large:
-            done: asyncio.Future[list[None]] = loop.create_future()
+            done = loop.create_future()
             done.set_result([])
             return done
+        executor = self._workers()
+        return asyncio.gather(*(loop.run_in_executor(executor, copy_nogil, part)
+                                for part in split_by_bytes(large, self.num_threads)))
+
+    def _copy_with_caller(self, large: Sequence[Copy]) -> None:
+        """Copy ``large`` on this thread and ``num_threads - 1`` workers; return when all are
+        done (also when one failed: then raise its error, no copy being left running)."""
+        mine, *theirs = split_by_bytes(large, self.num_threads)
+        executor = self._workers()
+        helpers = [executor.submit(copy_nogil, part) for part in theirs]
+        try:
+            copy_nogil(mine)
+        finally:
+            concurrent.futures.wait(helpers)
+        for helper in helpers:
+            helper.result()
+
+    def _workers(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.num_threads, thread_name_prefix="kvpool-copy")
-        executor = self._executor
-        return asyncio.gather(*(loop.run_in_executor(executor, copy_nogil, part)
-                                for part in split_by_bytes(large, self.num_threads)))
+        return self._executor
 
     def close(self) -> None:
         """Stop the worker threads once their current copies are done (idempotent)."""

@@ -107,6 +107,16 @@ class ShmTransport:
             self._retire(mapping)
 
     @property
+    def caller_copies(self) -> bool:
+        """True while the calling thread may block and so takes part in large copies (see
+        ``copy.ParallelCopier``); set by the sync client around its synchronous stretches."""
+        return self._copier.caller_copies
+
+    @caller_copies.setter
+    def caller_copies(self, on: bool) -> None:
+        self._copier.caller_copies = on
+
+    @property
     def closed(self) -> bool:
         """True after close()."""
         return self._closed

@@ -285,20 +285,85 @@ async def test_async_client(master: Any) -> None:
         await c.flush()
 
 
-def test_large_batches_run_as_concurrent_sub_batches(client: KVPoolClient) -> None:
-    size = 3 << 20  # 8 x 3 MiB = 24 MiB: cut into sub-batches whose calls overlap copies
-    src = pattern(42, 8 * size)
-    keys = [f"big-{i}" for i in range(8)]
+def _large_batch_round_trip(put: Any, get: Any, seed: int) -> None:
+    """8 x 3 MiB (24 MiB, enough to be cut into sub-batches on a loop), read back with a
+    missing key and a destination one byte short."""
+    size = 3 << 20
+    src = pattern(seed, 8 * size)
+    keys = [f"big-{seed}-{i}" for i in range(8)]
     offsets = [i * size for i in range(8)]
-    assert client.batch_put_from(keys, src, offsets, [size] * 8) == [Status.OK] * 8
+    assert put(keys, src, offsets, [size] * 8) == [Status.OK] * 8
     dst = np.zeros(8 * size, dtype=np.uint8)
     wanted = [*keys[:5], "big-missing", keys[6], keys[7]]
     sizes = [size] * 7 + [size - 1]  # the last destination is one byte short
-    got = client.batch_get_into(wanted, dst, offsets, sizes)
+    got = get(wanted, dst, offsets, sizes)
     assert got == [size] * 5 + [int(Status.NOT_FOUND), size, int(Status.BUFFER_OVERFLOW)]
     assert np.array_equal(dst[:5 * size], src[:5 * size])
     assert np.array_equal(dst[6 * size:7 * size], src[6 * size:7 * size])
-    assert client.get(keys[7]) == src[7 * size:].tobytes()
+    assert get(keys[7:], dst, [0], [size]) == [size]
+    assert np.array_equal(dst[:size], src[7 * size:])
+
+
+@pytest.fixture
+def copy_record(monkeypatch: Any) -> tuple[list[int], list[str]]:
+    """(ids of the threads that ran large copies, the batch calls the data path made)."""
+    from kvpool_client import _datapath
+    from kvpool_client.transfer import copy
+
+    threads: list[int] = []
+    batches: list[str] = []
+    copy_nogil = copy.copy_nogil
+
+    def recording_copy(copies: Any) -> None:
+        threads.append(threading.get_ident())
+        copy_nogil(copies)
+
+    monkeypatch.setattr(copy, "copy_nogil", recording_copy)
+    for name in ("_write_batch", "_read_batch"):
+        original = getattr(_datapath.DataPath, name)
+
+        async def recording_batch(self: Any, *args: Any, _original: Any = original,
+                                  _name: str = name) -> Any:
+            batches.append(_name)
+            return await _original(self, *args)
+
+        monkeypatch.setattr(_datapath.DataPath, name, recording_batch)
+    return threads, batches
+
+
+def test_large_batches_are_copied_by_the_calling_thread_and_a_helper(
+        client: KVPoolClient, copy_record: tuple[list[int], list[str]]) -> None:
+    """The sync client runs a large batch synchronously: one master call per phase (not cut
+    into sub-batches, which would move it onto the loop), its copies shared between the
+    calling thread and a helper."""
+    from kvpool_client._aclient import copy_threads
+
+    threads, batches = copy_record
+    _large_batch_round_trip(client.batch_put_from, client.batch_get_into, 42)
+    assert batches == ["_write_batch", "_read_batch", "_read_batch"]
+    if copy_threads() > 1:
+        assert threading.get_ident() in threads
+        assert len(set(threads)) == 2
+
+
+async def test_async_client_cuts_large_batches_into_concurrent_sub_batches(
+        master: Any, copy_record: tuple[list[int], list[str]]) -> None:
+    """On a loop, large batches run as concurrent sub-batches (master calls overlap copies),
+    copied by worker threads while the loop stays free."""
+    threads, batches = copy_record
+    async with AsyncKVPoolClient(make_config(master)) as c:
+        put_results: list[Any] = []
+        size = 3 << 20
+        src = pattern(7, 8 * size)
+        keys = [f"abig-{i}" for i in range(8)]
+        offsets = [i * size for i in range(8)]
+        put_results = await c.batch_put_from(keys, src, offsets, [size] * 8)
+        assert put_results == [Status.OK] * 8
+        dst = np.zeros(8 * size, dtype=np.uint8)
+        assert await c.batch_get_into(keys, dst, offsets, [size] * 8) == [size] * 8
+        assert np.array_equal(dst, src)
+    assert batches == ["_write_batch"] * 2 + ["_read_batch"] * 2
+    assert threads and threading.get_ident() not in threads
 
 
 def test_from_config_file_and_environment(master: Any, tmp_path: Any, monkeypatch: Any) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import xxhash
@@ -250,3 +251,65 @@ def test_split_by_bytes_balances_and_preserves_bytes() -> None:
             target[:] = source
     assert bytes(dst) == src
     assert split_by_bytes([], 2) == []
+
+
+async def test_caller_copies_a_share_and_returns_a_completed_future() -> None:
+    import threading
+
+    from kvpool_client.transfer import copy as copy_module
+
+    copier = ParallelCopier(num_threads=2, inline_max_bytes=64 << 10)
+    copier.caller_copies = True
+    src = os.urandom(3 << 20)
+    dst = bytearray(len(src))
+    s, d = memoryview(src), memoryview(dst)
+    copies = [(d[:1 << 20], s[:1 << 20]), (d[1 << 20:], s[1 << 20:])]
+    threads: list[int] = []
+    original = copy_module.copy_nogil
+
+    def recording(pairs: Any) -> None:
+        threads.append(threading.get_ident())
+        original(pairs)
+
+    copy_module.copy_nogil = recording
+    try:
+        done = copier.start(copies)
+    finally:
+        copy_module.copy_nogil = original
+        copier.close()
+    assert done.done() and bytes(dst) == src
+    assert threading.get_ident() in threads and len(set(threads)) == 2
+
+
+async def test_caller_copies_raise_a_helpers_failure_after_every_part_ended() -> None:
+    copier = ParallelCopier(num_threads=2, inline_max_bytes=64 << 10)
+    copier.caller_copies = True
+    src = os.urandom(2 << 20)
+    dst = bytearray(1 << 20)
+    read_only = bytes(1 << 20)  # the helper's destination: numpy refuses to write it
+    copies = [(memoryview(dst), memoryview(src)[:1 << 20]),
+              (memoryview(read_only), memoryview(src)[1 << 20:])]
+    try:
+        with pytest.raises(ValueError):
+            copier.start(copies)
+    finally:
+        copier.close()
+    assert bytes(dst) == src[:1 << 20]  # the caller's own share was copied in full
+    assert read_only == bytes(1 << 20)
+
+
+async def test_shm_transport_with_caller_copies_stays_byte_exact(segment: LocalSegment,
+                                                                 info: SegmentInfo) -> None:
+    transport = ShmTransport(copier=ParallelCopier(num_threads=2, inline_max_bytes=64 << 10))
+    transport.caller_copies = True
+    try:
+        data = os.urandom(5 << 20)
+        assert await transport.write_batch([(info, _place(info, 4096, len(data)),
+                                             [memoryview(data)])]) == [Status.OK]
+        assert bytes(segment.buffer[4096:4096 + len(data)]) == data
+        out = bytearray(len(data))
+        assert await transport.read_batch([(info, _place(info, 4096, len(data)),
+                                            [memoryview(out)])]) == [Status.OK]
+        assert bytes(out) == data
+    finally:
+        await transport.close()
