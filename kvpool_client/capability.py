@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from typing import Any
 
 from kvpool_client.types import Op
 
@@ -18,12 +19,24 @@ KEY_BYTES = 32
 _FIELDS = struct.Struct("<QQBQ")
 
 
-def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int) -> bytes:
-    """Return the capability allowing ``op`` on ``[offset, offset+length)`` until ``expiry_ms``."""
-    mac = hashlib.blake2b(key=key, digest_size=CAPABILITY_BYTES)
+def keyed(key: bytes) -> Any:
+    """The MAC state keyed with ``key``, for ``sign_keyed`` (keying once per key, not per
+    capability, halves the cost of signing a batch)."""
+    return hashlib.blake2b(key=key, digest_size=CAPABILITY_BYTES)
+
+
+def sign_keyed(state: Any, segment_id: str, offset: int, length: int, op: Op,
+               expiry_ms: int) -> bytes:
+    """``sign`` with a state from ``keyed`` (which it leaves unchanged)."""
+    mac = state.copy()
     mac.update(segment_id.encode())
     mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms))
-    return mac.digest()
+    return bytes(mac.digest())
+
+
+def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int) -> bytes:
+    """Return the capability allowing ``op`` on ``[offset, offset+length)`` until ``expiry_ms``."""
+    return sign_keyed(keyed(key), segment_id, offset, length, op, expiry_ms)
 
 
 def verify(key: bytes, capability: bytes, segment_id: str, offset: int, length: int, op: Op,

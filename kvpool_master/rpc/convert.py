@@ -177,23 +177,25 @@ def decode_put_start(request: Any) -> tuple[ClientId, list[ObjectKey], list[int]
             _put_options(request.options), parent_keys)
 
 
-def encode_placements(placements: Sequence[Placement], expiry_ms: int,
-                      capability_of: Callable[[Placement], bytes]) -> pb.Replicas:
-    """The replicas of one key, each signed by ``capability_of``."""
-    return pb.Replicas(placements=[
-        pb.Placement(segment_id=p.segment_id, offset=p.offset, length=p.length,
-                     capability_expiry_ms=expiry_ms, capability=capability_of(p))
-        for p in placements])
+def _add_replicas(replicas: Any, placements: Sequence[Placement], expiry_ms: int,
+                  capability_of: Callable[[Placement], bytes]) -> None:
+    """Append one key's replicas, each signed by ``capability_of``, to a repeated ``Replicas``
+    field. Messages are built in place with ``add``: constructing sub-messages and passing
+    them in lists copies each one (measured: 117 µs against 25 µs for 32 placements)."""
+    target = replicas.add().placements
+    for p in placements:
+        target.add(segment_id=p.segment_id, offset=p.offset, length=p.length,
+                   capability_expiry_ms=expiry_ms, capability=capability_of(p))
 
 
 def encode_put_start(results: Sequence[tuple[Status, Sequence[Placement]]], expiry_ms: int,
                      capability_of: Callable[[Placement], bytes]) -> pb.PutStartResponse:
     """One status and signed replica list per key."""
-    empty = pb.Replicas()
-    return pb.PutStartResponse(
-        statuses=[status for status, _ in results],
-        replicas=[encode_placements(placements, expiry_ms, capability_of) if placements
-                  else empty for _, placements in results])
+    response = pb.PutStartResponse(statuses=[status for status, _ in results])
+    replicas = response.replicas
+    for _, placements in results:
+        _add_replicas(replicas, placements, expiry_ms, capability_of)
+    return response
 
 
 def decode_put_end(request: Any) -> tuple[ClientId, list[ObjectKey], list[int] | None]:
@@ -210,14 +212,15 @@ def encode_statuses(response_type: type[Message], statuses: Sequence[int]) -> Me
 def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,
                         capability_of: Callable[[Placement], bytes]) -> pb.GetReplicasResponse:
     """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds."""
-    empty = pb.Replicas()
-    return pb.GetReplicasResponse(
+    response = pb.GetReplicasResponse(
         statuses=[r.status for r in results],
         sizes_bytes=[r.size_bytes for r in results],
-        replicas=[encode_placements(r.placements, expiry_ms, capability_of) if r.placements
-                  else empty for r in results],
         checksums=[r.checksum for r in results],
         lease_ttl_ms=round(lease_ttl_s * 1000))
+    replicas = response.replicas
+    for r in results:
+        _add_replicas(replicas, r.placements, expiry_ms, capability_of)
+    return response
 
 
 def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int]) -> pb.ExistResponse:

@@ -32,6 +32,8 @@ log = logging.getLogger("kvpool.master.rpc")
 
 __all__ = ["BadRequest", "InternalError", "RpcObserver", "Servicer"]
 
+_UNSEEN = object()  # a segment whose key was not looked up yet in this request
+
 
 class InternalError(RuntimeError):
     """A handler failed unexpectedly (a bug); the call answers INTERNAL and the master goes on."""
@@ -112,15 +114,18 @@ class Servicer:
     # -- signing ----------------------------------------------------------------------------------
 
     def _signer(self, op: Op, expiry_ms: int) -> Callable[[Placement], bytes]:
-        key_of_segment: dict[str, bytes | None] = {}
+        state_of_segment: dict[str, Any] = {}  # the owner's keyed MAC state; None: no key
         segment_key = self._core.segment_key
-        sign = capability.sign
+        keyed, sign_keyed = capability.keyed, capability.sign_keyed
 
         def capability_of(p: Placement) -> bytes:
-            key = key_of_segment.get(p.segment_id, b"")
-            if key == b"":
-                key = key_of_segment[p.segment_id] = segment_key(p.segment_id)
-            return sign(key, p.segment_id, p.offset, p.length, op, expiry_ms) if key else b""
+            state = state_of_segment.get(p.segment_id, _UNSEEN)
+            if state is _UNSEEN:
+                key = segment_key(p.segment_id)
+                state = state_of_segment[p.segment_id] = keyed(key) if key else None
+            if state is None:
+                return b""
+            return sign_keyed(state, p.segment_id, p.offset, p.length, op, expiry_ms)
         return capability_of
 
     def _check_batch(self, keys: Sequence[object]) -> None:
