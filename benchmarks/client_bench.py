@@ -510,7 +510,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="few ops, 1 rep: a smoke test")
     ap.add_argument("--segment-gib", type=float, default=4.0, help="segment per client")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default="limits,a,c,d", help="comma list of phases")
+    ap.add_argument("--only", default="limits,a,c,d",
+                    help="comma list of phases (d-shm / d-tcp: one transport of d)")
+    ap.add_argument("--sizes", default="",
+                    help="comma list of object sizes to run, e.g. 1MiB,16MiB (default: all)")
     ap.add_argument("--mooncake", default="auto",
                     help="after ours, run the peer Mooncake benchmark (phases a and d) for a "
                          "same-run comparison: 'auto' (when /tmp/peer-venv exists), 'off', or "
@@ -535,6 +538,12 @@ def main() -> int:
     else:
         sizes = {4 * KiB: (2048, 16384), 64 * KiB: (2048, 8192), MiB: (512, 1024),
                  16 * MiB: (64, 128)}
+    if args.sizes:
+        wanted = {fmt_size(size).replace(" ", ""): size for size in sizes}
+        unknown = [name for name in args.sizes.split(",") if name not in wanted]
+        if unknown:
+            ap.error(f"--sizes: unknown {unknown}; choose from {sorted(wanted)}")
+        sizes = {wanted[name]: sizes[wanted[name]] for name in args.sizes.split(",")}
 
     def n_for(size: int, api: str) -> int:
         n = sizes[size][1] if api.startswith("batch") else sizes[size][0]
@@ -692,8 +701,9 @@ def main() -> int:
                                                      measure_limits(procs, args.reps, args.quick)))
         if phases & {"a", "c"}:
             phase("single(a,c)", run_single)
-        if "d" in phases:
+        if phases & {"d", "d-shm"}:
             phase("two_clients shm", lambda: run_two("auto"))
+        if phases & {"d", "d-tcp"}:
             phase("two_clients tcp", lambda: run_two("tcp"))
         if "limits" in phases:
             phase("limits_end", lambda: res.__setitem__(
