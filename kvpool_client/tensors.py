@@ -377,12 +377,28 @@ def layer_kv(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in past_key_values.layers]
 
 
+def forward_cached(model: Any, input_ids: Any, past: Any = None) -> tuple[Any, Any]:
+    """Run ``model`` on ``input_ids`` after the KV in ``past`` (a transformers cache, or None);
+    return (logits, the cache now holding the KV of ``input_ids`` too).
+
+    transformers 5.24 renamed the argument and the output field ``past_key_values`` to
+    ``cache`` (the old names warn); both spellings are served.
+    """
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+    out = model(input_ids, use_cache=True, **{name: past})
+    cache = getattr(out, "cache", None)
+    return out.logits, cache if cache is not None else out.past_key_values
+
+
 def prefill(model: Any, tokens: Sequence[int], prefix: Any, cache: PagedKVCache,
             *, async_write: bool = False) -> tuple[torch.Tensor, int]:
     """Prefill ``tokens`` reusing every cached whole block; return (logits, reused tokens).
 
     ``prefix`` is a ``TieredPrefixCache`` over ``cache``'s blocks: blocks found on the device
-    or in the pool are loaded and fed to the model as ``past_key_values``; only the rest is
+    or in the pool are loaded and fed to the model as its KV cache; only the rest is
     computed, written into fresh blocks and saved. At least the last token is always computed
     (its logits are the answer).
     """
@@ -396,13 +412,13 @@ def prefill(model: Any, tokens: Sequence[int], prefix: Any, cache: PagedKVCache,
         past = dynamic_cache(cache, match.block_ids[:usable], model.config) if usable else None
         input_ids = torch.as_tensor([list(tokens[start:])], dtype=torch.long, device=cache.device)
         with torch.no_grad():
-            out = model(input_ids, past_key_values=past, use_cache=True)
+            logits, past = forward_cached(model, input_ids, past)
         new_ids = prefix.allocate(match)
         if new_ids:
             first = match.num_reused * block_size
-            kv = [(k[:, :, first:], v[:, :, first:]) for k, v in layer_kv(out.past_key_values)]
+            kv = [(k[:, :, first:], v[:, :, first:]) for k, v in layer_kv(past)]
             cache.write_sequence(new_ids, kv)
         prefix.save(match, async_write=async_write)
     finally:
         prefix.release(match)
-    return out.logits, start
+    return logits, start

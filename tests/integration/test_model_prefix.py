@@ -78,7 +78,7 @@ def writer_main(master_address: str) -> None:
 
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.tensors import prefill
+    from kvpool_client.tensors import forward_cached, prefill
 
     torch.set_num_threads(1)
     model = build_model()
@@ -91,12 +91,10 @@ def writer_main(master_address: str) -> None:
         logits, reused = prefill(model, tokens, prefix, cache)
         answer = [int(logits[0, -1].argmax())]
         with torch.no_grad():  # greedy decode of the answer (its KV is not saved: not prefill)
-            full = model(torch.tensor([tokens]), use_cache=True)
-            past = full.past_key_values
+            _, past = forward_cached(model, torch.tensor([tokens]))
             for _ in range(ANSWER_TOKENS - 1):
-                out = model(torch.tensor([[answer[-1]]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                answer.append(int(out.logits[0, -1].argmax()))
+                step_logits, past = forward_cached(model, torch.tensor([[answer[-1]]]), past)
+                answer.append(int(step_logits[0, -1].argmax()))
         print(json.dumps({"answer": answer, "reused": reused,
                           "saved_blocks": prefix.stats.saved_blocks,
                           "checksum": weights_checksum(model)}), flush=True)
@@ -108,7 +106,7 @@ def test_fresh_worker_loads_prefix_from_pool_and_matches_full_prefill(start_mast
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.tensors import dynamic_cache, prefill
+    from kvpool_client.tensors import dynamic_cache, forward_cached, prefill
 
     torch.set_num_threads(1)
     master = start_master()
@@ -142,9 +140,8 @@ def test_fresh_worker_loads_prefix_from_pool_and_matches_full_prefill(start_mast
             for block_id in reused_ids:
                 cache.k_caches[0][block_id].mul_(-1.0)
             with torch.no_grad():
-                spoiled = model(torch.tensor([request2[reused:]]),
-                                past_key_values=dynamic_cache(cache, reused_ids, model.config),
-                                use_cache=True).logits
+                spoiled, _ = forward_cached(model, torch.tensor([request2[reused:]]),
+                                            dynamic_cache(cache, reused_ids, model.config))
             prefix.release(again)
         assert reused == whole_blocks * BLOCK_SIZE
         assert (stats.device_hit_blocks, stats.pool_hit_blocks, stats.loaded_blocks) == (
