@@ -117,11 +117,13 @@ class ParallelCopier:
         done (also when one failed: then raise its error, no copy being left running)."""
         mine, *theirs = split_by_bytes(large, self.num_threads)
         executor = self._workers()
-        helpers = [executor.submit(copy_nogil, part) for part in theirs]
+        helpers: list[concurrent.futures.Future[None]] = []
         try:
+            for part in theirs:
+                helpers.append(executor.submit(copy_nogil, part))
             copy_nogil(mine)
         finally:
-            concurrent.futures.wait(helpers)
+            concurrent.futures.wait(helpers)  # also when a submit failed: none is left running
         for helper in helpers:
             helper.result()
 

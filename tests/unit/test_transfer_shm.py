@@ -313,3 +313,41 @@ async def test_shm_transport_with_caller_copies_stays_byte_exact(segment: LocalS
         assert bytes(out) == data
     finally:
         await transport.close()
+
+
+async def test_caller_copies_wait_for_started_helpers_when_a_later_one_cannot_start() -> None:
+    """A helper that could not be started fails the copy, but only once the helpers already
+    running have finished: nobody copies into a mapping after the caller let it go."""
+    import concurrent.futures
+    import threading
+
+    from kvpool_client.transfer import copy as copy_module
+
+    finished = threading.Event()
+    real = concurrent.futures.ThreadPoolExecutor(1)
+
+    def slow_copy(pairs: Any) -> None:
+        threading.Event().wait(0.2)
+        copy_module.copy_nogil(pairs)
+        finished.set()
+
+    class OneHelperOnly:
+        submitted = 0
+
+        def submit(self, fn: Any, part: Any) -> Any:
+            self.submitted += 1
+            if self.submitted > 1:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return real.submit(slow_copy, part)
+
+    copier = ParallelCopier(num_threads=3, inline_max_bytes=64 << 10)
+    copier.caller_copies = True
+    copier._executor = OneHelperOnly()  # type: ignore[assignment]
+    src = os.urandom(3 << 20)
+    dst = bytearray(len(src))
+    try:
+        with pytest.raises(RuntimeError):
+            copier.start([(memoryview(dst), memoryview(src))])
+        assert finished.is_set()
+    finally:
+        real.shutdown()
