@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Any
 
 from kvpool_client.types import Op
 
@@ -19,19 +18,19 @@ KEY_BYTES = 32
 _FIELDS = struct.Struct("<QQBQ")
 
 
-def keyed(key: bytes) -> Any:
+def keyed(key: bytes) -> hashlib.blake2b:
     """The MAC state keyed with ``key``, for ``sign_keyed`` (keying once per key, not per
     capability, halves the cost of signing a batch)."""
     return hashlib.blake2b(key=key, digest_size=CAPABILITY_BYTES)
 
 
-def sign_keyed(state: Any, segment_id: str, offset: int, length: int, op: Op,
+def sign_keyed(state: hashlib.blake2b, segment_id: str, offset: int, length: int, op: Op,
                expiry_ms: int) -> bytes:
     """``sign`` with a state from ``keyed`` (which it leaves unchanged)."""
     mac = state.copy()
     mac.update(segment_id.encode())
     mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms))
-    return bytes(mac.digest())
+    return mac.digest()
 
 
 def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int) -> bytes:

@@ -12,6 +12,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -31,8 +32,6 @@ from kvpool_master.rpc.convert import BadRequest
 log = logging.getLogger("kvpool.master.rpc")
 
 __all__ = ["BadRequest", "InternalError", "RpcObserver", "Servicer"]
-
-_UNSEEN = object()  # a segment whose key was not looked up yet in this request
 
 
 class InternalError(RuntimeError):
@@ -114,13 +113,15 @@ class Servicer:
     # -- signing ----------------------------------------------------------------------------------
 
     def _signer(self, op: Op, expiry_ms: int) -> Callable[[Placement], bytes]:
-        state_of_segment: dict[str, Any] = {}  # the owner's keyed MAC state; None: no key
+        # the owner's keyed MAC state; None: the owner has no key
+        state_of_segment: dict[str, hashlib.blake2b | None] = {}
         segment_key = self._core.segment_key
         keyed, sign_keyed = capability.keyed, capability.sign_keyed
 
         def capability_of(p: Placement) -> bytes:
-            state = state_of_segment.get(p.segment_id, _UNSEEN)
-            if state is _UNSEEN:
+            if p.segment_id in state_of_segment:
+                state = state_of_segment[p.segment_id]
+            else:
                 key = segment_key(p.segment_id)
                 state = state_of_segment[p.segment_id] = keyed(key) if key else None
             if state is None:

@@ -352,7 +352,6 @@ async def test_async_client_cuts_large_batches_into_concurrent_sub_batches(
     copied by worker threads while the loop stays free."""
     threads, batches = copy_record
     async with AsyncKVPoolClient(make_config(master)) as c:
-        put_results: list[Any] = []
         size = 3 << 20
         src = pattern(7, 8 * size)
         keys = [f"abig-{i}" for i in range(8)]
