@@ -47,6 +47,7 @@ bench: install
 	$(BIN)/python benchmarks/master_core.py
 	$(BIN)/python benchmarks/master_rpc.py
 	$(BIN)/python benchmarks/rpc_floor.py
+	$(BIN)/python benchmarks/copy_policy.py
 	$(BIN)/python benchmarks/client_bench.py
 
 clean:

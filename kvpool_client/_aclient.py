@@ -684,9 +684,9 @@ class AsyncKVPoolClient:
 
 def copy_threads() -> int:
     """Threads that copy one large shared-memory batch (the caller counted, when it takes
-    part): two, on machines with two cores or more. Measured on 2 cores with a master and a
-    peer process beside the client, 32 × 16 MiB batches ran at 70–84 % of single-thread
-    memcpy on one thread and at 107–118 % on two."""
+    part): two, on machines with two cores or more. On 2 cores with a master and a peer
+    process beside the client, 32 × 16 MiB batches ran at 71 % / 83 % of single-thread memcpy
+    (get / put) on one thread and at 109 % / 116 % on two (``benchmarks/copy_policy.py``)."""
     return max(1, min(2, os.cpu_count() or 1))
 
 

@@ -14,11 +14,10 @@ Who copies those parts depends on whether the calling thread may block:
   no loop runs on this thread), the calling thread copies one part itself while the workers
   copy the rest, and waits for them without leaving the stretch. Nobody waits on a loop
   wake-up, and the call stays synchronous to its end (its later master calls still poll
-  instead of sleeping). Measured on 2 cores (one helper beside the caller, two client
-  processes and a master, the previous policy alternating with this one in the same run):
-  32 × 1 MiB batches rose from 62 % / 63 % of single-thread memcpy (get / put: one thread
-  copying inline, the batch cut in two) to 78 % / 71 %, and 32 × 16 MiB batches from 72 % /
-  81 % to 103 % / 118 %.
+  instead of sleeping). ``benchmarks/copy_policy.py`` compares this with the previous policy
+  (one thread copying inline, the batch cut in two) on 2 cores, two client processes and a
+  master: 32 × 1 MiB batches rose from 70–74 % / 69–71 % of single-thread memcpy (get / put)
+  to 83–92 % / 75–85 %, 32 × 16 MiB batches from 71 % / 83 % to 109 % / 116 %.
 """
 
 from __future__ import annotations
