@@ -301,9 +301,11 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
 
 
 def test_heartbeats_are_not_starved_by_a_busy_data_path(start_master: Any) -> None:
-    # A short lease: the space of removed (leased) objects is free again 0.1 s later.
+    # A short lease: the space of removed (leased) objects is free again 0.1 s later. Until
+    # then it stays reserved, so the segment holds every round that fits in one lease: a round
+    # copies 256 MiB, at least 10 ms even at 25 GB/s, so at most 10 rounds (1.25 GiB) wait.
     master = start_master(client_ttl=2, default_kv_lease_ttl=100)
-    with KVPoolClient(config(master.address, global_segment_size="1gb")) as c:
+    with KVPoolClient(config(master.address, global_segment_size="2gb")) as c:
         import numpy as np
 
         size = 8 << 20
