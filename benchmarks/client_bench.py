@@ -207,24 +207,37 @@ class ClientWorker:
                 "digest": _digest(got) if got is not None else None,
                 "slot": slot}
 
-    def cmd_fill(self, total_bytes: int, preferred: str, size: int = 16 * MiB) -> list[str]:
+    def _warm_size(self) -> int:
+        """Object size of the warm-up: 16 MiB, or less when this worker's buffers hold fewer
+        than BATCH objects of that size (``--sizes`` without 16MiB)."""
+        return min(16 * MiB, len(self.src) // BATCH // MiB * MiB)
+
+    def cmd_fill(self, total_bytes: int, preferred: str) -> list[str]:
         """Put objects into segment ``preferred`` (faulting in this process's mapping of it);
-        returns their keys."""
+        returns their keys. Raises if any put fails: a partial warm-up would leave pages to
+        fault during the timed repetitions."""
+        size = self._warm_size()
         keys = [f"__warm-{os.getpid()}-{preferred}-{i}" for i in range(total_bytes // size)]
         for b in range(0, len(keys), BATCH):
             chunk = keys[b:b + BATCH]
-            self.client.batch_put_from(chunk, self.src, [j * size for j in range(len(chunk))],
-                                       [size] * len(chunk), options=self._options(preferred))
+            statuses = self.client.batch_put_from(
+                chunk, self.src, [j * size for j in range(len(chunk))], [size] * len(chunk),
+                options=self._options(preferred))
+            if any(statuses):
+                raise RuntimeError(f"warm-up put failed: {sorted({int(s) for s in statuses})}")
         return keys
 
-    def cmd_read_all(self, keys: list[str], size: int = 16 * MiB) -> int:
-        """Read objects (faulting in this process's mapping of their segment); returns bytes."""
-        done = 0
+    def cmd_read_all(self, keys: list[str]) -> int:
+        """Read the objects ``cmd_fill`` wrote (faulting in this process's mapping of their
+        segment); returns bytes. Raises if any read fails."""
+        size, done = self._warm_size(), 0
         for b in range(0, len(keys), BATCH):
             chunk = keys[b:b + BATCH]
-            done += sum(r for r in self.client.batch_get_into(
-                chunk, self.dst, [j * size for j in range(len(chunk))], [size] * len(chunk))
-                if r > 0)
+            got = self.client.batch_get_into(chunk, self.dst, [j * size for j in range(len(chunk))],
+                                             [size] * len(chunk))
+            if any(r != size for r in got):
+                raise RuntimeError(f"warm-up read failed: {sorted({r for r in got if r != size})}")
+            done += sum(got)
         return done
 
     def cmd_digest(self, size: int, slot: int) -> str:

@@ -110,13 +110,17 @@ def main() -> int:
         dst = np.ones(BATCH * size, np.uint8)
         client.register_buffer(src)
         client.register_buffer(dst)
-        # Map A's segment in this process and fault in its pages, as client_bench does.
-        warm = a.call("fill", total_bytes=int(0.9 * segment_bytes) // (16 * MiB) * 16 * MiB,
+        # Map A's segment in this process and fault in its pages, as client_bench does (A
+        # writes objects of the size its buffers hold BATCH of, at most 16 MiB).
+        warm_size = min(16 * MiB, size)
+        warm = a.call("fill", total_bytes=int(0.9 * segment_bytes) // warm_size * warm_size,
                       preferred=a_segment)
         for start in range(0, len(warm), BATCH):
             chunk = warm[start:start + BATCH]
-            client.batch_get_into(chunk, dst, [j * 16 * MiB for j in range(len(chunk))],
-                                  [16 * MiB] * len(chunk))
+            got = client.batch_get_into(chunk, dst, [j * warm_size for j in range(len(chunk))],
+                                        [warm_size] * len(chunk))
+            if any(n != warm_size for n in got):
+                raise RuntimeError(f"warm-up read failed: {got}")
         a.call("remove_all")
         time.sleep(cb.LEASE_TTL_MS / 1000 + 0.5)  # the warm-up's read leases lapse
         read_keys = [f"r-{i}" for i in range(args.calls * BATCH)]
