@@ -15,10 +15,10 @@ Starts its own ``kvpool-master`` on 127.0.0.1 (free ports) and one or two client
           shared memory (transport auto) and over forced TCP (transport tcp), with latency
 
 Each figure is the median of --reps repetitions (default 3) of a fixed number of operations;
-ratios use the larger of the start and end medians of each limit, except that the shared-memory
-batches of phase d also pair each repetition with a memcpy measured right before it (the
-machine is shared: its memory bandwidth drifts during a run), and their targets use the median
-of those paired ratios. The JSON goes to --out
+ratios use the larger of the start and end medians of each limit, except that the zero-copy
+batches of phase d also pair each repetition with its transport's limit (memcpy for shm,
+loopback TCP for tcp) measured right before it (the machine is shared: its bandwidth drifts
+during a run), and their targets use the median of those paired ratios. The JSON goes to --out
 (default /tmp/kvpool-client-bench-<UTC date>.json) and a table, ending with the targets, is
 printed. Every process started here is stopped by pid at the end (also on error, Ctrl-C or
 SIGTERM), and children die with the orchestrator (PR_SET_PDEATHSIG). Everything is on 127.0.0.1.
@@ -445,38 +445,23 @@ def deferred_bytes(m: Master) -> int:
     return int(document["objects"].get("deferred_free_bytes", 0))
 
 
-def measure_limits(procs: Procs, reps: int, quick: bool) -> dict[str, Any]:
-    import numpy as np
-
-    out: dict[str, Any] = {}
-    n = 256 * MiB
-    src = np.ones(n, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    vals = []
-    for _ in range(reps):
-        iters = 2 if quick else 5
-        t0 = time.perf_counter()
-        for _i in range(iters):
-            np.copyto(dst, src)
-        vals.append(iters * n / (time.perf_counter() - t0) / 1e9)
-    out["memcpy_GBps"] = {"reps": vals, "median": median(vals)}
-    del src, dst
-    total = (512 * MiB) if quick else (2 * GiB)
+def tcp_loopback(procs: Procs, total_bytes: int, reps: int, pingpong: int
+                 ) -> tuple[list[float], list[int]]:
+    """Loopback TCP between this process and a sender process, 1 MiB send / recv_into chunks:
+    (GB/s per repetition of ``total_bytes``, ns per 64 B ping-pong)."""
     chunk = MiB
-    pingpong = 500 if quick else 2000
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     ls.bind((HOST, 0))
     ls.listen(4)
     ls.settimeout(60)
     port = ls.getsockname()[1]
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_tcp_sender", str(port),
-                          str(total), str(chunk), str(reps), str(pingpong)],
+                          str(total_bytes), str(chunk), str(reps), str(pingpong)],
                          stdin=subprocess.DEVNULL, start_new_session=True)
     procs.add("tcp_sender", p)
     mv = memoryview(bytearray(chunk))
-    vals = []
-    rtts = []
+    vals: list[float] = []
+    rtts: list[int] = []
     try:
         for _ in range(reps):
             c, _a = ls.accept()
@@ -505,6 +490,28 @@ def measure_limits(procs: Procs, reps: int, quick: bool) -> dict[str, Any]:
     finally:
         ls.close()
         procs.stop(p)
+    return vals, rtts
+
+
+def measure_limits(procs: Procs, reps: int, quick: bool) -> dict[str, Any]:
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    n = 256 * MiB
+    src = np.ones(n, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    vals = []
+    for _ in range(reps):
+        iters = 2 if quick else 5
+        t0 = time.perf_counter()
+        for _i in range(iters):
+            np.copyto(dst, src)
+        vals.append(iters * n / (time.perf_counter() - t0) / 1e9)
+    out["memcpy_GBps"] = {"reps": vals, "median": median(vals)}
+    del src, dst
+    vals, rtts = tcp_loopback(procs, (512 * MiB) if quick else (2 * GiB), reps,
+                              500 if quick else 2000)
     out["tcp_loopback_GBps"] = {"reps": vals, "median": median(vals)}
     r = np.asarray(rtts[10:], dtype=np.float64) / 1e3
     out["tcp_rtt_us"] = {"p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99))}
@@ -519,29 +526,35 @@ def tp_entry(size: int, n: int, secs: list[float], fails: list[int],
     return e
 
 
-def paired_entry(size: int, n: int, secs: list[float], memcpy_gbps: list[float]
+def paired_entry(size: int, n: int, secs: list[float], baseline_gbps: list[float]
                  ) -> dict[str, Any]:
-    """Ratios to the memcpy baseline measured right before each repetition, and their median
-    (empty when no baseline was paired)."""
-    if not memcpy_gbps:
+    """Ratios to the baseline (memcpy or loopback TCP) measured right before each repetition,
+    and their median (empty when no baseline was paired)."""
+    if not baseline_gbps:
         return {}
-    ratios = [n * size / s / 1e9 / m for s, m in zip(secs, memcpy_gbps, strict=True)]
-    return {"memcpy_GBps_reps": memcpy_gbps, "memcpy_ratio_reps": ratios,
-            "memcpy_ratio_paired": median(ratios)}
+    ratios = [n * size / s / 1e9 / b for s, b in zip(secs, baseline_gbps, strict=True)]
+    return {"baseline_GBps_reps": baseline_gbps, "baseline_ratio_reps": ratios,
+            "baseline_ratio_paired": median(ratios)}
 
 
-class MemcpyBaseline:
-    """Single-thread memcpy (numpy, 256 MiB, median of 3), measured on demand: right before a
-    repetition it is compared with, so that a machine whose memory bandwidth drifts during the
-    run (shared, noisy) is compared with itself."""
+class PairedBaselines:
+    """The limits measured on demand, right before a repetition they are compared with, so
+    that a machine whose bandwidth drifts during the run (shared, noisy) is compared with
+    itself: single-thread memcpy (numpy, 256 MiB, median of 3) and loopback TCP (as in the
+    limits phase: ``tcp_bytes`` through a fresh connection)."""
 
-    def __init__(self) -> None:
+    def __init__(self, procs: Procs, tcp_bytes: int) -> None:
         import numpy as np
 
+        self._procs = procs
+        self._tcp_bytes = tcp_bytes
         self._src = np.ones(256 * MiB, dtype=np.uint8)
         self._dst = np.zeros_like(self._src)
 
-    def gbps(self) -> float:
+    def gbps(self, transport: str) -> float:
+        """The limit of ``transport`` ("auto": memcpy, "tcp": loopback TCP), in GB/s."""
+        if transport == "tcp":
+            return tcp_loopback(self._procs, self._tcp_bytes, 1, 0)[0][0]
         import numpy as np
 
         times = []
@@ -699,20 +712,20 @@ def main() -> int:
         A.call("fill", total_bytes=warm, preferred=b_seg)
         A.call("remove_all")
         settle(m)  # the warm-up's leases lapse, its space is free
-        baseline = MemcpyBaseline()
+        baselines = PairedBaselines(procs, (512 * MiB) if args.quick else (2 * GiB))
         rows = []
         for size in sizes:
             for api in ("single", "batch_zc"):
                 n = n_for(size, api)
                 acc: dict[str, list[Any]] = {k: [] for k in ("g", "gf", "gm", "p", "pf", "pm",
                                                               "ok")}
-                # shm batches: a memcpy baseline right before each repetition (paired ratios)
-                paired = transport == "auto" and api == "batch_zc"
+                # batches: their limit measured right before each repetition (paired ratios)
+                paired = api == "batch_zc"
                 for rep in range(args.reps):
                     keys = [f"dg-{size}-{api}-{rep}-{i}" for i in range(n)]
                     A.call("put", api=api, size=size, keys=keys, preferred=a_seg)
                     if paired:
-                        acc["gm"].append(baseline.gbps())
+                        acc["gm"].append(baselines.gbps(transport))
                     g = B.call("get", api=api, size=size, keys=keys)
                     acc["ok"].append(g["digest"] == A.call("digest", size=size, slot=g["slot"]))
                     acc["g"].append(g["secs"])
@@ -721,7 +734,7 @@ def main() -> int:
                     settle(m)
                     keys = [f"dp-{size}-{api}-{rep}-{i}" for i in range(n)]
                     if paired:
-                        acc["pm"].append(baseline.gbps())
+                        acc["pm"].append(baselines.gbps(transport))
                     p = A.call("put", api=api, size=size, keys=keys, preferred=b_seg)
                     acc["p"].append(p["secs"])
                     acc["pf"].append(p["failed"])
@@ -832,17 +845,20 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     for r in (res.get("two_clients") or {}).get("throughput", []):
         if r["api"] != "batch_zc":
             continue
-        if r["transport"] == "auto" and r["size"] in (MiB, 16 * MiB) and (
-                memcpy or "memcpy_ratio_paired" in r):
-            # paired: each repetition against the memcpy measured right before it; otherwise
-            # (no baseline was paired) against the larger of the start and end baselines
-            value = r.get("memcpy_ratio_paired") or r["GBps"] / memcpy
-            out.append({"target": f"shm 2 procs batch_zc {fmt_size(r['size'])} {r['op']} "
-                                  ">= 70% memcpy (paired)", "value": value,
+        # paired: each repetition against its limit measured right before it; otherwise (none
+        # was paired) against the larger of the start and end limits
+        if r["transport"] == "auto" and r["size"] in (MiB, 16 * MiB):
+            name, limit = "memcpy", memcpy
+        elif r["transport"] == "tcp" and r["size"] == 16 * MiB:
+            name, limit = "loopback TCP", tcp
+        else:
+            continue
+        value = r.get("baseline_ratio_paired") or (r["GBps"] / limit if limit else None)
+        if value is not None:
+            where = "shm" if r["transport"] == "auto" else "tcp"
+            out.append({"target": f"{where} 2 procs batch_zc {fmt_size(r['size'])} {r['op']} "
+                                  f">= 70% {name} (paired)", "value": value,
                         "met": value >= RATIO_TARGETS})
-        if r["transport"] == "tcp" and r["size"] == 16 * MiB and tcp:
-            out.append({"target": f"tcp 2 procs batch_zc 16 MiB {r['op']} >= 70% loopback TCP",
-                        "value": r["GBps"] / tcp, "met": r["GBps"] / tcp >= RATIO_TARGETS})
     for r in (res.get("single_client") or {}).get("throughput", []):
         floor = OPS_TARGETS.get((r["op"], r["size"]))
         if floor and r["api"] == "single":
@@ -904,13 +920,14 @@ def print_table(res: dict[str, Any]) -> None:
     if two.get("throughput"):
         print("\n## d. Two client processes, every transfer crosses processes "
               "(placement forced)")
-        print("  (%mcpy: against the run's memcpy limit above; paired: the median of each "
-              "repetition against a memcpy measured right before it)")
+        print("  (%tcp, %mcpy: against the run's limits above; paired: the median of each "
+              "repetition against its\n   transport's limit, memcpy or loopback TCP, measured "
+              "right before it)")
         print(f"  {'transport':<9} {'op':<18} {'size':>7} {'api':<9} | {'ops/s':>9} "
               f"{'GB/s':>7} {'%tcp':>6} {'%mcpy':>6} {'paired':>6} | fails")
         for r in two["throughput"]:
             name = "shm" if r["transport"] == "auto" else r["transport"]
-            paired = r.get("memcpy_ratio_paired")
+            paired = r.get("baseline_ratio_paired")
             print(f"  {name:<9} {r['op']:<18} {fmt_size(r['size']):>7} {r['api']:<9} | "
                   f"{r['ops_s']:9.0f} {r['GBps']:7.3f} {pct(r['GBps'], tcp)} "
                   f"{pct(r['GBps'], memcpy)} {pct(paired, 1.0)} | "
