@@ -181,7 +181,7 @@ def _add_replicas(replicas: Any, placements: Sequence[Placement], expiry_ms: int
                   capability_of: Callable[[Placement], bytes]) -> None:
     """Append one key's replicas, each signed by ``capability_of``, to a repeated ``Replicas``
     field. Messages are built in place with ``add``: constructing sub-messages and passing
-    them in lists copies each one (measured: 117 µs against 25 µs for 32 placements)."""
+    them in lists copies each one, several times the cost on a batch's answer."""
     target = replicas.add().placements
     for p in placements:
         target.add(segment_id=p.segment_id, offset=p.offset, length=p.length,
