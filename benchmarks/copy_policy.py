@@ -38,17 +38,6 @@ BATCH = 32
 POLICIES = ("previous", "caller")
 
 
-def memcpy_gbps(src: Any, dst: Any) -> float:
-    import numpy as np
-
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - started)
-    return src.nbytes / statistics.median(times) / 1e9
-
-
 def use_policy(client: Any, policy: str) -> None:
     """Switch ``client`` (a KVPoolClient) between the two copy policies."""
     from kvpool_client import _datapath
@@ -110,9 +99,8 @@ def main() -> int:
         dst = np.ones(BATCH * size, np.uint8)
         client.register_buffer(src)
         client.register_buffer(dst)
-        # Map A's segment in this process and fault in its pages, as client_bench does (A
-        # writes objects of the size its buffers hold BATCH of, at most 16 MiB).
-        warm_size = min(16 * MiB, size)
+        # Map A's segment in this process and fault in its pages, as client_bench does.
+        warm_size = cb.warm_object_bytes(BATCH * size)  # what A's fill writes
         warm = a.call("fill", total_bytes=int(0.9 * segment_bytes) // warm_size * warm_size,
                       preferred=a_segment)
         for start in range(0, len(warm), BATCH):
@@ -138,7 +126,7 @@ def main() -> int:
         for round_index in range(args.rounds):
             for policy in POLICIES:
                 use_policy(client, policy)
-                limit = memcpy_gbps(big_src, big_dst)
+                limit = cb.memcpy_gbps(big_src, big_dst)
                 timers.clear()
                 started = time.perf_counter()
                 for c in range(args.calls):
