@@ -55,13 +55,26 @@ def buffer_address(view: memoryview) -> int:
 
 
 class _CudaPointerAttributes(ctypes.Structure):
-    # CUDA >= 11 layout of cudaPointerAttributes.
+    # cudaPointerAttributes as of CUDA 13, which appended ``long reserved[8]`` (it must be
+    # zero; ctypes zero-fills). CUDA 11 and 12 write only the first four fields, so the larger
+    # struct serves them too; the CUDA 11/12 size alone lets CUDA 13 write 64 bytes past it.
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_long * 8)]
 
 
 _CUDA_DEVICE, _CUDA_MANAGED = 2, 3
 _CUDA_H2D, _CUDA_D2H = 1, 2
+
+
+def _mapped_libraries(prefix: str) -> list[str]:
+    """Paths of the shared libraries named ``prefix*`` that this process has mapped."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            paths = {line.split()[-1] for line in f if prefix in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/") and Path(p).name.startswith(prefix))
 
 
 class CudaRuntime:
@@ -83,7 +96,10 @@ class CudaRuntime:
         torch = sys.modules.get("torch")
         if torch is not None and not torch.cuda.is_available():
             return None
-        names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"]
+        # the runtime this process already runs (torch's) comes first: a second copy of
+        # libcudart would keep its own state
+        names = [*_mapped_libraries("libcudart.so"), "libcudart.so.13", "libcudart.so.12",
+                 "libcudart.so.11.0", "libcudart.so"]
         # pip CUDA builds of torch ship the runtime in the nvidia-cuda-runtime package
         try:
             spec = importlib.util.find_spec("nvidia.cuda_runtime")

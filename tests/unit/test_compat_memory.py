@@ -187,3 +187,14 @@ def test_unregistered_ranges_are_classified_only_when_asked() -> None:
     assert len(registry) == 0  # classifying does not register
     with pytest.raises(KVPoolError):
         registry.sources([(0x10, 5)], registered_only=False)
+
+
+def test_cuda_pointer_query_struct_holds_cuda13_layout_and_the_loaded_runtime_is_found() -> None:
+    from kvpool_client.compat.devices import _CudaPointerAttributes, _mapped_libraries
+
+    # CUDA 13 writes 4 + 4 + 8 + 8 + 8 * 8 bytes; a smaller struct is overrun on every query
+    assert ctypes.sizeof(_CudaPointerAttributes) >= 88
+    assert _CudaPointerAttributes().reserved[7] == 0  # "must be zero"
+    libc = _mapped_libraries("libc.so")
+    assert libc and all(path.startswith("/") and "/libc.so" in path for path in libc)
+    assert _mapped_libraries("libnot-a-library-kvpool") == []
