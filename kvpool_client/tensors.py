@@ -9,8 +9,9 @@ Rules of this file:
   block, as regions in the order ``[L0.K, L0.V, L1.K, L1.V, ...]`` (MindIE's order).
 - No extra copies. A CPU cache is read and written in place: each region is a ``memoryview``
   onto the tensor's own storage. A device cache (``cuda``, ``npu``) goes through two pinned,
-  registered host staging buffers: the device copy of one chunk of blocks runs on a side
-  stream while the previous chunk moves between the staging buffer and the pool.
+  registered host staging buffers: one chunk of blocks is gathered on the device (a few
+  kernels, not one copy per region) and crosses in one host copy on a side stream while the
+  previous chunk moves between its staging buffer and the pool.
 """
 
 from __future__ import annotations
@@ -218,8 +219,14 @@ def make_block_io(cache: PagedKVCache, pool: RegisteringPool, *,
 class StagedBlockIO:
     """Blocks move device <-> pinned host staging <-> pool, one chunk overlapping the next.
 
-    It also runs on a CPU cache (staging is then plain host memory and copies synchronous),
-    which is how its chunking is tested where no accelerator exists.
+    A chunk of blocks is gathered on the device in a few kernels (one indexed gather per K or
+    V tensor, one stack into object order) into a device staging buffer, which then crosses
+    to pinned host memory in one copy; loading runs the same steps backwards. All device work
+    is on one side stream, so one device staging buffer serves every chunk, while two host
+    staging buffers let the pool move one chunk while the device copies the next.
+
+    It also runs on a CPU cache (the host staging buffer is then gathered into directly and
+    copies are synchronous), which is how its chunking is tested where no accelerator exists.
     """
 
     def __init__(self, cache: PagedKVCache, pool: RegisteringPool, *, chunk_blocks: int = 16
@@ -237,6 +244,12 @@ class StagedBlockIO:
         self.staging_views = [_host_view(t) for t in self.staging]
         for view in self.staging_views:
             pool.register_buffer(view)
+        self.device_staging = None if self.module is None else torch.empty(
+            size, dtype=torch.uint8, device=cache.device)
+        # every K and V tensor as [num_blocks, region bytes], in object order
+        self.region_tables = [t.view(cache.num_blocks, -1).view(torch.uint8)
+                              for pair in zip(cache.k_caches, cache.v_caches, strict=True)
+                              for t in pair]
         # async writes keep their own staging alive until the pool has written them (flush)
         self._async_buffers: list[Any] = []
 
@@ -247,31 +260,66 @@ class StagedBlockIO:
         size = self.cache.object_bytes
         return [[view[i * size:(i + 1) * size]] for i in range(count)]
 
-    def _copy(self, pairs: list[tuple[Any, Any]]) -> Any:
-        """Copy (dst, src) tensor pairs on the side stream; return an event (None on CPU)."""
+    def _objects(self, flat: Any, count: int) -> Any:
+        """``flat``'s first ``count`` objects as ``[count, regions, region bytes]``."""
+        return flat[:count * self.cache.object_bytes].view(count, len(self.region_tables), -1)
+
+    def _index(self, block_ids: Sequence[int]) -> Any:
+        torch = import_torch()
+        return torch.as_tensor(list(block_ids), dtype=torch.long).to(self.cache.device,
+                                                                     non_blocking=True)
+
+    def _on_side_stream(self, work: Any) -> Any:
+        """Run ``work()`` on the side stream after the caller's queued work; return an event
+        that completes with it (None on CPU, where it ran synchronously)."""
         module, stream = self.module, self.stream
         if module is None or stream is None:
-            for dst, src in pairs:
-                dst.copy_(src)
+            work()
             return None
         # the side stream starts after the work already queued (the KV being written)
         stream.wait_stream(module.current_stream(self.cache.device))
         with module.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            work()
             event = module.Event()
             event.record(stream)
         return event
 
-    def _gather(self, block_ids: Sequence[int], staging: Any) -> Any:
-        size = self.cache.object_bytes
-        pairs = []
-        for i, block_id in enumerate(block_ids):
-            offset = i * size
-            for region in self.cache.block_tensors(block_id):
-                pairs.append((staging[offset:offset + region.numel()], region))
-                offset += region.numel()
-        return self._copy(pairs)
+    def _gather(self, block_ids: Sequence[int], host: Any) -> Any:
+        """Copy the blocks, in object order, to the start of ``host``; return an event."""
+        torch = import_torch()
+        count = len(block_ids)
+
+        def work() -> None:
+            index = self._index(block_ids)
+            rows = [table.index_select(0, index) for table in self.region_tables]
+            if self.device_staging is None:
+                torch.stack(rows, dim=1, out=self._objects(host, count))
+                return
+            torch.stack(rows, dim=1, out=self._objects(self.device_staging, count))
+            nbytes = count * self.cache.object_bytes
+            host[:nbytes].copy_(self.device_staging[:nbytes], non_blocking=True)
+
+        return self._on_side_stream(work)
+
+    def _scatter(self, block_ids: Sequence[int], positions: Sequence[int], host: Any) -> Any:
+        """Copy the objects at ``positions`` of ``host`` into ``block_ids[position]``."""
+        if not positions:
+            return None
+        count = max(positions) + 1
+
+        def work() -> None:
+            objects = self._objects(host, count)
+            if self.device_staging is not None:
+                nbytes = count * self.cache.object_bytes
+                self.device_staging[:nbytes].copy_(host[:nbytes], non_blocking=True)
+                objects = self._objects(self.device_staging, count)
+            if len(positions) < count:  # some objects did not arrive: skip their rows
+                objects = objects[self._index(positions)]
+            index = self._index([block_ids[p] for p in positions])
+            for region, table in enumerate(self.region_tables):
+                table.index_copy_(0, index, objects[:, region])
+
+        return self._on_side_stream(work)
 
     @staticmethod
     def _wait(event: Any) -> None:
@@ -283,6 +331,8 @@ class StagedBlockIO:
         """Write device blocks to the pool; True per block written (or queued, with async)."""
         if len(keys) != len(block_ids):
             raise ValueError("one key per block")
+        for block_id in block_ids:
+            self.cache._check_block(block_id)
         if not keys:
             return []
         if async_write:
@@ -308,8 +358,11 @@ class StagedBlockIO:
 
     def _put_async(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         torch = import_torch()
-        staging = self._host_buffer(torch, len(keys) * self.cache.object_bytes)
-        self._wait(self._gather(block_ids, staging))
+        size = self.cache.object_bytes
+        staging = self._host_buffer(torch, len(keys) * size)
+        for start in range(0, len(keys), self.chunk_blocks):
+            chunk_ids = block_ids[start:start + self.chunk_blocks]
+            self._wait(self._gather(chunk_ids, staging[start * size:]))
         view = _host_view(staging)
         self.pool.register_buffer(view)
         self._async_buffers.append((staging, view))
@@ -332,6 +385,8 @@ class StagedBlockIO:
         """
         if len(keys) != len(block_ids):
             raise ValueError("one key per block")
+        for block_id in block_ids:
+            self.cache._check_block(block_id)
         ok: list[bool] = []
         events: list[Any] = [None, None]
         for start in range(0, len(keys), self.chunk_blocks):
@@ -350,16 +405,6 @@ class StagedBlockIO:
         if self.module is not None:
             self.module.current_stream(self.cache.device).wait_stream(self.stream)
         return ok
-
-    def _scatter(self, block_ids: Sequence[int], positions: Sequence[int], staging: Any) -> Any:
-        size = self.cache.object_bytes
-        pairs = []
-        for position in positions:
-            offset = position * size
-            for region in self.cache.block_tensors(block_ids[position]):
-                pairs.append((region, staging[offset:offset + region.numel()]))
-                offset += region.numel()
-        return self._copy(pairs)
 
 
 # --- transformers glue: a contiguous-KV engine over the paged cache -----------------------
