@@ -1,0 +1,167 @@
+"""Device KV blocks <-> the pool, against the device's own copy speed measured in the same run.
+
+A paged KV cache on the accelerator (default: an 8B-class model's geometry, 32 layers, 8 KV
+heads of 128 dims, 16-token blocks, bfloat16: 64 regions of 32 KiB, 2 MiB objects) is saved
+to the pool by one client and loaded into an empty cache by another, through a local
+kvpool-master and real shared-memory segments:
+
+- ``save`` / ``load``: ``StagedBlockIO.put_blocks`` / ``get_blocks`` (what the tensors glue
+  and the prefix cache use), all blocks in one call;
+- ``pointer put`` / ``pointer get``: the MindIE connector handed the same device tensors, one
+  pointer range per region (the Mooncake-style path, staged through host memory per range);
+- the limits: one contiguous device->pinned-host and pinned-host->device copy of the same
+  bytes, and single-thread host memcpy.
+
+Each figure is the median of --repeats; ratios are to the limits of the same run.
+
+    python benchmarks/gpu_kv_bench.py [--blocks 256] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from client_bench import memcpy_gbps
+
+from kvpool_client.client import KVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_client.connectors.mindie import KVPoolMempool
+from kvpool_client.replay import spawned_master
+from kvpool_client.tensors import PagedKVCache, StagedBlockIO
+
+
+def median_gbps(nbytes: int, run: Callable[[int], None], repeats: int, sync: Callable[[], None]
+                ) -> float:
+    """Median GB/s of ``run(repeat)`` over ``repeats`` (after one untimed warm-up run)."""
+    times = []
+    for repeat in range(repeats + 1):
+        sync()
+        started = time.perf_counter()
+        run(repeat)
+        sync()
+        if repeat:
+            times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def copy_limits(nbytes: int, device: torch.device, repeats: int, sync: Callable[[], None]
+                ) -> tuple[float, float, float]:
+    """GB/s of one contiguous device->pinned-host copy, the reverse, and host memcpy."""
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+    d2h = median_gbps(nbytes, lambda _: pinned.copy_(flat, non_blocking=True), repeats, sync)
+    h2d = median_gbps(nbytes, lambda _: flat.copy_(pinned, non_blocking=True), repeats, sync)
+    return d2h, h2d, memcpy_gbps(pinned.numpy(), torch.empty_like(pinned).numpy())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=256, help="blocks moved per call")
+    parser.add_argument("--chunk-blocks", type=int, default=16)
+    parser.add_argument("--pointer-blocks", type=int, default=32,
+                        help="blocks per call on the (slower) pointer path")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copy-threads", type=int, default=0,
+                        help="client config copy_threads (0: the client's default)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    module = getattr(torch, device.type)
+    sync = lambda: module.synchronize(device)  # noqa: E731
+
+    def cache() -> PagedKVCache:
+        made = PagedKVCache.allocate(num_layers=args.layers, num_blocks=args.blocks,
+                                     block_size=args.block_size, num_heads=args.kv_heads,
+                                     head_dim=args.head_dim, dtype=torch.bfloat16,
+                                     device=device)
+        for t in (*made.k_caches, *made.v_caches):
+            t.normal_()
+        return made
+
+    src, dst = cache(), cache()
+    total = args.blocks * src.object_bytes
+    d2h, h2d, host = copy_limits(total, device, args.repeats, sync)
+
+    segment_bytes = (args.repeats + 1) * total + (256 << 20)
+    with tempfile.TemporaryDirectory() as tmp, spawned_master(Path(tmp)) as address:
+        def client(segment: int) -> KVPoolClient:
+            return KVPoolClient(ClientConfig.from_dict({
+                "master_server_address": address, "local_hostname": "127.0.0.1",
+                "global_segment_size": segment, "copy_threads": args.copy_threads}))
+
+        with client(segment_bytes) as writer, client(64 << 20) as reader:
+            ids = list(range(args.blocks))
+            put_io = StagedBlockIO(src, writer, chunk_blocks=args.chunk_blocks)
+            get_io = StagedBlockIO(dst, reader, chunk_blocks=args.chunk_blocks)
+
+            def save(repeat: int) -> None:
+                assert all(put_io.put_blocks([f"r{repeat}b{b}" for b in ids], ids))
+
+            def load(repeat: int) -> None:
+                assert all(get_io.get_blocks([f"r{repeat}b{b}" for b in ids], ids))
+
+            save_gbps = median_gbps(total, save, args.repeats, sync)
+            load_gbps = median_gbps(total, load, args.repeats, sync)
+            assert all(torch.equal(a, b) for a, b in zip(
+                (*src.k_caches, *src.v_caches), (*dst.k_caches, *dst.v_caches), strict=True))
+            writer.remove_all(force=True)
+
+        pointer = args.pointer_blocks
+        config = Path(tmp) / "mooncake.json"
+        config.write_text(json.dumps({
+            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp", "global_segment_size": (args.repeats + 2) * pointer
+            * src.object_bytes, "master_server_address": address}))
+        pool = KVPoolMempool(str(config), "worker", device_id=device.index or 0,
+                             kv_caches=[(c.k_caches[i], c.v_caches[i]) for c in (src, dst)
+                                        for i in range(args.layers)])
+        try:
+            def tensors(c: PagedKVCache) -> list[Any]:
+                return [[[k[b], v[b]] for k, v in zip(c.k_caches, c.v_caches, strict=True)]
+                        for b in range(pointer)]
+
+            def pointer_put(repeat: int) -> None:
+                assert all(pool.put([f"p{repeat}b{b}" for b in range(pointer)], tensors(src)))
+
+            def pointer_get(repeat: int) -> None:
+                assert all(pool.get([f"p{repeat}b{b}" for b in range(pointer)], tensors(dst)))
+
+            pointer_bytes = pointer * src.object_bytes
+            pointer_put_gbps = median_gbps(pointer_bytes, pointer_put, args.repeats, sync)
+            pointer_get_gbps = median_gbps(pointer_bytes, pointer_get, args.repeats, sync)
+        finally:
+            pool.close()
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"device: {name}; cache: {args.layers} layers, {args.kv_heads} KV heads x "
+          f"{args.head_dim}, {args.block_size}-token blocks, bfloat16: "
+          f"{src.region_bytes // 1024} KiB regions, {src.object_bytes / 2**20:g} MiB objects")
+    print(f"client copy_threads: {args.copy_threads or 'default'}")
+    print(f"limits: device->pinned {d2h:.1f} GB/s, pinned->device {h2d:.1f} GB/s, "
+          f"host memcpy {host:.1f} GB/s")
+    print(f"{'path':<34} {'blocks':>6} {'GB/s':>7} {'of copy':>8}")
+    rows = [
+        (f"save (put_blocks, chunk {args.chunk_blocks})", args.blocks, save_gbps, d2h),
+        (f"load (get_blocks, chunk {args.chunk_blocks})", args.blocks, load_gbps, h2d),
+        ("pointer put (MindIE connector)", pointer, pointer_put_gbps, d2h),
+        ("pointer get (MindIE connector)", pointer, pointer_get_gbps, h2d),
+    ]
+    for label, blocks, gbps, limit in rows:
+        print(f"{label:<34} {blocks:>6} {gbps:>7.2f} {gbps / limit:>7.0%}")
+
+
+if __name__ == "__main__":
+    main()
