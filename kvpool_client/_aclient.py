@@ -143,7 +143,8 @@ class AsyncKVPoolClient:
         self._datapath = DataPath(
             rpc=rpc, client_id=self.client_id, local_host_id=self.host_id,
             transport=config.transport,
-            shm=ShmTransport(self._segments, copier=ParallelCopier(copy_threads())),
+            shm=ShmTransport(self._segments, copier=ParallelCopier(
+                config.copy_threads or copy_threads())),
             tcp=TcpTransport(timeout_s=config.transfer_timeout_s),
             checksum_enabled=config.checksum, commit_nowait=config.commit_nowait,
             metrics=self.metrics, reregistered=self._reregistered)
@@ -684,10 +685,17 @@ class AsyncKVPoolClient:
 
 def copy_threads() -> int:
     """Threads that copy one large shared-memory batch (the caller counted, when it takes
-    part): two, on machines with two cores or more. On 2 cores with a master and a peer
-    process beside the client, 32 × 16 MiB batches ran at 71 % / 83 % of single-thread memcpy
-    (get / put) on one thread and at 109 % / 116 % on two (``benchmarks/copy_policy.py``)."""
-    return max(1, min(2, os.cpu_count() or 1))
+    part), for config ``copy_threads: 0``: one per four cores this process may run on, at
+    least two and at most four. On 2 cores with a master and a peer process beside the client,
+    32 × 16 MiB batches ran at 71 % / 83 % of single-thread memcpy (get / put) on one thread
+    and at 109 % / 116 % on two (``benchmarks/copy_policy.py``). On a 16-core host, device KV
+    blocks saved / loaded in 32 MiB batches (``benchmarks/gpu_kv_bench.py``) moved at 6–8 / 6
+    GB/s on two threads, 12 / 10 on four and 10 / 10 on eight."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return 1 if cpus < 2 else min(4, max(2, cpus // 4))
 
 
 def _same_length(keys: Sequence[Any], values: Sequence[Any]) -> None:

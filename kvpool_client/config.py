@@ -101,6 +101,7 @@ class ClientConfig:
     max_segment_size: int = 0  # split global_segment_size into segments of at most this; 0 = one
     commit_nowait: bool = False  # True: put returns once its commit is sent (see _datapath)
     busy_poll_us: int = 500  # a call on the caller's thread polls this long for the answer (µs)
+    copy_threads: int = 0  # threads copying one large shared-memory batch; 0 = auto
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:
@@ -328,6 +329,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_segment_size": _size,
     "commit_nowait": _bool,
     "busy_poll_us": _int_range(0, 100_000),
+    "copy_threads": _int_range(0, 64),
 }
 
 

@@ -343,7 +343,19 @@ def test_large_batches_are_copied_by_the_calling_thread_and_a_helper(
     assert batches == ["_write_batch", "_read_batch", "_read_batch"]
     if copy_threads() > 1:
         assert threading.get_ident() in threads
-        assert len(set(threads)) == 2
+        assert 2 <= len(set(threads)) <= copy_threads()
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_copy_threads_config_sets_how_many_threads_copy_a_large_batch(
+        master: Any, copy_record: tuple[list[int], list[str]], count: int) -> None:
+    threads, _ = copy_record
+    with KVPoolClient(make_config(master, copy_threads=count)) as c:
+        _large_batch_round_trip(c.batch_put_from, c.batch_get_into, 43)
+    if count == 1:  # the calling thread copies everything inline, no parts handed out
+        assert threads == []
+    else:  # the calling thread and up to two helpers share each batch
+        assert threading.get_ident() in threads and 2 <= len(set(threads)) <= 3
 
 
 async def test_async_client_cuts_large_batches_into_concurrent_sub_batches(

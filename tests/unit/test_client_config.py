@@ -110,6 +110,7 @@ def test_known_mooncake_keys_are_ignored_silently() -> None:
         ({"async_write_queue_size": 0}, "key 'async_write_queue_size'"),
         ({"busy_poll_us": -5}, "key 'busy_poll_us': must be between 0 and 100000"),
         ({"busy_poll_us": 1.5}, "key 'busy_poll_us'"),
+        ({"copy_threads": 65}, "key 'copy_threads': must be between 0 and 64"),
         ({"cluster_id": "a/b"}, "key 'cluster_id'"),
         ({"tls_ca": "/nonexistent/ca.pem"}, "key 'tls_ca': file '/nonexistent/ca.pem' does not"),
         ({"tls_key": __file__}, "'tls_cert' and 'tls_key' must be given together"),
