@@ -4,8 +4,14 @@ Rules of this file:
 - Nothing here is imported or loaded until a pointer that is not host memory is registered: a
   host-only process never loads a device runtime.
 - A runtime answers two questions: does it own an address (``locate``), and how to move bytes
-  between that device memory and a host buffer (``to_host`` / ``from_host``). kvpool's data plane
-  only moves host bytes, so device regions are staged through host buffers by the caller.
+  between ranges of that device memory and one host buffer holding them back to back
+  (``to_host`` / ``from_host``, several ranges per call: a KV object is one range per layer's K
+  and V). kvpool's data plane only moves host bytes, so device regions are staged through host
+  buffers by the caller.
+- CUDA: the small ranges of a call are gathered on the device (asynchronous device-to-device
+  copies into a per-thread scratch buffer) and cross to or from the host in one copy; large
+  ranges, or all of them when no scratch can be had, are copied one by one. Copies run on the
+  legacy default stream, as a plain ``cudaMemcpy`` would, and are complete when a call returns.
 - When no runtime can claim a pointer, :func:`locate_device` raises ``INVALID_ARGUMENT`` with a
   message naming what is missing (torch with CUDA, or CANN's ``acl`` module / ``torch_npu``).
 - A copy may run on any thread (MindIE's asyncWrite puts from a background thread): each runtime
@@ -19,6 +25,8 @@ import ctypes
 import importlib
 import importlib.util
 import sys
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,11 +42,13 @@ class DeviceRuntime(Protocol):
     def locate(self, address: int) -> Any | None:
         """Return an opaque handle (device, context) when ``address`` is this runtime's memory."""
 
-    def to_host(self, handle: Any, dst: memoryview, src_address: int) -> None:
-        """Copy ``dst.nbytes`` bytes from device ``src_address`` into ``dst``."""
+    def to_host(self, handle: Any, dst: memoryview, src_ranges: Sequence[tuple[int, int]]
+                ) -> None:
+        """Copy the device ``(address, size)`` ranges, back to back, into ``dst``."""
 
-    def from_host(self, handle: Any, dst_address: int, src: memoryview) -> None:
-        """Copy ``src`` into device memory at ``dst_address``."""
+    def from_host(self, handle: Any, src: memoryview, dst_ranges: Sequence[tuple[int, int]]
+                  ) -> None:
+        """Copy ``src``, back to back, into the device ``(address, size)`` ranges."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +74,11 @@ class _CudaPointerAttributes(ctypes.Structure):
 
 
 _CUDA_DEVICE, _CUDA_MANAGED = 2, 3
-_CUDA_H2D, _CUDA_D2H = 1, 2
+_CUDA_H2D, _CUDA_D2H, _CUDA_D2D = 1, 2, 3
+#: Ranges at least this large are copied on their own (one copy already runs near full speed).
+CUDA_DIRECT_MIN_BYTES = 1 << 20
+#: Most device scratch memory one thread keeps for gathering small ranges.
+CUDA_SCRATCH_MAX_BYTES = 16 << 20
 
 
 def _mapped_libraries(prefix: str) -> list[str]:
@@ -89,6 +103,13 @@ class CudaRuntime:
         self._lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                          ctypes.c_int]
         self._lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        self._lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                              ctypes.c_int, ctypes.c_void_p]
+        self._lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        self._lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        self._lib.cudaFree.argtypes = [ctypes.c_void_p]
+        # per thread: {device: (scratch address, size in bytes)}
+        self._local = threading.local()
 
     @classmethod
     def load(cls) -> CudaRuntime | None:
@@ -121,18 +142,98 @@ class CudaRuntime:
             return None
         return attrs.device if attrs.type in (_CUDA_DEVICE, _CUDA_MANAGED) else None
 
-    def _copy(self, device: int, dst: int, src: int, size_bytes: int, kind: int) -> None:
-        if self._lib.cudaSetDevice(device) != 0:
-            raise KVPoolError(Status.TRANSFER_FAILED, f"cudaSetDevice({device}) failed")
-        err = self._lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), size_bytes, kind)
+    def _check(self, err: int, call: str) -> None:
         if err != 0:
-            raise KVPoolError(Status.TRANSFER_FAILED, f"cudaMemcpy failed with error {err}")
+            self._lib.cudaGetLastError()
+            raise KVPoolError(Status.TRANSFER_FAILED, f"{call} failed with CUDA error {err}")
 
-    def to_host(self, handle: int, dst: memoryview, src_address: int) -> None:
-        self._copy(handle, buffer_address(dst), src_address, dst.nbytes, _CUDA_D2H)
+    def _copy(self, dst: int, src: int, size_bytes: int, kind: int) -> None:
+        self._check(self._lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), size_bytes,
+                                         kind), "cudaMemcpy")
 
-    def from_host(self, handle: int, dst_address: int, src: memoryview) -> None:
-        self._copy(handle, dst_address, buffer_address(src), src.nbytes, _CUDA_H2D)
+    def _scratch(self, device: int, size_bytes: int) -> int | None:
+        """This thread's device scratch of at least ``size_bytes``, or None when none can be
+        allocated (the caller then copies range by range)."""
+        scratches: dict[int, tuple[int, int]] = self._local.__dict__.setdefault("scratch", {})
+        address, have = scratches.get(device, (0, 0))
+        if have >= size_bytes:
+            return address
+        if address:
+            self._lib.cudaFree(ctypes.c_void_p(address))
+            del scratches[device]
+        pointer = ctypes.c_void_p()
+        if self._lib.cudaMalloc(ctypes.byref(pointer), size_bytes) != 0 or not pointer.value:
+            self._lib.cudaGetLastError()  # out of device memory: not sticky, just say no
+            return None
+        scratches[device] = (pointer.value, size_bytes)
+        return pointer.value
+
+    def _batches(self, device: int, ranges: Sequence[tuple[int, int]]
+                 ) -> list[tuple[int | None, list[tuple[int, int, int]]]]:
+        """Split ``ranges`` into (scratch address or None, [(offset in host buffer, address,
+        size)]) batches: None batches are copied range by range."""
+        small_bytes = sum(size for _, size in ranges if size < CUDA_DIRECT_MIN_BYTES)
+        scratch = None
+        if small_bytes and len(ranges) > 1:
+            scratch = self._scratch(device, min(small_bytes, CUDA_SCRATCH_MAX_BYTES))
+        direct: list[tuple[int, int, int]] = []
+        batches: list[tuple[int | None, list[tuple[int, int, int]]]] = []
+        batch: list[tuple[int, int, int]] = []
+        batch_bytes, offset = 0, 0
+        for address, size in ranges:
+            # a batch covers one run of the host buffer: a direct range or a full scratch
+            # ends it
+            if batch and (scratch is None or size >= CUDA_DIRECT_MIN_BYTES
+                          or batch_bytes + size > CUDA_SCRATCH_MAX_BYTES):
+                batches.append((scratch, batch))
+                batch, batch_bytes = [], 0
+            if scratch is None or size >= CUDA_DIRECT_MIN_BYTES:
+                direct.append((offset, address, size))
+            else:
+                batch.append((offset, address, size))
+                batch_bytes += size
+            offset += size
+        if batch:
+            batches.append((scratch, batch))
+        return [(None, direct), *batches] if direct else batches
+
+    def to_host(self, handle: int, dst: memoryview, src_ranges: Sequence[tuple[int, int]]
+                ) -> None:
+        self._check(self._lib.cudaSetDevice(handle), f"cudaSetDevice({handle})")
+        host = buffer_address(dst)
+        for scratch, batch in self._batches(handle, src_ranges):
+            if scratch is None:
+                for offset, address, size in batch:
+                    self._copy(host + offset, address, size, _CUDA_D2H)
+                continue
+            cursor = scratch
+            for _, address, size in batch:
+                self._check(self._lib.cudaMemcpyAsync(ctypes.c_void_p(cursor),
+                                                      ctypes.c_void_p(address), size, _CUDA_D2D,
+                                                      None), "cudaMemcpyAsync")
+                cursor += size
+            # ordered after the gathers on the same (legacy default) stream; returns when done
+            self._copy(host + batch[0][0], scratch, cursor - scratch, _CUDA_D2H)
+
+    def from_host(self, handle: int, src: memoryview, dst_ranges: Sequence[tuple[int, int]]
+                  ) -> None:
+        self._check(self._lib.cudaSetDevice(handle), f"cudaSetDevice({handle})")
+        host = buffer_address(src)
+        for scratch, batch in self._batches(handle, dst_ranges):
+            if scratch is None:
+                for offset, address, size in batch:
+                    self._copy(address, host + offset, size, _CUDA_H2D)
+                continue
+            batch_bytes = sum(size for _, _, size in batch)
+            self._copy(scratch, host + batch[0][0], batch_bytes, _CUDA_H2D)
+            cursor = scratch
+            for _, address, size in batch:
+                self._check(self._lib.cudaMemcpyAsync(ctypes.c_void_p(address),
+                                                      ctypes.c_void_p(cursor), size, _CUDA_D2D,
+                                                      None), "cudaMemcpyAsync")
+                cursor += size
+            # the bytes are in place, and the scratch free for the next call, on return
+            self._check(self._lib.cudaStreamSynchronize(None), "cudaStreamSynchronize")
 
 
 _ACL_H2D, _ACL_D2H = 1, 2
@@ -174,11 +275,19 @@ class AclRuntime:
         if ret != 0:
             raise KVPoolError(Status.TRANSFER_FAILED, f"aclrtMemcpy failed with error {ret}")
 
-    def to_host(self, handle: Any, dst: memoryview, src_address: int) -> None:
-        self._copy(handle, buffer_address(dst), src_address, dst.nbytes, _ACL_D2H)
+    def to_host(self, handle: Any, dst: memoryview, src_ranges: Sequence[tuple[int, int]]
+                ) -> None:
+        host = buffer_address(dst)
+        for address, size in src_ranges:
+            self._copy(handle, host, address, size, _ACL_D2H)
+            host += size
 
-    def from_host(self, handle: Any, dst_address: int, src: memoryview) -> None:
-        self._copy(handle, dst_address, buffer_address(src), src.nbytes, _ACL_H2D)
+    def from_host(self, handle: Any, src: memoryview, dst_ranges: Sequence[tuple[int, int]]
+                  ) -> None:
+        host = buffer_address(src)
+        for address, size in dst_ranges:
+            self._copy(handle, address, host, size, _ACL_H2D)
+            host += size
 
 
 _runtimes: list[DeviceRuntime] | None = None

@@ -13,15 +13,21 @@ Rules of this file:
   that was never registered is ``INVALID_ARGUMENT``.
 - The registry is shared by every thread: changes build a new sorted index under the lock and
   publish it in one assignment, so lookups take no lock and copy nothing.
+- Device ranges are staged in host buffers: fresh ones by default, or, inside
+  ``with registry.staging():`` (a connector call that is done with its views when it returns),
+  slices of a per-thread arena reused call after call, so staging pays no page faults twice.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool_client.compat.devices import (
     DeviceMemory,
@@ -104,30 +110,126 @@ class ProcessMaps:
         return writable
 
 
+_EMPTY = memoryview(b"")
+
+
 def view_at(address: int, size_bytes: int) -> memoryview:
     """Return an unsigned-byte view of host memory at ``address`` (the caller checked it)."""
     return memoryview((ctypes.c_ubyte * size_bytes).from_address(address)).cast("B")
 
 
 @dataclass(slots=True)
+class _Staged:
+    """Device ranges of one device staged through one host buffer, back to back."""
+
+    device: DeviceMemory
+    buffer: memoryview
+    #: (offset in the object, device address, size) of each range, in buffer order
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+#: Most staging memory one thread's arena keeps between calls.
+ARENA_MAX_BYTES = 256 << 20
+#: Smallest buffer an arena adds.
+ARENA_CHUNK_BYTES = 16 << 20
+
+
+class _Arena(threading.local):
+    """One thread's reusable staging buffers: a bump allocator reset when its scope ends."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytearray] = []
+        self.depth = 0  # nested staging() scopes open on this thread
+        self.index = 0  # chunk being filled
+        self.offset = 0  # bytes of it handed out
+
+    def take(self, size_bytes: int) -> memoryview:
+        """A view of ``size_bytes`` staging bytes, valid until the outermost scope ends (a
+        fresh buffer outside any scope or beyond the arena's limit)."""
+        if self.depth == 0:
+            return memoryview(bytearray(size_bytes))
+        while self.index < len(self.chunks):
+            chunk = self.chunks[self.index]
+            if len(chunk) - self.offset >= size_bytes:
+                self.offset += size_bytes
+                return memoryview(chunk)[self.offset - size_bytes:self.offset]
+            self.index, self.offset = self.index + 1, 0
+        size = max(size_bytes, ARENA_CHUNK_BYTES)
+        if sum(map(len, self.chunks)) + size > ARENA_MAX_BYTES:
+            return memoryview(bytearray(size_bytes))
+        self.chunks.append(bytearray(size))
+        self.index, self.offset = len(self.chunks) - 1, size_bytes
+        return memoryview(self.chunks[-1])[:size_bytes]
+
+
+def _stage(views: list[memoryview], pending: list[tuple[int, DeviceMemory, int, int]],
+           arena: _Arena) -> tuple[list[memoryview], list[_Staged]]:
+    """Stage the pending (index in views, device, address, size) ranges in one buffer per
+    device; return the object's views, with each run of consecutive staged ranges of one
+    device as one view (the same bytes, fewer and larger copies), and the groups."""
+    groups: dict[tuple[int, Any], _Staged] = {}
+    sizes: dict[tuple[int, Any], int] = {}
+    for _, device, _, size in pending:
+        key = (id(device.runtime), device.handle)
+        sizes[key] = sizes.get(key, 0) + size
+    offsets: dict[tuple[int, Any], int] = {}
+    spans: dict[int, tuple[_Staged, int, int]] = {}  # view index -> (group, start, end)
+    range_sizes = [view.nbytes for view in views]  # device ranges hold placeholders so far
+    for index, _, _, size in pending:
+        range_sizes[index] = size
+    object_offsets = [0]
+    for size in range_sizes:
+        object_offsets.append(object_offsets[-1] + size)
+    for index, device, address, size in pending:
+        key = (id(device.runtime), device.handle)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _Staged(device, arena.take(sizes[key]))
+        start = offsets.get(key, 0)
+        offsets[key] = start + size
+        spans[index] = (group, start, start + size)
+        group.ranges.append((object_offsets[index], address, size))
+    merged: list[memoryview] = []
+    run: tuple[_Staged, int, int] | None = None
+    for index, view in enumerate(views):
+        span = spans.get(index)
+        if span is not None and run is not None and run[0] is span[0] and run[2] == span[1]:
+            run = (run[0], run[1], span[2])
+            merged[-1] = run[0].buffer[run[1]:run[2]]
+        elif span is not None:
+            run = span
+            merged.append(span[0].buffer[span[1]:span[2]])
+        else:
+            run = None
+            merged.append(view)
+    return merged, list(groups.values())
+
+
+@dataclass(slots=True)
 class Destination:
     """Views a read fills, and the device copies that must follow it (see :meth:`finish`)."""
 
+    #: what the read fills: host ranges in place, device ranges as staging (runs merged)
     views: list[memoryview]
-    #: (index in views, device memory, device address) of the views that are staging buffers
-    staged: list[tuple[int, DeviceMemory, int]] = field(default_factory=list)
+    #: the staging buffers, one group per device
+    staged: list[_Staged] = field(default_factory=list)
 
     def finish(self, nbytes_read: int) -> None:
         """Copy the first ``nbytes_read`` bytes of staged views to their device memory."""
         if not self.staged:
             return
-        offsets = [0]
-        for view in self.views:
-            offsets.append(offsets[-1] + view.nbytes)
-        for index, device, address in self.staged:
-            take = min(self.views[index].nbytes, nbytes_read - offsets[index])
-            if take > 0:
-                device.runtime.from_host(device.handle, address, self.views[index][:take])
+        for group in self.staged:
+            # a read fills a prefix of the object, so the bytes to copy are a prefix of the
+            # group's buffer
+            ranges = []
+            for object_offset, address, size in group.ranges:
+                take = min(size, nbytes_read - object_offset)
+                if take > 0:
+                    ranges.append((address, take))
+            if ranges:
+                nbytes = sum(size for _, size in ranges)
+                group.device.runtime.from_host(group.device.handle, group.buffer[:nbytes],
+                                               ranges)
 
 
 class RegionRegistry:
@@ -140,6 +242,21 @@ class RegionRegistry:
         self._maps_reader = maps_reader
         # (addresses, regions) sorted by address, replaced as a whole on every change
         self._index: tuple[list[int], list[Region]] = ([], [])
+        self._arena = _Arena()
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[None]:
+        """A scope whose device staging comes from this thread's reusable arena: every view
+        that ``sources`` and ``destination`` return inside it, and every ``finish``, must be
+        done with before it ends."""
+        arena = self._arena
+        arena.depth += 1
+        try:
+            yield
+        finally:
+            arena.depth -= 1
+            if arena.depth == 0:
+                arena.index = arena.offset = 0
 
     def register(self, address: int, size_bytes: int) -> Region:
         """Register ``[address, address+size_bytes)`` and return its region.
@@ -205,25 +322,18 @@ class RegionRegistry:
 
     def sources(self, ranges: Sequence[PointerRange], *,
                 registered_only: bool = True) -> list[memoryview]:
-        """Return views holding the bytes of ``ranges`` (device ranges copied to host first).
+        """Return views whose concatenation is the bytes of ``ranges``: host ranges in place,
+        device ranges copied to host first (consecutive ones of one device in one view).
 
         With ``registered_only=False`` a range outside every region is classified on the spot
         (MindIE's non-direct Ascend calls never register). Raises ``INVALID_ARGUMENT`` for a
         range nobody can read, ``TRANSFER_FAILED`` when a device copy fails.
         """
-        locate = self._locator(registered_only)
-        views = []
-        for address, size_bytes in ranges:
-            region = locate(address, size_bytes)
-            if region.view is not None:
-                offset = address - region.address
-                views.append(region.view[offset:offset + size_bytes])
-            else:
-                assert region.device is not None
-                staging = memoryview(bytearray(size_bytes))
-                if size_bytes:
-                    region.device.runtime.to_host(region.device.handle, staging, address)
-                views.append(staging)
+        views, pending = self._views(ranges, registered_only, writing=False)
+        views, groups = _stage(views, pending, self._arena)
+        for group in groups:
+            group.device.runtime.to_host(group.device.handle, group.buffer,
+                                         [(address, size) for _, address, size in group.ranges])
         return views
 
     def destination(self, ranges: Sequence[PointerRange], *,
@@ -232,21 +342,29 @@ class RegionRegistry:
 
         Raises ``INVALID_ARGUMENT`` for a range outside every region or in read-only memory.
         """
+        views, pending = self._views(ranges, registered_only, writing=True)
+        return Destination(*_stage(views, pending, self._arena))
+
+    def _views(self, ranges: Sequence[PointerRange], registered_only: bool, *, writing: bool
+               ) -> tuple[list[memoryview], list[tuple[int, DeviceMemory, int, int]]]:
+        """Views of the host ranges (placeholders for device ranges), and the device ranges
+        as (index, device, address, size)."""
         locate = self._locator(registered_only)
-        dest = Destination([])
+        views: list[memoryview] = []
+        pending: list[tuple[int, DeviceMemory, int, int]] = []
         for address, size_bytes in ranges:
             region = locate(address, size_bytes)
-            if not region.writable:
+            if writing and not region.writable:
                 raise KVPoolError(Status.INVALID_ARGUMENT,
                                   f"range 0x{address:x}+{size_bytes} is read-only memory")
             if region.view is not None:
                 offset = address - region.address
-                dest.views.append(region.view[offset:offset + size_bytes])
+                views.append(region.view[offset:offset + size_bytes])
             else:
                 assert region.device is not None
-                dest.staged.append((len(dest.views), region.device, address))
-                dest.views.append(memoryview(bytearray(size_bytes)))
-        return dest
+                pending.append((len(views), region.device, address, size_bytes))
+                views.append(_EMPTY)
+        return views, pending
 
     def _locator(self, registered_only: bool) -> Callable[[int, int], Region]:
         if registered_only:
@@ -269,6 +387,18 @@ class RegionRegistry:
         low = bisect.bisect_left(addresses, address)
         high = bisect.bisect_right(addresses, address)
         return regions[low:high]
+
+
+def staged(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a connector method inside ``self._registry.staging()`` (it must be done with every
+    staged view when it returns)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._registry.staging():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _check_range(address: object, size_bytes: object, *, allow_empty: bool = False) -> None:

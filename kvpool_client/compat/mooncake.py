@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from kvpool_client.compat import codes
 from kvpool_client.compat.engine import EngineHandle, TransferEngine
-from kvpool_client.compat.memory import RegionRegistry
+from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.compat.replicate import ReplicateConfig, put_options
 from kvpool_client.compat.setup_args import parse_setup
 from kvpool_client.status import KVPoolError, Status
@@ -284,6 +284,7 @@ class MooncakeDistributedStore:
         result = self._one(op, call)
         return [result] * count if isinstance(result, int) else result
 
+    @staged
     def _put_ranges(self, op: str, keys: Sequence[str], ranges: list[list[tuple[int, int]]],
                     config: ReplicateConfig | None, *, registered_only: bool = True) -> list[int]:
         try:
@@ -310,6 +311,7 @@ class MooncakeDistributedStore:
                 results[i] = code
         return results
 
+    @staged
     def _get_ranges(self, op: str, keys: Sequence[str], ranges: list[list[tuple[int, int]]], *,
                     exact: bool, registered_only: bool = True) -> list[int]:
         results = [codes.OK] * len(keys)

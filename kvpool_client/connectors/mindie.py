@@ -22,7 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client.compat.memory import RegionRegistry
+from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.config import ClientConfig
 from kvpool_client.connectors._tensors import pointer_range, pointer_ranges
 from kvpool_client.status import KVPoolError, Status
@@ -107,6 +107,7 @@ class KVPoolMempool(_mempool_base()):  # type: ignore[misc]
             count += 1
         return count
 
+    @staged
     def put(self, keys: str | list[str], tensors: Any, **kwargs: Any) -> list[bool]:
         """Store each key's tensors as one object; one bool per key (existing keys: True)."""
         pairs = _pairs(keys, tensors)
@@ -133,6 +134,7 @@ class KVPoolMempool(_mempool_base()):  # type: ignore[misc]
                 results[i] = status in (Status.OK, Status.ALREADY_EXISTS)
         return results
 
+    @staged
     def get(self, keys: str | list[str], tensors: Any, **kwargs: Any) -> list[bool]:
         """Fill each key's tensors from its object; True exactly when all of them were filled."""
         pairs = _pairs(keys, tensors)

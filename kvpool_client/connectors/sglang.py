@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client.compat.memory import RegionRegistry
+from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.config import ClientConfig, ConfigError
 from kvpool_client.connectors._tensors import pointer_range
 from kvpool_client.status import KVPoolError, Status
@@ -113,6 +113,7 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
             logger.error("kvpool lookup of %d pages failed: %s", len(keys), exc)
             return 0
 
+    @staged
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Write each page from host memory; one bool per page (pages already there: True)."""
@@ -127,6 +128,7 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
             return [False] * len(keys)
         return [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
 
+    @staged
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Read each page into host memory; True exactly when the whole page was filled."""
@@ -154,6 +156,7 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
         result = self.batch_get([key], [target_location])
         return result[0]
 
+    @staged
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[Any]:
         """Fill each target tensor from its page; the tensor, or None when missing/short."""
@@ -177,6 +180,7 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
         """Write one page from a tensor; True on success (also when it was there)."""
         return self.batch_set([key], [value])
 
+    @staged
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         """Write every page from tensors; True when all succeeded."""

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpool_client.compat.memory import RegionRegistry
+from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.config import ENV_OVERRIDES, ClientConfig, ConfigError
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import PutOptions
@@ -115,6 +115,7 @@ class KVPoolBackend(_backend_base()):  # type: ignore[misc]
         """Same as :meth:`exists` (vllm-ascend calls both names)."""
         return self.exists(keys)
 
+    @staged
     def put(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """Store each key's regions as one object; 0 / negative status per key (also logged)."""
         results = [int(Status.INVALID_ARGUMENT)] * len(keys)
@@ -142,6 +143,7 @@ class KVPoolBackend(_backend_base()):  # type: ignore[misc]
                          sorted(set(failed)))
         return results
 
+    @staged
     def get(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """Fill each key's regions; 0 when every region was filled, else a negative status."""
         results = [int(Status.INVALID_ARGUMENT)] * len(keys)

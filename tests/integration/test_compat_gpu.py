@@ -81,3 +81,27 @@ def test_mindie_connector_with_cuda_kv_caches(master: Any, tmp_path: Path) -> No
             assert not k[0].any() and not v[0].any()
     finally:
         pool.close()
+
+
+def test_cuda_runtime_moves_many_ranges_through_scratch_and_directly() -> None:
+    """Small ranges go through the device scratch (over its 16 MiB, in several batches),
+    large ones on their own, all landing back to back in one host buffer and back."""
+    from kvpool_client.compat.devices import CUDA_SCRATCH_MAX_BYTES, CudaRuntime
+
+    runtime = CudaRuntime.load()
+    assert runtime is not None
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    sizes = [512 << 10] * 20 + [3 << 20] + [512 << 10] * 20 + [7] + [2 << 20]
+    assert sum(s for s in sizes if s < 1 << 20) > CUDA_SCRATCH_MAX_BYTES
+    tensors = [torch.randint(0, 256, (s,), dtype=torch.uint8, device="cuda", generator=gen)
+               for s in sizes]
+    torch.cuda.synchronize()
+    host = memoryview(bytearray(sum(sizes)))
+    runtime.to_host(0, host, [(t.data_ptr(), t.numel()) for t in tensors])
+    assert bytes(host) == b"".join(t.cpu().numpy().tobytes() for t in tensors)
+
+    targets = [torch.zeros_like(t) for t in tensors]
+    flipped = (255 - torch.frombuffer(host, dtype=torch.uint8)).numpy().tobytes()
+    runtime.from_host(0, memoryview(bytearray(flipped)),
+                      [(t.data_ptr(), t.numel()) for t in targets])
+    assert b"".join(t.cpu().numpy().tobytes() for t in targets) == flipped

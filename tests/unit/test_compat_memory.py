@@ -137,16 +137,25 @@ class FakeDevice:
     def locate(self, address: int) -> object | None:
         return "ctx" if self.base <= address < self.base + len(self.memory) else None
 
-    def to_host(self, handle: object, dst: memoryview, src_address: int) -> None:
-        assert handle == "ctx"
-        offset = src_address - self.base
-        dst[:] = self.memory[offset:offset + dst.nbytes]
-        self.copies.append("d2h")
+    def to_host(self, handle: object, dst: memoryview, src_ranges: list[tuple[int, int]]
+                ) -> None:
+        assert handle == "ctx" and dst.nbytes == sum(size for _, size in src_ranges)
+        cursor = 0
+        for address, size in src_ranges:
+            offset = address - self.base
+            dst[cursor:cursor + size] = self.memory[offset:offset + size]
+            cursor += size
+        self.copies.append(f"d2h x{len(src_ranges)}")
 
-    def from_host(self, handle: object, dst_address: int, src: memoryview) -> None:
-        offset = dst_address - self.base
-        self.memory[offset:offset + src.nbytes] = src
-        self.copies.append("h2d")
+    def from_host(self, handle: object, src: memoryview, dst_ranges: list[tuple[int, int]]
+                  ) -> None:
+        assert src.nbytes == sum(size for _, size in dst_ranges)
+        cursor = 0
+        for address, size in dst_ranges:
+            offset = address - self.base
+            self.memory[offset:offset + size] = src[cursor:cursor + size]
+            cursor += size
+        self.copies.append(f"h2d x{len(dst_ranges)}")
 
 
 def test_device_regions_are_staged_through_host_memory() -> None:
@@ -157,14 +166,40 @@ def test_device_regions_are_staged_through_host_memory() -> None:
     region = registry.register(0x7F0000000000, 1024)
     assert region.kind == "fake" and region.view is None
     (view,) = registry.sources([(0x7F0000000000 + 100, 10)])
-    assert bytes(view) == b"devicedata" and device.copies == ["d2h"]
+    assert bytes(view) == b"devicedata" and device.copies == ["d2h x1"]
 
     dest = registry.destination([(0x7F0000000000 + 200, 6), (0x7F0000000000 + 300, 6)])
-    dest.views[0][:] = b"abcdef"
-    dest.views[1][:] = b"ghijkl"
+    (staging,) = dest.views  # two consecutive device ranges: one staging view
+    staging[:] = b"abcdefghijkl"
     dest.finish(9)  # only 9 bytes were read: the second staged view is copied back in part
     assert device.memory[200:206] == b"abcdef"
     assert device.memory[300:306] == b"ghi\0\0\0"
+    assert device.copies[1:] == ["h2d x2"]  # one call for both ranges
+
+
+def test_a_calls_device_ranges_are_staged_together_around_its_host_ranges() -> None:
+    device = FakeDevice(0x7F0000000000, 1024)
+    device.memory[0:8] = b"K0K0K0K0"
+    device.memory[512:516] = b"V0V0"
+    host = ctypes.create_string_buffer(b"hosthost", 8)
+    maps = ProcessMaps.parse(f"{ctypes.addressof(host):x}-{ctypes.addressof(host) + 8:x} rw-p")
+    registry = RegionRegistry(runtimes=lambda: [device], maps_reader=lambda: maps)
+    registry.register(0x7F0000000000, 1024)
+    registry.register(ctypes.addressof(host), 8)
+    ranges = [(0x7F0000000000, 8), (ctypes.addressof(host), 8), (0x7F0000000000 + 512, 4)]
+    views = registry.sources(ranges)
+    assert [bytes(v) for v in views] == [b"K0K0K0K0", b"hosthost", b"V0V0"]
+    assert device.copies == ["d2h x2"]  # both device ranges in one call, one host buffer
+    assert views[0].obj is views[2].obj
+
+    dest = registry.destination(ranges)
+    for v, data in zip(dest.views, (b"k1k1k1k1", b"HOSTHOST", b"v1v1"), strict=True):
+        v[:] = data
+    dest.finish(20)
+    assert device.memory[0:8] == b"k1k1k1k1" and device.memory[512:516] == b"v1v1"
+    assert host.raw == b"HOSTHOST" and device.copies[1:] == ["h2d x2"]
+    dest.finish(0)  # nothing read: nothing copied
+    assert device.copies[1:] == ["h2d x2"]
 
 
 def test_locate_device_uses_the_first_runtime_that_claims_the_pointer() -> None:
@@ -198,3 +233,36 @@ def test_cuda_pointer_query_struct_holds_cuda13_layout_and_the_loaded_runtime_is
     libc = _mapped_libraries("libc.so")
     assert libc and all(path.startswith("/") and "/libc.so" in path for path in libc)
     assert _mapped_libraries("libnot-a-library-kvpool") == []
+
+
+def test_staging_scopes_reuse_one_threads_arena_and_never_hand_out_overlapping_views() -> None:
+    from kvpool_client.compat.memory import ARENA_MAX_BYTES
+
+    device = FakeDevice(0x7F0000000000, 4096)
+    device.memory[:] = bytes(range(256)) * 16
+    registry = RegionRegistry(runtimes=lambda: [device],
+                              maps_reader=lambda: ProcessMaps.parse(MAPS))
+    registry.register(0x7F0000000000, 4096)
+    base = 0x7F0000000000
+
+    def addresses(views: list[memoryview]) -> list[int]:
+        return [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in views]
+
+    with registry.staging():
+        first = registry.sources([(base, 100), (base + 1000, 50)])
+        assert len(first) == 1 and first[0].nbytes == 150  # one device: one merged view
+        with registry.staging():  # nested: still the same scope
+            second = registry.destination([(base + 2000, 300)])
+        third = registry.sources([(base + 3000, 10)])
+        spans = sorted((a, a + v.nbytes) for a, v in zip(
+            addresses([*first, *second.views, *third]), [*first, *second.views, *third],
+            strict=True))
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+        assert bytes(first[0][100:]) == bytes(device.memory[1000:1050])
+        assert bytes(third[0]) == bytes(device.memory[3000:3010])
+        reused = addresses(first)[0]
+    with registry.staging():  # the next call starts at the same place
+        assert addresses(registry.sources([(base + 5, 8)]))[0] == reused
+    outside = registry.sources([(base, 8)])  # no scope: a fresh buffer
+    assert addresses(outside)[0] != reused and bytes(outside[0]) == bytes(device.memory[:8])
+    assert ARENA_MAX_BYTES >= 16 << 20
