@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=256, help="blocks moved per call")
-    parser.add_argument("--chunk-blocks", type=int, default=16)
+    parser.add_argument("--chunk-blocks", type=int, default=None,
+                        help="blocks per pool call (default: the StagedBlockIO default)")
     parser.add_argument("--pointer-blocks", type=int, default=32,
                         help="blocks per call on the (slower) pointer path")
     parser.add_argument("--repeats", type=int, default=5)
@@ -154,8 +155,8 @@ def main() -> None:
           f"host memcpy {host:.1f} GB/s")
     print(f"{'path':<34} {'blocks':>6} {'GB/s':>7} {'of copy':>8}")
     rows = [
-        (f"save (put_blocks, chunk {args.chunk_blocks})", args.blocks, save_gbps, d2h),
-        (f"load (get_blocks, chunk {args.chunk_blocks})", args.blocks, load_gbps, h2d),
+        (f"save (put_blocks, chunk {put_io.chunk_blocks})", args.blocks, save_gbps, d2h),
+        (f"load (get_blocks, chunk {get_io.chunk_blocks})", args.blocks, load_gbps, h2d),
         ("pointer put (MindIE connector)", pointer, pointer_put_gbps, d2h),
         ("pointer get (MindIE connector)", pointer, pointer_get_gbps, h2d),
     ]
