@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client._datapath import DataPath, split_sizes
+from kvpool_client._direct import Consumer, Done, Filler
 from kvpool_client._loopthread import wait_for
 from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import (
@@ -519,6 +520,86 @@ class AsyncKVPoolClient:
         _same_length(keys, regions)
         return await self._put_many("batch_put_regions", keys,
                                     [_try(regions_of, r) for r in regions], options, async_write)
+
+    async def batch_put_with(self, keys: Sequence[KeyLike], sizes: Sequence[int],
+                             fill: Filler, options: PutOptions | None = None,
+                             done: Done | None = None) -> list[Status]:
+        """Store objects of ``sizes`` bytes that ``fill(index, view)`` writes, e.g. by device
+        DMA, into each placement: on this host the segment's own memory, else a host buffer
+        sent afterwards. ``fill`` must write all of ``view``; it may leave its copy in flight
+        when ``done()`` is given, which is called once after every fill and before anything is
+        committed or sent. One Status per key; a key whose ``fill`` raised fails alone
+        (TRANSFER_FAILED; every filled key when ``done`` raised) and is never committed; a
+        repeated key or a size that is not a positive int is INVALID_ARGUMENT."""
+        _same_length(keys, sizes)
+        statuses, raws, positions = self._distinct_keys(keys)
+        kept = [i for i, p in enumerate(positions) if not isinstance(sizes[p], bool)
+                and isinstance(sizes[p], int) and sizes[p] > 0]
+        for i in sorted(set(range(len(positions))) - set(kept)):
+            statuses[positions[i]] = Status.INVALID_ARGUMENT
+        raws, positions = [raws[i] for i in kept], [positions[i] for i in kept]
+        return await self._with("batch_put_with", statuses, positions, self._path().write_with(
+            raws, [sizes[p] for p in positions], self._options(options),
+            lambda i, view: fill(positions[i], view), done))
+
+    async def batch_get_with(self, keys: Sequence[KeyLike], consume: Consumer,
+                             done: Done | None = None) -> list[int]:
+        """Hand each object to ``consume(index, view)`` (e.g. device DMA out of it): on this
+        host the segment's own memory, else a host buffer read first; with ``done``, consume
+        may leave its copy in flight until ``done()``, called once after every consume. Per key
+        the object's size, or a negative Status; LEASE_EXPIRED when the read lease ran out
+        before ``consume`` (and ``done``) returned: what it took may have been overwritten and
+        must be discarded."""
+        statuses, raws, positions = self._distinct_keys(keys)
+        return await self._with("batch_get_with", statuses, positions, self._path().read_with(
+            raws, lambda i, view: consume(positions[i], view), done))
+
+    def pin_shared_memory(self, pin: Any, unpin: Any) -> None:
+        """Run ``pin(view)`` on every shared-memory segment this client maps (its own too),
+        now and later, and ``unpin(view)`` before one is unmapped: e.g. registering them with
+        a device runtime so that ``batch_put_with`` / ``batch_get_with`` copies are DMA."""
+        self._path().shm.pin_mappings(pin, unpin)
+
+    def _distinct_keys(self, keys: Sequence[KeyLike]) -> tuple[list[Any], list[bytes], list[int]]:
+        """(per-key statuses so far, the valid distinct raw keys, their positions); an invalid
+        or repeated key gets its status (INVALID_KEY, INVALID_ARGUMENT)."""
+        statuses: list[Any] = [Status.OK] * len(keys)
+        raws: list[bytes] = []
+        positions: list[int] = []
+        seen: set[bytes] = set()
+        for index, key in enumerate(keys):
+            try:
+                raw = to_key(key)
+            except KVPoolError as exc:
+                statuses[index] = exc.status
+                continue
+            if raw in seen:
+                statuses[index] = Status.INVALID_ARGUMENT
+                continue
+            seen.add(raw)
+            raws.append(raw)
+            positions.append(index)
+        return statuses, raws, positions
+
+    async def _with(self, op: str, statuses: list[Any], positions: list[int],
+                    call: Any) -> list[Any]:
+        """Await ``call`` (skipped when no key is left) and merge its per-key results."""
+        started = time.perf_counter()
+        if not positions:
+            call.close()
+        else:
+            try:
+                results = await call
+            except KVPoolError as exc:
+                results = [exc.status] * len(positions)
+            for position, result in zip(positions, results, strict=True):
+                statuses[position] = result
+        self.metrics.observe_op(op, time.perf_counter() - started)
+        self.metrics.count_failures(op, [int(s) for s in statuses])
+        if op == "batch_get_with":
+            self.metrics.count_lookups(len(statuses), sum(1 for s in statuses if int(s) >= 0))
+            return [int(s) for s in statuses]
+        return statuses
 
     # -- reads ------------------------------------------------------------------------------------
 

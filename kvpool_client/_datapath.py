@@ -13,6 +13,10 @@ Rules of this file:
   checksum must match where one was committed; otherwise the bytes are never reported as read.
 - Call-level failures (the master cannot be reached) raise KVPoolError before anything changed;
   everything after ``put_start`` / ``get_replicas`` ends up in per-key statuses.
+- ``write_with`` / ``read_with`` are the same engines with the caller moving the bytes: its
+  ``fill(index, view)`` writes a placement (the segment's own bytes on this host, else a host
+  buffer then sent over tcp) between ``put_start`` and ``put_end``; its ``consume(index,
+  view)`` reads one replica, and what it read counts only if the lease held until it returned.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from kvpool_client._direct import (
+    Consumer,
+    Done,
+    Filler,
+    check_answers,
+    lease_deadline,
+    read_with,
+    write_with,
+)
 from kvpool_client.buffers import Regions, checksum
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc
@@ -33,9 +46,6 @@ from kvpool_client.types import Placement, PutOptions, SegmentInfo
 
 logger = logging.getLogger(__name__)
 
-#: Reads must finish this much before the lease runs out (clock-rate differences, scheduling).
-LEASE_MARGIN_RATIO = 0.02
-LEASE_MARGIN_MIN_S = 0.001
 #: Writes stop this long before liveness or the write capability runs out.
 WRITE_MARGIN_S = 0.05
 #: Batches of at least twice this many bytes are cut into concurrent sub-batches (at most
@@ -176,22 +186,7 @@ class DataPath:
     async def _write_batch(self, keys: list[bytes], regions: list[Regions], sizes: list[int],
                            options: PutOptions) -> list[Status]:
         checksums = [checksum(r) for r in regions] if self.checksum_enabled else None
-        epoch = self._epoch()
-        answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
-        if answers and all(status == Status.UNKNOWN_CLIENT for status, _ in answers):
-            await self._wait_reregistered()
-            epoch = self._epoch()
-            answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
-        _check_answers("PutStart", answers, keys)
-        statuses = [Status.OK] * len(keys)
-        jobs: list[tuple[int, Placement]] = []
-        for index, (status, placements) in enumerate(answers):
-            if status == Status.OK and placements:
-                jobs.extend((index, placement) for placement in placements)
-            elif status == Status.ALREADY_EXISTS:
-                continue
-            else:
-                statuses[index] = status if status != Status.OK else Status.INTERNAL_ERROR
+        epoch, statuses, jobs = await self._put_start(keys, sizes, options)
         if not jobs:
             return statuses
         for (index, _), status in zip(jobs, await self._write_placements(jobs, regions, epoch),
@@ -206,33 +201,69 @@ class DataPath:
             await self._commit(written, keys, checksums, statuses)
         return statuses
 
+    async def _put_start(self, keys: list[bytes], sizes: list[int], options: PutOptions
+                         ) -> tuple[int, list[Status], list[tuple[int, Placement]]]:
+        """``put_start`` (again once re-registered, when the master no longer knew this
+        client); return (the epoch it was granted in, per-key statuses so far, (key index,
+        placement) per placement to write)."""
+        epoch = self._epoch()
+        answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
+        if answers and all(status == Status.UNKNOWN_CLIENT for status, _ in answers):
+            await self._wait_reregistered()
+            epoch = self._epoch()
+            answers = await self.rpc.put_start(self.client_id, keys, sizes, options)
+        check_answers("PutStart", answers, keys)
+        statuses = [Status.OK] * len(keys)
+        jobs: list[tuple[int, Placement]] = []
+        for index, (status, placements) in enumerate(answers):
+            if status == Status.OK and placements:
+                jobs.extend((index, placement) for placement in placements)
+            elif status != Status.ALREADY_EXISTS:
+                statuses[index] = status if status != Status.OK else Status.INTERNAL_ERROR
+        return epoch, statuses, jobs
+
     async def _write_placements(self, jobs: list[tuple[int, Placement]], regions: list[Regions],
                                 epoch: int) -> list[Status]:
         infos = await self.resolve(p.segment_id for _, p in jobs)
         statuses = [Status.OK] * len(jobs)
-        # The master may have expired this client (paused process, lost heartbeats) and handed
-        # these ranges to another writer: abandon rather than overwrite someone else's bytes.
-        if self._epoch() != epoch:
-            return [Status.UNKNOWN_CLIENT] * len(jobs)
-        liveness = self.liveness
-        if liveness is not None and not liveness.is_alive(time.monotonic() + WRITE_MARGIN_S):
-            return [Status.TIMEOUT] * len(jobs)
-        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
         items: list[Item] = []
         chosen: list[int] = []
         for k, (index, placement) in enumerate(jobs):
             info = infos.get(placement.segment_id)
-            if info is None:
-                statuses[k] = Status.SEGMENT_NOT_FOUND
-            elif placement.capability_expiry_ms and placement.capability_expiry_ms < now_ms:
-                statuses[k] = Status.TIMEOUT
-            else:
+            statuses[k] = Status.SEGMENT_NOT_FOUND if info is None else \
+                self._writable(placement, epoch)
+            if statuses[k] == Status.OK:
+                assert info is not None
                 items.append((info, placement, regions[index]))
                 chosen.append(k)
         if items:
             for k, status in zip(chosen, await self.transfer(items, writing=True), strict=True):
                 statuses[k] = status
         return statuses
+
+    async def write_with(self, keys: list[bytes], sizes: list[int], options: PutOptions,
+                         fill: Filler, done: Done | None = None) -> list[Status]:
+        """Like ``write``, with ``fill`` moving the bytes (see ``_direct``)."""
+        return await write_with(self, keys, sizes, options, fill, done)
+
+    async def read_with(self, keys: Sequence[bytes], consume: Consumer,
+                        done: Done | None = None) -> list[int]:
+        """Like ``read``, with ``consume`` taking the bytes (see ``_direct``)."""
+        return await read_with(self, keys, consume, done)
+
+    def _writable(self, placement: Placement, epoch: int) -> Status:
+        """OK while this client may still write the placement. The master may have expired
+        this client (paused process, lost heartbeats) and handed the range to another writer:
+        then abandon rather than overwrite someone else's bytes."""
+        if self._epoch() != epoch:
+            return Status.UNKNOWN_CLIENT
+        liveness = self.liveness
+        if liveness is not None and not liveness.is_alive(time.monotonic() + WRITE_MARGIN_S):
+            return Status.TIMEOUT
+        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
+        if placement.capability_expiry_ms and placement.capability_expiry_ms < now_ms:
+            return Status.TIMEOUT
+        return Status.OK
 
     async def _revoke(self, keys: list[bytes]) -> None:
         try:
@@ -251,7 +282,7 @@ class DataPath:
             return
         try:
             answers = await self.rpc.put_end(self.client_id, commit_keys, commit_sums)
-            _check_answers("PutEnd", answers, commit_keys)
+            check_answers("PutEnd", answers, commit_keys)
         except KVPoolError as exc:
             answers = [exc.status] * len(written)
         for index, status in zip(written, answers, strict=True):
@@ -281,8 +312,8 @@ class DataPath:
     async def _read_batch(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
         sent = time.monotonic()
         results, lease_ttl_s = await self.rpc.get_replicas(self.client_id, keys)
-        _check_answers("GetReplicas", results, keys)
-        deadline = sent + lease_ttl_s - max(lease_ttl_s * LEASE_MARGIN_RATIO, LEASE_MARGIN_MIN_S)
+        check_answers("GetReplicas", results, keys)
+        deadline = lease_deadline(sent, lease_ttl_s)
         out = [0] * len(keys)
         need = [p.segment_id for r in results if r.status == Status.OK for p in r.placements]
         infos = await self.resolve(need) if need else {}
@@ -362,14 +393,6 @@ def pipeline_spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
             start = index + 1
     spans.append((start, len(sizes)))
     return [span for span in spans if span[0] < span[1]]
-
-
-def _check_answers(call: str, answers: Sequence[object], keys: Sequence[bytes]) -> None:
-    """A batch answer must have one item per key: a short one would leave keys unanswered,
-    and an unanswered key must never pass for a success. Raises INTERNAL_ERROR."""
-    if len(answers) != len(keys):
-        raise KVPoolError(Status.INTERNAL_ERROR,
-                          f"{call} answered {len(answers)} items for {len(keys)} keys")
 
 
 def _shifted(dst_for: DstFor, start: int) -> DstFor:

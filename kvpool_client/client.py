@@ -151,6 +151,23 @@ class KVPoolClient:
         return self._thread.run(self._client.batch_put_regions(keys, regions, options,
                                                                async_write))
 
+    def batch_put_with(self, keys: Sequence[KeyLike], sizes: Sequence[int], fill: Any,
+                       options: PutOptions | None = None, done: Any = None) -> list[Status]:
+        """See AsyncKVPoolClient.batch_put_with."""
+        return self._thread.run(self._client.batch_put_with(keys, sizes, fill, options, done))
+
+    def batch_get_with(self, keys: Sequence[KeyLike], consume: Any,
+                       done: Any = None) -> list[int]:
+        """See AsyncKVPoolClient.batch_get_with."""
+        return self._thread.run(self._client.batch_get_with(keys, consume, done))
+
+    def pin_shared_memory(self, pin: Any, unpin: Any) -> None:
+        """See AsyncKVPoolClient.pin_shared_memory."""
+        self._thread.run(self._pin(pin, unpin))
+
+    async def _pin(self, pin: Any, unpin: Any) -> None:
+        self._client.pin_shared_memory(pin, unpin)
+
     # -- reads ------------------------------------------------------------------------------------
 
     def get(self, key: KeyLike) -> bytes | None:

@@ -11,17 +11,22 @@ Rules of this file:
   no capability check on this path: a process of the same user could map the file anyway; the
   mode 0600 keeps every other user out.
 - Every placement is bounds-checked against the mapping before any byte moves.
+- ``borrow`` lends a placement's bytes in the mapping to the caller (which moves them itself,
+  e.g. by device DMA) and keeps the mapping alive meanwhile. ``pin_mappings`` installs a
+  pin / unpin pair (page-locking for DMA) run on every mapping, present and future; a pinned
+  mapping is unpinned before it is unmapped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import os
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from kvpool_client.segments import SHM_DIR, LocalSegment
 from kvpool_client.status import KVPoolError, Status
@@ -36,6 +41,8 @@ from kvpool_client.transfer.base import (
 from kvpool_client.transfer.copy import Copy, ParallelCopier
 from kvpool_client.types import Placement, SegmentInfo
 
+logger = logging.getLogger(__name__)
+
 _NAME_PREFIX = "kvpool."
 _MAX_NAME_CHARS = 255
 
@@ -44,7 +51,7 @@ class _Mapping:
     """One peer segment mapped into this process."""
 
     __slots__ = ("busy", "checked_at_s", "inode", "mapping", "retired", "shm_name", "size_bytes",
-                 "view")
+                 "unpin", "view")
 
     def __init__(self, shm_name: str, mapping: mmap.mmap | None, view: memoryview,
                  inode: int, now_s: float) -> None:
@@ -56,10 +63,15 @@ class _Mapping:
         self.busy = 0  # copies running on it
         self.retired = False
         self.checked_at_s = now_s
+        self.unpin: Callable[[memoryview], None] | None = None  # set while pinned
 
     def unmap(self) -> None:
         """Unmap now, or, while slices of the view are still referenced, when the last goes
         (the mmap object unmaps itself when freed; nothing can then point into it)."""
+        unpin, self.unpin = self.unpin, None
+        if unpin is not None:
+            with contextlib.suppress(Exception):  # never keep a mapping alive for it
+                unpin(self.view)
         mapping, self.mapping = self.mapping, None
         if mapping is None:
             return
@@ -78,6 +90,7 @@ class ShmTransport:
         self._recheck_interval_s = recheck_interval_s
         self._segment_id_to_mapping: dict[str, _Mapping] = {}
         self._closed = False
+        self._pin: tuple[Callable[[memoryview], None], Callable[[memoryview], None]] | None = None
 
     async def write(self, segment: SegmentInfo, placement: Placement, src: Regions) -> None:
         """Copy ``src`` into the placement. Raises KVPoolError INVALID_ARGUMENT (bad regions,
@@ -99,6 +112,44 @@ class ShmTransport:
     async def read_batch(self, items: Sequence[Item]) -> list[Status]:
         """Read every item (copies of the whole batch run together); one Status per item."""
         return [status_of(error) for error in await self._run(items, writing=False)]
+
+    @contextlib.contextmanager
+    def borrow(self, segment: SegmentInfo, placement: Placement) -> Iterator[memoryview]:
+        """The placement's bytes in the mapping, mapped until the block ends. Raises
+        KVPoolError like write() (bounds, not a kvpool segment, SEGMENT_NOT_FOUND, closed)."""
+        if self._closed:
+            raise KVPoolError(Status.UNAVAILABLE, "shm transport is closed")
+        if placement.segment_id != segment.segment_id:
+            raise KVPoolError(Status.INVALID_ARGUMENT, "the placement names another segment")
+        mapping = self._mapping(segment)
+        check_range(placement.offset, placement.length, mapping.size_bytes)
+        mapping.busy += 1
+        try:
+            yield mapping.view[placement.offset:placement.offset + placement.length]
+        finally:
+            self._release([mapping])
+
+    def pin_mappings(self, pin: Callable[[memoryview], None],
+                     unpin: Callable[[memoryview], None]) -> None:
+        """Run ``pin(view)`` on every mapping (this process's own segments too) now and as
+        segments are mapped, and ``unpin(view)`` before each is unmapped. One pair per
+        transport; a mapping that ``pin`` fails on stays in use unpinned."""
+        if self._pin is not None:
+            raise KVPoolError(Status.INVALID_ARGUMENT, "mappings are already pinned")
+        self._pin = (pin, unpin)
+        for mapping in self._segment_id_to_mapping.values():
+            self._pin_one(mapping)
+
+    def _pin_one(self, mapping: _Mapping) -> None:
+        if self._pin is None or mapping.unpin is not None:
+            return
+        pin, unpin = self._pin
+        try:
+            pin(mapping.view)
+        except Exception as exc:  # a lock limit, say: the mapping still works, just slower
+            logger.warning("pinning segment memory %s failed: %s", mapping.shm_name, exc)
+            return
+        mapping.unpin = unpin
 
     def forget(self, segment_id: str) -> None:
         """Drop the mapping of ``segment_id`` (e.g. it was unmounted); unmapped once idle."""
@@ -195,6 +246,7 @@ class ShmTransport:
         else:
             mapping = self._map(segment.segment_id, segment.shm_name, now_s)
         self._segment_id_to_mapping[segment.segment_id] = mapping
+        self._pin_one(mapping)
         return mapping
 
     @staticmethod
