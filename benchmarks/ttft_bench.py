@@ -42,8 +42,15 @@ def build_model(args: argparse.Namespace) -> Any:
                          intermediate_size=2 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=16384)
-    return Qwen2ForCausalLM(config).eval().to(device=args.device, dtype=getattr(torch,
-                                                                                 args.dtype))
+    # weights are made where they run, in their dtype (a large model's random init on the host
+    # would take minutes)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    try:
+        with torch.device(args.device):
+            return Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def worker(client: KVPoolClient, model: Any, num_blocks: int) -> tuple[TieredPrefixCache, Any]:
@@ -72,6 +79,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, npu")
+    parser.add_argument("--pool-gib", type=float, default=2.0, help="the writer's segment")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16",
                                                                "float16"])
     args = parser.parse_args()
@@ -85,7 +93,8 @@ def main() -> None:
                 "master_server_address": address, "local_hostname": "127.0.0.1",
                 "global_segment_size": segment_bytes}))
 
-        with client(2 << 30) as writer_client, client(256 << 20) as reader_client:
+        pool_bytes = int(args.pool_gib * (1 << 30))
+        with client(pool_bytes) as writer_client, client(256 << 20) as reader_client:
             print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
                   f"({args.kv_heads} KV), {args.dtype} on {args.device}, {args.threads} CPU "
                   f"thread(s); block "

@@ -16,12 +16,13 @@ Rules of this file:
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool_client.prefix import PrefixPool, RegionBlockIO
-from kvpool_client.status import Status
+from kvpool_client.status import KVPoolError, Status
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +238,7 @@ class StagedBlockIO:
     """
 
     def __init__(self, cache: PagedKVCache, pool: RegisteringPool, *,
-                 chunk_blocks: int | None = None) -> None:
+                 chunk_blocks: int | None = None, direct: bool | None = None) -> None:
         torch = import_torch()
         if chunk_blocks is None:  # one pool call per CHUNK_BYTES: master calls amortized
             chunk_blocks = max(1, CHUNK_BYTES // cache.object_bytes)
@@ -261,6 +262,13 @@ class StagedBlockIO:
                               for t in pair]
         # async writes keep their own staging alive until the pool has written them (flush)
         self._async_buffers: list[Any] = []
+        #: CUDA caches over a pool that lets the caller move the bytes: blocks cross between
+        #: the device staging buffer and the segments by DMA, with no host copy
+        #: (None: whenever both hold; False: always through the host staging buffers)
+        self.direct = cache.device.type == "cuda" and callable(
+            getattr(pool, "batch_put_with", None)) and direct is not False
+        if self.direct:
+            _pin_segments_for_cuda(pool)
 
     def _host_buffer(self, torch: Any, size_bytes: int) -> Any:
         return torch.empty(size_bytes, dtype=torch.uint8, pin_memory=self.module is not None)
@@ -294,7 +302,8 @@ class StagedBlockIO:
         return event
 
     def _gather(self, block_ids: Sequence[int], host: Any) -> Any:
-        """Copy the blocks, in object order, to the start of ``host``; return an event."""
+        """Copy the blocks, in object order, to the start of ``host`` (None: only to the device
+        staging buffer); return an event."""
         torch = import_torch()
         count = len(block_ids)
 
@@ -305,6 +314,8 @@ class StagedBlockIO:
                 torch.stack(rows, dim=1, out=self._objects(host, count))
                 return
             torch.stack(rows, dim=1, out=self._objects(self.device_staging, count))
+            if host is None:
+                return
             nbytes = count * self.cache.object_bytes
             host[:nbytes].copy_(self.device_staging[:nbytes], non_blocking=True)
 
@@ -317,8 +328,11 @@ class StagedBlockIO:
         count = max(positions) + 1
 
         def work() -> None:
-            objects = self._objects(host, count)
-            if self.device_staging is not None:
+            if host is None:  # the objects are in the device staging buffer already
+                objects = self._objects(self.device_staging, count)
+            else:
+                objects = self._objects(host, count)
+            if host is not None and self.device_staging is not None:
                 nbytes = count * self.cache.object_bytes
                 self.device_staging[:nbytes].copy_(host[:nbytes], non_blocking=True)
                 objects = self._objects(self.device_staging, count)
@@ -346,6 +360,8 @@ class StagedBlockIO:
             return []
         if async_write:
             return self._put_async(keys, block_ids)
+        if self.direct:
+            return self._put_direct(keys, block_ids)
         ok: list[bool] = []
         pending: tuple[Sequence[str], int, Any] | None = None
         for start in range(0, len(keys), self.chunk_blocks):
@@ -364,6 +380,59 @@ class StagedBlockIO:
         statuses = self.pool.batch_put_regions(
             keys, self._object_views(self.staging_views[slot], len(keys)))
         return [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
+
+    def _put_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        size = self.cache.object_bytes
+        ok: list[bool] = []
+        for start in range(0, len(keys), self.chunk_blocks):
+            chunk_keys = keys[start:start + self.chunk_blocks]
+            self._wait(self._gather(block_ids[start:start + self.chunk_blocks], None))
+            held: list[Any] = []  # host tensors over the views, alive until the copies end
+
+            def fill(i: int, view: memoryview, held: list[Any] = held) -> None:
+                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
+                                      to_device=False))
+
+            statuses = self.pool.batch_put_with(chunk_keys, [size] * len(chunk_keys), fill,
+                                                done=self.stream.synchronize)
+            ok += [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
+        return ok
+
+    def _get_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        size = self.cache.object_bytes
+        ok: list[bool] = []
+        event = None
+        for start in range(0, len(keys), self.chunk_blocks):
+            self._wait(event)  # the last chunk's scatter is done with the device staging
+            held: list[Any] = []
+
+            def consume(i: int, view: memoryview, held: list[Any] = held) -> None:
+                if view.nbytes != size:
+                    raise ValueError(f"object of {view.nbytes} bytes, a block is {size}")
+                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
+                                      to_device=True))
+
+            got = self.pool.batch_get_with(keys[start:start + self.chunk_blocks], consume,
+                                           done=self.stream.synchronize)
+            chunk_ok = [n == size for n in got]
+            arrived = [i for i, good in enumerate(chunk_ok) if good]
+            event = self._scatter(block_ids[start:start + self.chunk_blocks], arrived, None)
+            ok += chunk_ok
+        self._wait(event)
+        self.module.current_stream(self.cache.device).wait_stream(self.stream)
+        return ok
+
+    def _dma(self, view: memoryview, device_bytes: Any, *, to_device: bool) -> Any:
+        """Queue a copy between a pool view and device bytes on the side stream; return the
+        host tensor over the view (keep it until the stream is synchronized)."""
+        torch = import_torch()
+        host = torch.frombuffer(view, dtype=torch.uint8)
+        with self.module.stream(self.stream):
+            if to_device:
+                device_bytes.copy_(host, non_blocking=True)
+            else:
+                host.copy_(device_bytes, non_blocking=True)
+        return host
 
     def _put_async(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         torch = import_torch()
@@ -396,6 +465,8 @@ class StagedBlockIO:
             raise ValueError("one key per block")
         for block_id in block_ids:
             self.cache._check_block(block_id)
+        if self.direct:
+            return self._get_direct(keys, block_ids)
         ok: list[bool] = []
         events: list[Any] = [None, None]
         for start in range(0, len(keys), self.chunk_blocks):
@@ -414,6 +485,31 @@ class StagedBlockIO:
         if self.module is not None:
             self.module.current_stream(self.cache.device).wait_stream(self.stream)
         return ok
+
+
+def _pin_segments_for_cuda(pool: Any) -> None:
+    """Have ``pool`` page-lock every segment it maps with CUDA (once per pool), so copies
+    between them and the device are DMA; a pool already pinning is left as it is."""
+    torch = import_torch()
+    cudart = torch.cuda.cudart()
+
+    def address(view: memoryview) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+    def pin(view: memoryview) -> None:
+        # portable: pinned for every device's context, not only the current one
+        err = cudart.cudaHostRegister(address(view), view.nbytes, 1)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed: {err}")
+
+    def unpin(view: memoryview) -> None:
+        cudart.cudaHostUnregister(address(view))
+
+    try:
+        pool.pin_shared_memory(pin, unpin)
+    except KVPoolError as exc:
+        if exc.status != Status.INVALID_ARGUMENT:  # INVALID_ARGUMENT: pinned already
+            raise
 
 
 # --- transformers glue: a contiguous-KV engine over the paged cache -----------------------

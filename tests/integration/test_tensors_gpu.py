@@ -1,9 +1,10 @@
 """CUDA paged KV caches through a real master and real clients (marker ``gpu``).
 
-The staged path of ``kvpool_client.tensors``: device blocks -> pinned staging -> pool and
-back, on a side stream, over shared memory and forced TCP. Checks byte-exactness, ordering
-against work still queued on the caller's stream (both directions), a missing block left
-untouched, the fused layout and async writes. Skipped where torch has no CUDA device.
+``StagedBlockIO`` both ways: direct (device <-> the segment's own page-locked memory by DMA,
+or a host buffer over forced TCP) and through pinned host staging buffers, on a side stream.
+Checks byte-exactness, ordering against work still queued on the caller's stream (both
+directions), a missing block left untouched, the fused layout and async writes. Skipped
+where torch has no CUDA device.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ def _block_bytes(cache: PagedKVCache, block_id: int) -> bytes:
 
 
 @pytest.mark.parametrize("clients", ["auto", "tcp"], indirect=True)
-@pytest.mark.parametrize("chunk_blocks", [1, 8])
+@pytest.mark.parametrize(("chunk_blocks", "direct"), [(1, None), (8, None), (8, False)])
 def test_device_blocks_round_trip_in_order_with_the_callers_stream(
-        clients: tuple[KVPoolClient, KVPoolClient], chunk_blocks: int) -> None:
+        clients: tuple[KVPoolClient, KVPoolClient], chunk_blocks: int,
+        direct: bool | None) -> None:
     writer, reader = clients
     src = PagedKVCache.allocate(**GEOMETRY)
-    put_io = StagedBlockIO(src, writer, chunk_blocks=chunk_blocks)
+    put_io = StagedBlockIO(src, writer, chunk_blocks=chunk_blocks, direct=direct)
+    assert put_io.direct is (direct is None)
     _fill_late(src, seed=1)
     src_ids = list(range(3, 40, 2))[:17]  # 17 blocks: the last chunk is partial
     keys = [f"blk{i}" for i in src_ids]
@@ -67,7 +70,7 @@ def test_device_blocks_round_trip_in_order_with_the_callers_stream(
         assert reader.get(key) == _block_bytes(src, block_id)
 
     dst = PagedKVCache.allocate(**GEOMETRY)
-    get_io = StagedBlockIO(dst, reader, chunk_blocks=chunk_blocks)
+    get_io = StagedBlockIO(dst, reader, chunk_blocks=chunk_blocks, direct=direct)
     dst_ids = list(range(20))
     wanted = keys[:5] + ["absent"] + keys[6:] + ["absent2", "absent3", "absent4"]
     side = torch.cuda.Stream()
