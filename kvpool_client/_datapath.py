@@ -309,14 +309,20 @@ class DataPath:
             return_exceptions=True)
         return [int(x) for x in _joined(parts, spans)]
 
-    async def _read_batch(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
+    async def _get_replicas(self, keys: Sequence[bytes]
+                            ) -> tuple[list[Any], float, dict[str, SegmentInfo]]:
+        """``get_replicas``; return (its per-key results, the monotonic time by which the
+        bytes must have been read, the descriptors of the segments they are on)."""
         sent = time.monotonic()
         results, lease_ttl_s = await self.rpc.get_replicas(self.client_id, keys)
         check_answers("GetReplicas", results, keys)
-        deadline = lease_deadline(sent, lease_ttl_s)
-        out = [0] * len(keys)
         need = [p.segment_id for r in results if r.status == Status.OK for p in r.placements]
         infos = await self.resolve(need) if need else {}
+        return results, lease_deadline(sent, lease_ttl_s), infos
+
+    async def _read_batch(self, keys: Sequence[bytes], dst_for: DstFor) -> list[int]:
+        results, deadline, infos = await self._get_replicas(keys)
+        out = [0] * len(keys)
         # job: (key index, candidate items in preference order); attempt n uses candidate n
         jobs: list[tuple[int, list[Item]]] = []
         for index, result in enumerate(results):

@@ -141,13 +141,8 @@ async def read_with(path: DataPath, keys: Sequence[bytes], consume: Consumer,
     """Like ``read``, but ``consume`` takes each object (see the module docstring); per key
     its size, or a negative Status (LEASE_EXPIRED when the lease ran out before ``consume``
     and ``done`` returned: what was taken must not be used)."""
-    sent = time.monotonic()
-    results, lease_ttl_s = await path.rpc.get_replicas(path.client_id, keys)
-    check_answers("GetReplicas", results, keys)
-    deadline = lease_deadline(sent, lease_ttl_s)
+    results, deadline, infos = await path._get_replicas(keys)
     out = [0] * len(keys)
-    need = [p.segment_id for r in results if r.status == Status.OK for p in r.placements]
-    infos = await path.resolve(need) if need else {}
     views: dict[int, memoryview] = {}
     remote: list[tuple[int, Item]] = []
     taken: list[int] = []
