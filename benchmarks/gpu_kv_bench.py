@@ -37,7 +37,8 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.connectors.mindie import KVPoolMempool
 from kvpool_client.replay import spawned_master
-from kvpool_client.tensors import PagedKVCache, StagedBlockIO
+from kvpool_client.staging import StagedBlockIO
+from kvpool_client.tensors import PagedKVCache
 
 
 def median_gbps(nbytes: int, run: Callable[[int], None], repeats: int, sync: Callable[[], None]

@@ -1,31 +1,32 @@
-"""Paged KV-cache tensors <-> pool objects. The only kvpool module that imports torch.
+"""Paged KV-cache tensors <-> pool objects (device caches through ``staging``).
 
 Rules of this file:
 - torch (and torch_npu, for ``npu`` devices) is imported on first use, never at import time,
-  so ``kvpool_client`` stays importable without it.
+  so ``kvpool_client`` stays importable without it (here and in ``staging``, the only other
+  module that touches tensors).
 - A cache holds, per layer, a K and a V tensor ``[num_blocks, block_size, heads, head_dim]``
   (or one fused ``[2, num_blocks, block_size, heads, head_dim]`` tensor, whose two halves are
   exactly those). One pool object holds one block of one rank: every layer's K and V of that
   block, as regions in the order ``[L0.K, L0.V, L1.K, L1.V, ...]`` (MindIE's order).
 - No extra copies. A CPU cache is read and written in place: each region is a ``memoryview``
-  onto the tensor's own storage. A device cache (``cuda``, ``npu``) goes through two pinned,
-  registered host staging buffers: one chunk of blocks is gathered on the device (a few
-  kernels, not one copy per region) and crosses in one host copy on a side stream while the
-  previous chunk moves between its staging buffer and the pool.
+  onto the tensor's own storage. A device cache (``cuda``, ``npu``) moves through
+  ``staging.StagedBlockIO``: a chunk of blocks is gathered or scattered on the device in a few
+  kernels and crosses by DMA straight to the segments (CUDA over a kvpool client) or through
+  pinned host staging buffers.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool_client.prefix import PrefixPool, RegionBlockIO
-from kvpool_client.status import KVPoolError, Status
 
 if TYPE_CHECKING:
     import torch
+
+    from kvpool_client.staging import StagedBlockIO
 
 LAYOUTS = ("separate", "fused")
 
@@ -136,14 +137,14 @@ class PagedKVCache:
         """The block's regions as memoryviews onto the tensors' own storage (CPU caches only)."""
         if self.device.type != "cpu":
             raise ValueError(f"a {self.device.type} cache has no host memoryviews: use staging")
-        return [_host_view(t) for t in self.block_tensors(block_id)]
+        return [host_view(t) for t in self.block_tensors(block_id)]
 
     def storage_views(self) -> list[memoryview]:
         """Byte views of every whole K and V tensor (CPU caches only), for buffer registration."""
         if self.device.type != "cpu":
             raise ValueError("only a CPU cache can be registered as host memory")
         torch = import_torch()
-        return [_host_view(t.view(-1).view(torch.uint8)) for t in (*self.k_caches,
+        return [host_view(t.view(-1).view(torch.uint8)) for t in (*self.k_caches,
                                                                     *self.v_caches)]
 
     # --- sequence helpers for engines that keep a contiguous KV (e.g. transformers) -------
@@ -189,7 +190,8 @@ class PagedKVCache:
         return out
 
 
-def _host_view(t: torch.Tensor) -> memoryview:
+def host_view(t: torch.Tensor) -> memoryview:
+    """A byte view onto a CPU tensor's own storage (no copy)."""
     # Tensor.numpy() shares storage and keeps the tensor alive as the array's base; the view
     # keeps the array alive.
     return t.numpy().data.cast("B")
@@ -210,306 +212,13 @@ def make_block_io(cache: PagedKVCache, pool: RegisteringPool, *,
     A CPU cache's tensors are registered with the pool as they are; a device cache gets
     pinned staging buffers, registered likewise.
     """
+    from kvpool_client.staging import StagedBlockIO
+
     if cache.device.type == "cpu":
         for view in cache.storage_views():
             pool.register_buffer(view)
         return RegionBlockIO(pool, cache.block_regions)
     return StagedBlockIO(cache, pool, chunk_blocks=chunk_blocks)
-
-
-#: Bytes of blocks a staged transfer moves per pool call, by default. Each of the two host
-#: staging buffers and the device staging buffer is this large. On an H100 host, 2 MiB blocks
-#: saved / loaded 32 MiB per call moved at 8.3 / 7.6 GB/s, 128 MiB per call at 12.4 / 11.7
-#: (``benchmarks/gpu_kv_bench.py``, 4 copy threads).
-CHUNK_BYTES = 64 << 20
-
-
-class StagedBlockIO:
-    """Blocks move device <-> pinned host staging <-> pool, one chunk overlapping the next.
-
-    A chunk of blocks is gathered on the device in a few kernels (one indexed gather per K or
-    V tensor, one stack into object order) into a device staging buffer, which then crosses
-    to pinned host memory in one copy; loading runs the same steps backwards. All device work
-    is on one side stream, so one device staging buffer serves every chunk, while two host
-    staging buffers let the pool move one chunk while the device copies the next.
-
-    It also runs on a CPU cache (the host staging buffer is then gathered into directly and
-    copies are synchronous), which is how its chunking is tested where no accelerator exists.
-    """
-
-    def __init__(self, cache: PagedKVCache, pool: RegisteringPool, *,
-                 chunk_blocks: int | None = None, direct: bool | None = None) -> None:
-        torch = import_torch()
-        if chunk_blocks is None:  # one pool call per CHUNK_BYTES: master calls amortized
-            chunk_blocks = max(1, CHUNK_BYTES // cache.object_bytes)
-        if chunk_blocks <= 0:
-            raise ValueError(f"chunk_blocks must be > 0, got {chunk_blocks}")
-        self.cache = cache
-        self.pool = pool
-        self.chunk_blocks = chunk_blocks
-        self.module = device_module(cache.device)
-        self.stream = None if self.module is None else self.module.Stream(device=cache.device)
-        size = chunk_blocks * cache.object_bytes
-        self.staging = [self._host_buffer(torch, size) for _ in range(2)]
-        self.staging_views = [_host_view(t) for t in self.staging]
-        for view in self.staging_views:
-            pool.register_buffer(view)
-        self.device_staging = None if self.module is None else torch.empty(
-            size, dtype=torch.uint8, device=cache.device)
-        # every K and V tensor as [num_blocks, region bytes], in object order
-        self.region_tables = [t.view(cache.num_blocks, -1).view(torch.uint8)
-                              for pair in zip(cache.k_caches, cache.v_caches, strict=True)
-                              for t in pair]
-        # async writes keep their own staging alive until the pool has written them (flush)
-        self._async_buffers: list[Any] = []
-        #: CUDA caches over a pool that lets the caller move the bytes: blocks cross between
-        #: the device staging buffer and the segments by DMA, with no host copy
-        #: (None: whenever both hold; False: always through the host staging buffers)
-        self.direct = cache.device.type == "cuda" and callable(
-            getattr(pool, "batch_put_with", None)) and direct is not False
-        if self.direct:
-            _pin_segments_for_cuda(pool)
-
-    def _host_buffer(self, torch: Any, size_bytes: int) -> Any:
-        return torch.empty(size_bytes, dtype=torch.uint8, pin_memory=self.module is not None)
-
-    def _object_views(self, view: memoryview, count: int) -> list[list[memoryview]]:
-        size = self.cache.object_bytes
-        return [[view[i * size:(i + 1) * size]] for i in range(count)]
-
-    def _objects(self, flat: Any, count: int) -> Any:
-        """``flat``'s first ``count`` objects as ``[count, regions, region bytes]``."""
-        return flat[:count * self.cache.object_bytes].view(count, len(self.region_tables), -1)
-
-    def _index(self, block_ids: Sequence[int]) -> Any:
-        torch = import_torch()
-        return torch.as_tensor(list(block_ids), dtype=torch.long).to(self.cache.device,
-                                                                     non_blocking=True)
-
-    def _on_side_stream(self, work: Any) -> Any:
-        """Run ``work()`` on the side stream after the caller's queued work; return an event
-        that completes with it (None on CPU, where it ran synchronously)."""
-        module, stream = self.module, self.stream
-        if module is None or stream is None:
-            work()
-            return None
-        # the side stream starts after the work already queued (the KV being written)
-        stream.wait_stream(module.current_stream(self.cache.device))
-        with module.stream(stream):
-            work()
-            event = module.Event()
-            event.record(stream)
-        return event
-
-    def _gather(self, block_ids: Sequence[int], host: Any) -> Any:
-        """Copy the blocks, in object order, to the start of ``host`` (None: only to the device
-        staging buffer); return an event."""
-        torch = import_torch()
-        count = len(block_ids)
-
-        def work() -> None:
-            index = self._index(block_ids)
-            rows = [table.index_select(0, index) for table in self.region_tables]
-            if self.device_staging is None:
-                torch.stack(rows, dim=1, out=self._objects(host, count))
-                return
-            torch.stack(rows, dim=1, out=self._objects(self.device_staging, count))
-            if host is None:
-                return
-            nbytes = count * self.cache.object_bytes
-            host[:nbytes].copy_(self.device_staging[:nbytes], non_blocking=True)
-
-        return self._on_side_stream(work)
-
-    def _scatter(self, block_ids: Sequence[int], positions: Sequence[int], host: Any) -> Any:
-        """Copy the objects at ``positions`` of ``host`` into ``block_ids[position]``."""
-        if not positions:
-            return None
-        count = max(positions) + 1
-
-        def work() -> None:
-            if host is None:  # the objects are in the device staging buffer already
-                objects = self._objects(self.device_staging, count)
-            else:
-                objects = self._objects(host, count)
-            if host is not None and self.device_staging is not None:
-                nbytes = count * self.cache.object_bytes
-                self.device_staging[:nbytes].copy_(host[:nbytes], non_blocking=True)
-                objects = self._objects(self.device_staging, count)
-            if len(positions) < count:  # some objects did not arrive: skip their rows
-                objects = objects[self._index(positions)]
-            index = self._index([block_ids[p] for p in positions])
-            for region, table in enumerate(self.region_tables):
-                table.index_copy_(0, index, objects[:, region])
-
-        return self._on_side_stream(work)
-
-    @staticmethod
-    def _wait(event: Any) -> None:
-        if event is not None:
-            event.synchronize()
-
-    def put_blocks(self, keys: Sequence[str], block_ids: Sequence[int], *,
-                   async_write: bool = False) -> list[bool]:
-        """Write device blocks to the pool; True per block written (or queued, with async)."""
-        if len(keys) != len(block_ids):
-            raise ValueError("one key per block")
-        for block_id in block_ids:
-            self.cache._check_block(block_id)
-        if not keys:
-            return []
-        if async_write:
-            return self._put_async(keys, block_ids)
-        if self.direct:
-            return self._put_direct(keys, block_ids)
-        ok: list[bool] = []
-        pending: tuple[Sequence[str], int, Any] | None = None
-        for start in range(0, len(keys), self.chunk_blocks):
-            slot = (start // self.chunk_blocks) % 2
-            chunk_ids = block_ids[start:start + self.chunk_blocks]
-            event = self._gather(chunk_ids, self.staging[slot])
-            if pending is not None:  # the previous chunk goes to the pool while this one copies
-                ok += self._put_slot(*pending)
-            pending = (keys[start:start + self.chunk_blocks], slot, event)
-        if pending is not None:
-            ok += self._put_slot(*pending)
-        return ok
-
-    def _put_slot(self, keys: Sequence[str], slot: int, event: Any) -> list[bool]:
-        self._wait(event)
-        statuses = self.pool.batch_put_regions(
-            keys, self._object_views(self.staging_views[slot], len(keys)))
-        return [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
-
-    def _put_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        size = self.cache.object_bytes
-        ok: list[bool] = []
-        for start in range(0, len(keys), self.chunk_blocks):
-            chunk_keys = keys[start:start + self.chunk_blocks]
-            self._wait(self._gather(block_ids[start:start + self.chunk_blocks], None))
-            held: list[Any] = []  # host tensors over the views, alive until the copies end
-
-            def fill(i: int, view: memoryview, held: list[Any] = held) -> None:
-                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
-                                      to_device=False))
-
-            statuses = self.pool.batch_put_with(chunk_keys, [size] * len(chunk_keys), fill,
-                                                done=self.stream.synchronize)
-            ok += [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
-        return ok
-
-    def _get_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        size = self.cache.object_bytes
-        ok: list[bool] = []
-        event = None
-        for start in range(0, len(keys), self.chunk_blocks):
-            self._wait(event)  # the last chunk's scatter is done with the device staging
-            held: list[Any] = []
-
-            def consume(i: int, view: memoryview, held: list[Any] = held) -> None:
-                if view.nbytes != size:
-                    raise ValueError(f"object of {view.nbytes} bytes, a block is {size}")
-                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
-                                      to_device=True))
-
-            got = self.pool.batch_get_with(keys[start:start + self.chunk_blocks], consume,
-                                           done=self.stream.synchronize)
-            chunk_ok = [n == size for n in got]
-            arrived = [i for i, good in enumerate(chunk_ok) if good]
-            event = self._scatter(block_ids[start:start + self.chunk_blocks], arrived, None)
-            ok += chunk_ok
-        self._wait(event)
-        self.module.current_stream(self.cache.device).wait_stream(self.stream)
-        return ok
-
-    def _dma(self, view: memoryview, device_bytes: Any, *, to_device: bool) -> Any:
-        """Queue a copy between a pool view and device bytes on the side stream; return the
-        host tensor over the view (keep it until the stream is synchronized)."""
-        torch = import_torch()
-        host = torch.frombuffer(view, dtype=torch.uint8)
-        with self.module.stream(self.stream):
-            if to_device:
-                device_bytes.copy_(host, non_blocking=True)
-            else:
-                host.copy_(device_bytes, non_blocking=True)
-        return host
-
-    def _put_async(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        torch = import_torch()
-        size = self.cache.object_bytes
-        staging = self._host_buffer(torch, len(keys) * size)
-        for start in range(0, len(keys), self.chunk_blocks):
-            chunk_ids = block_ids[start:start + self.chunk_blocks]
-            self._wait(self._gather(chunk_ids, staging[start * size:]))
-        view = _host_view(staging)
-        self.pool.register_buffer(view)
-        self._async_buffers.append((staging, view))
-        statuses = self.pool.batch_put_regions(
-            keys, self._object_views(view, len(keys)), async_write=True)
-        return [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
-
-    def flush(self) -> None:
-        """Wait for the pool's async writes, then drop their staging buffers."""
-        try:
-            self.pool.flush()
-        finally:
-            self._async_buffers.clear()
-
-    def get_blocks(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        """Read pool objects into device blocks; True per block whose bytes all arrived.
-
-        Returns once the data is on the device and ordered before later work on the current
-        stream.
-        """
-        if len(keys) != len(block_ids):
-            raise ValueError("one key per block")
-        for block_id in block_ids:
-            self.cache._check_block(block_id)
-        if self.direct:
-            return self._get_direct(keys, block_ids)
-        ok: list[bool] = []
-        events: list[Any] = [None, None]
-        for start in range(0, len(keys), self.chunk_blocks):
-            slot = (start // self.chunk_blocks) % 2
-            self._wait(events[slot])  # the scatter that last used this staging is done
-            chunk_keys = keys[start:start + self.chunk_blocks]
-            views = self._object_views(self.staging_views[slot], len(chunk_keys))
-            got = self.pool.batch_get_regions(chunk_keys, views)
-            chunk_ok = [n == self.cache.object_bytes for n in got]
-            chunk_ids = block_ids[start:start + self.chunk_blocks]
-            arrived = [i for i, good in enumerate(chunk_ok) if good]
-            events[slot] = self._scatter(chunk_ids, arrived, self.staging[slot])
-            ok += chunk_ok
-        for event in events:
-            self._wait(event)
-        if self.module is not None:
-            self.module.current_stream(self.cache.device).wait_stream(self.stream)
-        return ok
-
-
-def _pin_segments_for_cuda(pool: Any) -> None:
-    """Have ``pool`` page-lock every segment it maps with CUDA (once per pool), so copies
-    between them and the device are DMA; a pool already pinning is left as it is."""
-    torch = import_torch()
-    cudart = torch.cuda.cudart()
-
-    def address(view: memoryview) -> int:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-    def pin(view: memoryview) -> None:
-        # portable: pinned for every device's context, not only the current one
-        err = cudart.cudaHostRegister(address(view), view.nbytes, 1)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed: {err}")
-
-    def unpin(view: memoryview) -> None:
-        cudart.cudaHostUnregister(address(view))
-
-    try:
-        pool.pin_shared_memory(pin, unpin)
-    except KVPoolError as exc:
-        if exc.status != Status.INVALID_ARGUMENT:  # INVALID_ARGUMENT: pinned already
-            raise
 
 
 # --- transformers glue: a contiguous-KV engine over the paged cache -----------------------

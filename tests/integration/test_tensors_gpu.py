@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.gpu,
 
 from kvpool_client.client import KVPoolClient  # noqa: E402
 from kvpool_client.config import ClientConfig  # noqa: E402
-from kvpool_client.tensors import PagedKVCache, StagedBlockIO  # noqa: E402
+from kvpool_client.staging import StagedBlockIO  # noqa: E402
+from kvpool_client.tensors import PagedKVCache  # noqa: E402
 
 # 4 layers x K/V x 16 tokens x 8 heads x 128 dims x bf16: 32 KiB regions, 256 KiB objects
 GEOMETRY = {"num_layers": 4, "num_blocks": 40, "block_size": 16, "num_heads": 8,

@@ -16,9 +16,9 @@ from kvpool_client.status import Status
 
 torch = pytest.importorskip("torch", reason="tensors tests need torch (pip install torch==2.13.0)")
 
+from kvpool_client.staging import StagedBlockIO  # noqa: E402
 from kvpool_client.tensors import (  # noqa: E402
     PagedKVCache,
-    StagedBlockIO,
     device_module,
     make_block_io,
 )
