@@ -10,8 +10,8 @@ full figure is a plain prefill of the same tokens. Each figure is the median of 
         [--device cuda --dtype bfloat16 --hidden 2048 --layers 16 ...]
 
 On an accelerator the model, its KV cache and the timed prefills are on the device (the KV
-crosses through pinned staging buffers, ``StagedBlockIO``); the clock stops once the logits
-are there.
+crosses through ``staging.StagedBlockIO``: on CUDA by DMA to and from the segments); the clock
+stops once the first token is on the host.
 """
 
 from __future__ import annotations
