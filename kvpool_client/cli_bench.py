@@ -9,6 +9,7 @@ byte for byte, removes them, and prints ops/s, GB/s and per-call latency. For th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -127,18 +128,25 @@ def _put_calls(client: Any, api: str, keys: list[str], payloads: list[bytes], sr
         idx = list(range(start, min(start + (1 if api in ("single", "zc") else batch),
                                     len(keys))))
         if api == "single":
-            calls.append((idx, lambda i=idx[0]: client.put(keys[i], payloads[i])))
+            i = idx[0]
+            calls.append((idx, functools.partial(client.put, keys[i], payloads[i])))
         elif api == "zc":
-            calls.append((idx, lambda i=idx[0]: client.put_from(keys[i], src, i * size_bytes,
-                                                                size_bytes)))
+            i = idx[0]
+            calls.append((idx, functools.partial(client.put_from, keys[i], src, i * size_bytes,
+                                                 size_bytes)))
         elif api == "batch":
-            calls.append((idx, lambda ix=idx: client.put_batch([keys[i] for i in ix],
-                                                               [payloads[i] for i in ix])))
+            calls.append((idx, functools.partial(client.put_batch, [keys[i] for i in idx],
+                                                 [payloads[i] for i in idx])))
         else:
-            calls.append((idx, lambda ix=idx: client.batch_put_from(
-                [keys[i] for i in ix], src, [i * size_bytes for i in ix],
-                [size_bytes] * len(ix))))
+            calls.append((idx, functools.partial(
+                client.batch_put_from, [keys[i] for i in idx], src,
+                [i * size_bytes for i in idx], [size_bytes] * len(idx))))
     return calls
+
+
+def _listed(call: Callable[[], Any]) -> Callable[[], list[Any]]:
+    """``call`` with its result wrapped in a one-item list (the single-key gets)."""
+    return lambda: [call()]
 
 
 def _get_calls(client: Any, api: str, keys: list[str], dst: Any, size_bytes: int,
@@ -148,16 +156,17 @@ def _get_calls(client: Any, api: str, keys: list[str], dst: Any, size_bytes: int
         idx = list(range(start, min(start + (1 if api in ("single", "zc") else batch),
                                     len(keys))))
         if api == "single":
-            calls.append((idx, lambda i=idx[0]: [client.get(keys[i])]))
+            calls.append((idx, _listed(functools.partial(client.get, keys[idx[0]]))))
         elif api == "zc":
-            calls.append((idx, lambda i=idx[0]: [client.get_into(keys[i], dst, i * size_bytes,
-                                                                 size_bytes)]))
+            i = idx[0]
+            calls.append((idx, _listed(functools.partial(client.get_into, keys[i], dst,
+                                                         i * size_bytes, size_bytes))))
         elif api == "batch":
-            calls.append((idx, lambda ix=idx: client.get_batch([keys[i] for i in ix])))
+            calls.append((idx, functools.partial(client.get_batch, [keys[i] for i in idx])))
         else:
-            calls.append((idx, lambda ix=idx: client.batch_get_into(
-                [keys[i] for i in ix], dst, [i * size_bytes for i in ix],
-                [size_bytes] * len(ix))))
+            calls.append((idx, functools.partial(
+                client.batch_get_into, [keys[i] for i in idx], dst,
+                [i * size_bytes for i in idx], [size_bytes] * len(idx))))
     return calls
 
 

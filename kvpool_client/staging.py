@@ -194,6 +194,7 @@ class StagedBlockIO:
 
     def _put_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         size = self.cache.object_bytes
+        staging, pool, stream = self._direct_parts()
         ok: list[bool] = []
         for start in range(0, len(keys), self.chunk_blocks):
             chunk_keys = keys[start:start + self.chunk_blocks]
@@ -201,16 +202,16 @@ class StagedBlockIO:
             held: list[Any] = []  # host tensors over the views, alive until the copies end
 
             def fill(i: int, view: memoryview, held: list[Any] = held) -> None:
-                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
-                                      to_device=False))
+                held.append(self._dma(view, staging[i * size:(i + 1) * size], to_device=False))
 
-            statuses = self.pool.batch_put_with(chunk_keys, [size] * len(chunk_keys), fill,
-                                                done=self.stream.synchronize)
+            statuses = pool.batch_put_with(chunk_keys, [size] * len(chunk_keys), fill,
+                                           done=stream.synchronize)
             ok += [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
         return ok
 
     def _get_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         size = self.cache.object_bytes
+        staging, pool, stream = self._direct_parts()
         ok: list[bool] = []
         event = None
         for start in range(0, len(keys), self.chunk_blocks):
@@ -220,11 +221,10 @@ class StagedBlockIO:
             def consume(i: int, view: memoryview, held: list[Any] = held) -> None:
                 if view.nbytes != size:
                     raise ValueError(f"object of {view.nbytes} bytes, a block is {size}")
-                held.append(self._dma(view, self.device_staging[i * size:(i + 1) * size],
-                                      to_device=True))
+                held.append(self._dma(view, staging[i * size:(i + 1) * size], to_device=True))
 
-            got = self.pool.batch_get_with(keys[start:start + self.chunk_blocks], consume,
-                                           done=self.stream.synchronize)
+            got = pool.batch_get_with(keys[start:start + self.chunk_blocks], consume,
+                                      done=stream.synchronize)
             chunk_ok = [n == size for n in got]
             arrived = [i for i, good in enumerate(chunk_ok) if good]
             event = self._scatter(block_ids[start:start + self.chunk_blocks], arrived, None)
@@ -232,6 +232,11 @@ class StagedBlockIO:
         self._wait(event)
         self.module.current_stream(self.cache.device).wait_stream(self.stream)
         return ok
+
+    def _direct_parts(self) -> tuple[Any, Any, Any]:
+        """(device staging buffer, the pool as one with ``batch_put_with``, side stream)."""
+        assert self.device_staging is not None and self.stream is not None
+        return self.device_staging, self.pool, self.stream
 
     def _dma(self, view: memoryview, device_bytes: Any, *, to_device: bool) -> Any:
         """Queue a copy between a pool view and device bytes on the side stream; return the
