@@ -533,14 +533,19 @@ class AsyncKVPoolClient:
         repeated key or a size that is not a positive int is INVALID_ARGUMENT."""
         _same_length(keys, sizes)
         statuses, raws, positions = self._distinct_keys(keys)
-        kept = [i for i, p in enumerate(positions) if not isinstance(sizes[p], bool)
-                and isinstance(sizes[p], int) and sizes[p] > 0]
-        for i in sorted(set(range(len(positions))) - set(kept)):
-            statuses[positions[i]] = Status.INVALID_ARGUMENT
-        raws, positions = [raws[i] for i in kept], [positions[i] for i in kept]
-        return await self._with("batch_put_with", statuses, positions, self._path().write_with(
-            raws, [sizes[p] for p in positions], self._options(options),
-            lambda i, view: fill(positions[i], view), done))
+        send_raws, send_positions = [], []
+        for raw, position in zip(raws, positions, strict=True):
+            size = sizes[position]
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                statuses[position] = Status.INVALID_ARGUMENT
+            else:
+                send_raws.append(raw)
+                send_positions.append(position)
+        return await self._with("batch_put_with", statuses, send_positions,
+                                self._path().write_with(
+                                    send_raws, [sizes[p] for p in send_positions],
+                                    self._options(options),
+                                    lambda i, view: fill(send_positions[i], view), done))
 
     async def batch_get_with(self, keys: Sequence[KeyLike], consume: Consumer,
                              done: Done | None = None) -> list[int]:
@@ -551,8 +556,11 @@ class AsyncKVPoolClient:
         before ``consume`` (and ``done``) returned: what it took may have been overwritten and
         must be discarded."""
         statuses, raws, positions = self._distinct_keys(keys)
-        return await self._with("batch_get_with", statuses, positions, self._path().read_with(
-            raws, lambda i, view: consume(positions[i], view), done))
+        out = [int(s) for s in await self._with(
+            "batch_get_with", statuses, positions, self._path().read_with(
+                raws, lambda i, view: consume(positions[i], view), done))]
+        self.metrics.count_lookups(len(out), sum(1 for n in out if n >= 0))
+        return out
 
     def pin_shared_memory(self, pin: Any, unpin: Any) -> None:
         """Run ``pin(view)`` on every shared-memory segment this client maps (its own too),
@@ -596,9 +604,6 @@ class AsyncKVPoolClient:
                 statuses[position] = result
         self.metrics.observe_op(op, time.perf_counter() - started)
         self.metrics.count_failures(op, [int(s) for s in statuses])
-        if op == "batch_get_with":
-            self.metrics.count_lookups(len(statuses), sum(1 for s in statuses if int(s) >= 0))
-            return [int(s) for s in statuses]
         return statuses
 
     # -- reads ------------------------------------------------------------------------------------

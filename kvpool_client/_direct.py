@@ -10,8 +10,9 @@ Rules of this file:
   the caller holds it); for another host it is a host buffer, sent after ``fill`` or filled
   over tcp before ``consume``. The caller is done with every view when ``done()`` returns (or,
   without ``done``, when each ``fill`` / ``consume`` returns).
-- With checksums on, a write's checksum is taken from the bytes that landed and a read is
-  checked before ``consume`` sees the bytes.
+- With checksums on, a write's checksum is taken from the bytes as they landed (after
+  ``done``, from the view itself, never read back) and a read is checked before ``consume``
+  sees the bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvpool_client.buffers import checksum
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer.base import Item
-from kvpool_client.types import Placement, PutOptions, SegmentInfo
+from kvpool_client.types import PutOptions
 
 if TYPE_CHECKING:
     from kvpool_client._datapath import DataPath
@@ -70,9 +71,11 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
     if not jobs:
         return statuses
     infos = await path.resolve(p.segment_id for _, p in jobs)
-    sent: list[tuple[int, Placement]] = []
-    items: list[Item] = []
+    remote: list[tuple[int, Item]] = []  # (key index, item) for placements on other hosts
+    checksums = [0] * len(keys) if path.checksum_enabled else None
     with contextlib.ExitStack() as borrowed:  # same-host placements stay mapped until done
+        filled: dict[int, memoryview] = {}  # key index -> its first placement's bytes
+        attempted = False  # a fill ran: done() must end its copies before the views go
         for index, placement in jobs:
             if statuses[index] != Status.OK:
                 continue
@@ -81,14 +84,16 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
                 path._writable(placement, epoch)
             if status == Status.OK:
                 assert info is not None
+                attempted = True
                 try:
                     if path._prefers(info):
-                        fill(index, borrowed.enter_context(path.shm.borrow(info, placement)))
+                        view = borrowed.enter_context(path.shm.borrow(info, placement))
+                        fill(index, view)
                     else:  # another host: fill a host buffer, send it once done
                         view = memoryview(bytearray(placement.length))
                         fill(index, view)
-                        sent.append((index, placement))
-                        items.append((info, placement, [view]))
+                        remote.append((index, (info, placement, [view])))
+                    filled.setdefault(index, view)
                 except KVPoolError as exc:
                     status = exc.status
                 except Exception as exc:
@@ -96,44 +101,30 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
                     status = Status.TRANSFER_FAILED
             if status != Status.OK:
                 statuses[index] = status
-        if done is not None and any(statuses[i] == Status.OK for i, _ in jobs):
+        if done is not None and attempted:
             try:
                 done()
             except Exception as exc:
                 logger.warning("finishing the fills of %d keys failed: %s", len(keys), exc)
-                for index, _ in jobs:
-                    if statuses[index] == Status.OK:
-                        statuses[index] = Status.TRANSFER_FAILED
-    kept = [k for k, (index, _) in enumerate(sent) if statuses[index] == Status.OK]
-    if kept:
-        transferred = await path.transfer([items[k] for k in kept], writing=True)
-        for k, status in zip(kept, transferred, strict=True):
+                for index in filled:
+                    statuses[index] = Status.TRANSFER_FAILED
+        if checksums is not None:  # over the bytes as they landed, while still mapped
+            for index, view in filled.items():
+                if statuses[index] == Status.OK:
+                    checksums[index] = checksum([view])
+    remote = [(index, item) for index, item in remote if statuses[index] == Status.OK]
+    if remote:
+        transferred = await path.transfer([item for _, item in remote], writing=True)
+        for (index, _), status in zip(remote, transferred, strict=True):
             if status != Status.OK:
-                statuses[sent[k][0]] = status
+                statuses[index] = status
     written = sorted({i for i, _ in jobs if statuses[i] == Status.OK})
     failed = sorted({i for i, _ in jobs if statuses[i] != Status.OK})
     if failed:
         await path._revoke([keys[i] for i in failed])
     if written:
-        checksums = None
-        if path.checksum_enabled:  # over what landed, read back from the first placement
-            checksums = [0] * len(keys)
-            first = {index: placement for index, placement in reversed(jobs)}
-            for index in written:
-                checksums[index] = await _placement_checksum(path, infos, first[index])
         await path._commit(written, keys, checksums, statuses)
     return statuses
-
-
-async def _placement_checksum(path: DataPath, infos: dict[str, SegmentInfo],
-                              placement: Placement) -> int:
-    info = infos[placement.segment_id]
-    if path._prefers(info):
-        with path.shm.borrow(info, placement) as view:
-            return checksum([view])
-    view = memoryview(bytearray(placement.length))
-    (status,) = await path.transfer([(info, placement, [view])], writing=False)
-    return checksum([view]) if status == Status.OK else 0
 
 
 async def read_with(path: DataPath, keys: Sequence[bytes], consume: Consumer,
