@@ -162,33 +162,32 @@ class _Arena(threading.local):
         return memoryview(self.chunks[-1])[:size_bytes]
 
 
-def _stage(views: list[memoryview], pending: list[tuple[int, DeviceMemory, int, int]],
-           arena: _Arena) -> tuple[list[memoryview], list[_Staged]]:
-    """Stage the pending (index in views, device, address, size) ranges in one buffer per
-    device; return the object's views, with each run of consecutive staged ranges of one
-    device as one view (the same bytes, fewer and larger copies), and the groups."""
-    groups: dict[tuple[int, Any], _Staged] = {}
+#: a device range awaiting staging: (index in the views, device, address, size, offset in the
+#: object)
+_Pending = tuple[int, DeviceMemory, int, int, int]
+
+
+def _stage(views: list[memoryview], pending: list[_Pending], arena: _Arena
+           ) -> tuple[list[memoryview], list[_Staged]]:
+    """Stage the pending device ranges in one buffer per device; return the object's views,
+    with each run of consecutive staged ranges of one device as one view (the same bytes,
+    fewer and larger copies), and the groups."""
     sizes: dict[tuple[int, Any], int] = {}
-    for _, device, _, size in pending:
+    for _, device, _, size, _ in pending:
         key = (id(device.runtime), device.handle)
         sizes[key] = sizes.get(key, 0) + size
-    offsets: dict[tuple[int, Any], int] = {}
+    groups: dict[tuple[int, Any], _Staged] = {}
+    filled: dict[tuple[int, Any], int] = {}  # bytes of each group's buffer handed out
     spans: dict[int, tuple[_Staged, int, int]] = {}  # view index -> (group, start, end)
-    range_sizes = [view.nbytes for view in views]  # device ranges hold placeholders so far
-    for index, _, _, size in pending:
-        range_sizes[index] = size
-    object_offsets = [0]
-    for size in range_sizes:
-        object_offsets.append(object_offsets[-1] + size)
-    for index, device, address, size in pending:
+    for index, device, address, size, object_offset in pending:
         key = (id(device.runtime), device.handle)
         group = groups.get(key)
         if group is None:
             group = groups[key] = _Staged(device, arena.take(sizes[key]))
-        start = offsets.get(key, 0)
-        offsets[key] = start + size
+        start = filled.get(key, 0)
+        filled[key] = start + size
         spans[index] = (group, start, start + size)
-        group.ranges.append((object_offsets[index], address, size))
+        group.ranges.append((object_offset, address, size))
     merged: list[memoryview] = []
     run: tuple[_Staged, int, int] | None = None
     for index, view in enumerate(views):
@@ -346,12 +345,13 @@ class RegionRegistry:
         return Destination(*_stage(views, pending, self._arena))
 
     def _views(self, ranges: Sequence[PointerRange], registered_only: bool, *, writing: bool
-               ) -> tuple[list[memoryview], list[tuple[int, DeviceMemory, int, int]]]:
+               ) -> tuple[list[memoryview], list[_Pending]]:
         """Views of the host ranges (placeholders for device ranges), and the device ranges
-        as (index, device, address, size)."""
+        to stage."""
         locate = self._locator(registered_only)
         views: list[memoryview] = []
-        pending: list[tuple[int, DeviceMemory, int, int]] = []
+        pending: list[_Pending] = []
+        object_offset = 0
         for address, size_bytes in ranges:
             region = locate(address, size_bytes)
             if writing and not region.writable:
@@ -362,8 +362,9 @@ class RegionRegistry:
                 views.append(region.view[offset:offset + size_bytes])
             else:
                 assert region.device is not None
-                pending.append((len(views), region.device, address, size_bytes))
+                pending.append((len(views), region.device, address, size_bytes, object_offset))
                 views.append(_EMPTY)
+            object_offset += size_bytes
         return views, pending
 
     def _locator(self, registered_only: bool) -> Callable[[int, int], Region]:
