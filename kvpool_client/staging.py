@@ -9,8 +9,9 @@ Rules of this file:
 - Direct (CUDA cache, pool with ``batch_put_with``): the chunk crosses by DMA between the device
   staging buffer and the segments' own memory, page-locked through ``pin_shared_memory``; one
   stream synchronize per pool call, before its commit or lease check.
-- Staged (otherwise): it crosses to two pinned, registered host staging buffers, so that the
-  pool moves one chunk while the device copies the next.
+- Staged (otherwise): it crosses in one copy to one of two pinned, registered host staging
+  buffers, so that the pool moves one chunk while the device copies the next. One device
+  staging buffer serves every chunk, the side stream ordering its uses.
 """
 
 from __future__ import annotations
@@ -36,13 +37,7 @@ CHUNK_BYTES = 64 << 20
 
 
 class StagedBlockIO:
-    """Blocks move device <-> pinned host staging <-> pool, one chunk overlapping the next.
-
-    A chunk of blocks is gathered on the device in a few kernels (one indexed gather per K or
-    V tensor, one stack into object order) into a device staging buffer, which then crosses
-    to pinned host memory in one copy; loading runs the same steps backwards. All device work
-    is on one side stream, so one device staging buffer serves every chunk, while two host
-    staging buffers let the pool move one chunk while the device copies the next.
+    """Device blocks <-> pool objects, a chunk per pool call (see the module docstring).
 
     It also runs on a CPU cache (the host staging buffer is then gathered into directly and
     copies are synchronous), which is how its chunking is tested where no accelerator exists.
@@ -60,8 +55,14 @@ class StagedBlockIO:
         self.chunk_blocks = chunk_blocks
         self.module = device_module(cache.device)
         self.stream = None if self.module is None else self.module.Stream(device=cache.device)
+        #: CUDA caches over a pool that lets the caller move the bytes: blocks cross between
+        #: the device staging buffer and the segments by DMA, with no host copy
+        #: (None: whenever both hold; False: always through the host staging buffers)
+        self.direct = cache.device.type == "cuda" and callable(
+            getattr(pool, "batch_put_with", None)) and direct is not False
         size = chunk_blocks * cache.object_bytes
-        self.staging = [self._host_buffer(torch, size) for _ in range(2)]
+        # two host staging buffers, pinned, for the staged path only
+        self.staging = [] if self.direct else [self._host_buffer(torch, size) for _ in range(2)]
         self.staging_views = [host_view(t) for t in self.staging]
         for view in self.staging_views:
             pool.register_buffer(view)
@@ -73,11 +74,6 @@ class StagedBlockIO:
                               for t in pair]
         # async writes keep their own staging alive until the pool has written them (flush)
         self._async_buffers: list[Any] = []
-        #: CUDA caches over a pool that lets the caller move the bytes: blocks cross between
-        #: the device staging buffer and the segments by DMA, with no host copy
-        #: (None: whenever both hold; False: always through the host staging buffers)
-        self.direct = cache.device.type == "cuda" and callable(
-            getattr(pool, "batch_put_with", None)) and direct is not False
         if self.direct:
             _pin_segments_for_cuda(pool)
 
@@ -139,14 +135,12 @@ class StagedBlockIO:
         count = max(positions) + 1
 
         def work() -> None:
-            if host is None:  # the objects are in the device staging buffer already
-                objects = self._objects(self.device_staging, count)
-            else:
-                objects = self._objects(host, count)
             if host is not None and self.device_staging is not None:
                 nbytes = count * self.cache.object_bytes
                 self.device_staging[:nbytes].copy_(host[:nbytes], non_blocking=True)
-                objects = self._objects(self.device_staging, count)
+            # host None: the objects are in the device staging buffer already
+            objects = self._objects(host if self.device_staging is None
+                                    else self.device_staging, count)
             if len(positions) < count:  # some objects did not arrive: skip their rows
                 objects = objects[self._index(positions)]
             index = self._index([block_ids[p] for p in positions])
@@ -215,7 +209,8 @@ class StagedBlockIO:
         ok: list[bool] = []
         event = None
         for start in range(0, len(keys), self.chunk_blocks):
-            self._wait(event)  # the last chunk's scatter is done with the device staging
+            # the next chunk's copies into the device staging buffer queue behind the last
+            # chunk's scatter on the same stream
             held: list[Any] = []
 
             def consume(i: int, view: memoryview, held: list[Any] = held) -> None:
