@@ -193,13 +193,18 @@ class DataPath:
                                       strict=True):
             if status != Status.OK and statuses[index] == Status.OK:
                 statuses[index] = status
+        await self._settle(jobs, keys, checksums, statuses)
+        return statuses
+
+    async def _settle(self, jobs: list[tuple[int, Placement]], keys: list[bytes],
+                      checksums: list[int] | None, statuses: list[Status]) -> None:
+        """Revoke the keys of ``jobs`` that failed, commit the rest (statuses updated)."""
         written = sorted({i for i, _ in jobs if statuses[i] == Status.OK})
         failed = sorted({i for i, _ in jobs if statuses[i] != Status.OK})
         if failed:
             await self._revoke([keys[i] for i in failed])
         if written:
             await self._commit(written, keys, checksums, statuses)
-        return statuses
 
     async def _put_start(self, keys: list[bytes], sizes: list[int], options: PutOptions
                          ) -> tuple[int, list[Status], list[tuple[int, Placement]]]:

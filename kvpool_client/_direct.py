@@ -118,12 +118,7 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
         for (index, _), status in zip(remote, transferred, strict=True):
             if status != Status.OK:
                 statuses[index] = status
-    written = sorted({i for i, _ in jobs if statuses[i] == Status.OK})
-    failed = sorted({i for i, _ in jobs if statuses[i] != Status.OK})
-    if failed:
-        await path._revoke([keys[i] for i in failed])
-    if written:
-        await path._commit(written, keys, checksums, statuses)
+    await path._settle(jobs, keys, checksums, statuses)
     return statuses
 
 
@@ -162,11 +157,13 @@ async def read_with(path: DataPath, keys: Sequence[bytes], consume: Consumer,
                 if status != Status.OK:
                     out[index] = int(status)
                     del views[index]
+        attempted = False  # a consume ran: done() must end its copies before the views go
         for index, view in views.items():
             expected = results[index].checksum
             if path.checksum_enabled and expected and checksum([view]) != expected:
                 out[index] = int(Status.CHECKSUM_MISMATCH)
                 continue
+            attempted = True
             try:
                 consume(index, view)
             except Exception as exc:
@@ -174,7 +171,7 @@ async def read_with(path: DataPath, keys: Sequence[bytes], consume: Consumer,
                 out[index] = int(Status.TRANSFER_FAILED)
                 continue
             taken.append(index)
-        if taken and done is not None:
+        if attempted and done is not None:
             try:
                 done()
             except Exception as exc:
