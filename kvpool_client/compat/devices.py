@@ -9,7 +9,8 @@ Rules of this file:
   and V). kvpool's data plane only moves host bytes, so device regions are staged through host
   buffers by the caller.
 - CUDA: the small ranges of a call are gathered on the device (asynchronous device-to-device
-  copies into a per-thread scratch buffer) and cross to or from the host in one copy; large
+  copies into a per-thread scratch buffer, freed when its thread ends) and cross to or from
+  the host in one copy; large
   ranges, or all of them when no scratch can be had, are copied one by one. Copies run on the
   legacy default stream, as a plain ``cudaMemcpy`` would, and are complete when a call returns.
 - When no runtime can claim a pointer, :func:`locate_device` raises ``INVALID_ARGUMENT`` with a
@@ -26,7 +27,7 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +92,24 @@ def _mapped_libraries(prefix: str) -> list[str]:
     return sorted(p for p in paths if p.startswith("/") and Path(p).name.startswith(prefix))
 
 
+class ThreadScratch:
+    """One thread's device scratch, ``{device: (address, size in bytes)}``, kept in its
+    thread-local state and freed when that goes, that is when the thread ends (or when the
+    runtime is dropped)."""
+
+    __slots__ = ("by_device", "_free")
+
+    def __init__(self, free: Callable[[int], None]) -> None:
+        self.by_device: dict[int, tuple[int, int]] = {}
+        self._free = free
+
+    def __del__(self) -> None:
+        by_device, self.by_device = self.by_device, {}
+        for address, _ in by_device.values():
+            with contextlib.suppress(Exception):  # a runtime already shut down: nothing to do
+                self._free(address)
+
+
 class CudaRuntime:
     """CUDA device memory through ``libcudart`` (the copy torch's CUDA build already loaded)."""
 
@@ -108,8 +127,7 @@ class CudaRuntime:
         self._lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         self._lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         self._lib.cudaFree.argtypes = [ctypes.c_void_p]
-        # per thread: {device: (scratch address, size in bytes)}
-        self._local = threading.local()
+        self._local = threading.local()  # .scratch: this thread's ThreadScratch
 
     @classmethod
     def load(cls) -> CudaRuntime | None:
@@ -154,19 +172,24 @@ class CudaRuntime:
     def _scratch(self, device: int, size_bytes: int) -> int | None:
         """This thread's device scratch of at least ``size_bytes``, or None when none can be
         allocated (the caller then copies range by range)."""
-        scratches: dict[int, tuple[int, int]] = self._local.__dict__.setdefault("scratch", {})
-        address, have = scratches.get(device, (0, 0))
+        scratch: ThreadScratch | None = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = ThreadScratch(self._free)
+        address, have = scratch.by_device.get(device, (0, 0))
         if have >= size_bytes:
             return address
         if address:
-            self._lib.cudaFree(ctypes.c_void_p(address))
-            del scratches[device]
+            del scratch.by_device[device]
+            self._free(address)
         pointer = ctypes.c_void_p()
         if self._lib.cudaMalloc(ctypes.byref(pointer), size_bytes) != 0 or not pointer.value:
             self._lib.cudaGetLastError()  # out of device memory: not sticky, just say no
             return None
-        scratches[device] = (pointer.value, size_bytes)
+        scratch.by_device[device] = (pointer.value, size_bytes)
         return pointer.value
+
+    def _free(self, address: int) -> None:
+        self._lib.cudaFree(ctypes.c_void_p(address))
 
     def _batches(self, device: int, ranges: Sequence[tuple[int, int]]
                  ) -> list[tuple[int | None, list[tuple[int, int, int]]]]:

@@ -8,6 +8,9 @@ covers and copies to and from a bytearray); the real runtimes are checked on har
 from __future__ import annotations
 
 import ctypes
+import gc
+import threading
+from typing import Any
 
 import pytest
 
@@ -233,6 +236,62 @@ def test_cuda_pointer_query_struct_holds_cuda13_layout_and_the_loaded_runtime_is
     libc = _mapped_libraries("libc.so")
     assert libc and all(path.startswith("/") and "/libc.so" in path for path in libc)
     assert _mapped_libraries("libnot-a-library-kvpool") == []
+
+
+class FakeCudaLib:
+    """The few libcudart entry points the scratch buffer uses (plain functions, as ctypes
+    gives them: the runtime sets their ``argtypes``), keeping count of device memory handed
+    out and given back."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # address -> size
+        self.freed: list[int] = []
+        next_address = [0x7000_0000_0000]
+
+        def malloc(pointer: Any, size: int) -> int:
+            pointer._obj.value = next_address[0]
+            self.live[next_address[0]] = size
+            next_address[0] += size
+            return 0
+
+        def free(pointer: ctypes.c_void_p) -> int:
+            assert pointer.value in self.live, "freed twice or never allocated"
+            del self.live[pointer.value]
+            self.freed.append(pointer.value)
+            return 0
+
+        self.cudaMalloc, self.cudaFree = malloc, free
+
+    def __getattr__(self, name: str) -> Any:  # any other entry point: present, succeeds
+        def call(*args: Any) -> int:
+            return 0
+        setattr(self, name, call)
+        return call
+
+
+def test_cuda_scratch_is_kept_per_thread_and_freed_when_the_thread_ends() -> None:
+    from kvpool_client.compat.devices import CudaRuntime
+
+    lib = FakeCudaLib()
+    runtime = CudaRuntime(lib)
+    seen: list[int | None] = []
+    held: list[int] = []  # device memory while the worker still ran
+
+    def work() -> None:
+        first = runtime._scratch(0, 4 << 20)
+        seen.extend([first, runtime._scratch(0, 1 << 20)])  # reused: large enough
+        seen.append(runtime._scratch(0, 8 << 20))  # grown: the smaller one goes at once
+        held.extend(lib.live)
+
+    mine = runtime._scratch(0, 2 << 20)  # this thread's own, kept while it runs
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(10)
+    gc.collect()
+    assert seen[0] == seen[1] and seen[2] not in (None, seen[0])
+    assert sorted(held) == sorted([mine, seen[2]])  # the grown one replaced the first
+    assert list(lib.live) == [mine]  # the worker's scratch went with the worker
+    assert sorted(lib.freed) == sorted([seen[0], seen[2]])
 
 
 def test_staging_scopes_reuse_one_threads_arena_and_never_hand_out_overlapping_views() -> None:
