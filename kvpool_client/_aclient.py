@@ -335,6 +335,7 @@ class AsyncKVPoolClient:
         statuses = [Status.OK] * len(keys)
         send_keys: list[bytes] = []
         send_regions: list[Regions] = []
+        send_sizes: list[int] = []
         send_index: list[int] = []
         key_to_first: dict[bytes, int] = {}
         duplicates: list[tuple[int, int]] = []
@@ -347,7 +348,8 @@ class AsyncKVPoolClient:
             if parts is None:
                 statuses[index] = Status.INVALID_ARGUMENT
                 continue
-            if total_bytes(parts) == 0:
+            size_bytes = total_bytes(parts)
+            if size_bytes == 0:
                 statuses[index] = Status.INVALID_ARGUMENT  # objects are never empty
                 continue
             first = key_to_first.setdefault(raw, len(send_keys))
@@ -356,6 +358,7 @@ class AsyncKVPoolClient:
                 continue
             send_keys.append(raw)
             send_regions.append(parts)
+            send_sizes.append(size_bytes)
             send_index.append(index)
         datapath = self._path()
         resolved = self._options(options)
@@ -366,9 +369,8 @@ class AsyncKVPoolClient:
                 sent_statuses = [Status.OK] * len(send_keys)
             else:
                 try:
-                    sent_statuses = await datapath.write(
-                        send_keys, send_regions, [total_bytes(r) for r in send_regions],
-                        resolved)
+                    sent_statuses = await datapath.write(send_keys, send_regions, send_sizes,
+                                                         resolved)
                 except KVPoolError as exc:
                     sent_statuses = [exc.status] * len(send_keys)
             for index, status in zip(send_index, sent_statuses, strict=True):
@@ -427,18 +429,21 @@ class AsyncKVPoolClient:
             dst = dsts[index]
             if isinstance(dst, Status):
                 return dst
-            if total_bytes(dst) < size_bytes:
+            have_bytes = dst_sizes[position]
+            if have_bytes < size_bytes:
                 return Status.BUFFER_OVERFLOW
-            return trim_regions(dst, size_bytes)
+            return dst if have_bytes == size_bytes and len(dst) == 1 else \
+                trim_regions(dst, size_bytes)
 
         datapath = self._path()
-        dst_sizes = None
+        dst_sizes: list[int] = []
         if dsts is not None:
             dst_sizes = [0 if isinstance(d, Status) else total_bytes(d)
                          for d in (dsts[i] for i in index_of)]
         if raws:
             try:
-                results = await datapath.read(raws, dst_for, dst_sizes)
+                results = await datapath.read(raws, dst_for,
+                                              dst_sizes if dsts is not None else None)
             except KVPoolError as exc:
                 results = [int(exc.status)] * len(raws)
             for position, result in enumerate(results):

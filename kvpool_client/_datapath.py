@@ -233,10 +233,11 @@ class DataPath:
         statuses = [Status.OK] * len(jobs)
         items: list[Item] = []
         chosen: list[int] = []
+        check = self._write_check(epoch)  # the whole batch is checked at this instant
         for k, (index, placement) in enumerate(jobs):
             info = infos.get(placement.segment_id)
             statuses[k] = Status.SEGMENT_NOT_FOUND if info is None else \
-                self._writable(placement, epoch)
+                self._writable(placement, epoch, check)
             if statuses[k] == Status.OK:
                 assert info is not None
                 items.append((info, placement, regions[index]))
@@ -256,19 +257,29 @@ class DataPath:
         """Like ``read``, with ``consume`` taking the bytes (see ``_direct``)."""
         return await read_with(self, keys, consume, done)
 
-    def _writable(self, placement: Placement, epoch: int) -> Status:
+    def _writable(self, placement: Placement, epoch: int,
+                  check: tuple[Status, float] | None = None) -> Status:
         """OK while this client may still write the placement. The master may have expired
         this client (paused process, lost heartbeats) and handed the range to another writer:
-        then abandon rather than overwrite someone else's bytes."""
-        if self._epoch() != epoch:
-            return Status.UNKNOWN_CLIENT
-        liveness = self.liveness
-        if liveness is not None and not liveness.is_alive(time.monotonic() + WRITE_MARGIN_S):
-            return Status.TIMEOUT
-        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
+        then abandon rather than overwrite someone else's bytes. ``check``: what
+        ``_write_check`` gave for a batch checked at one instant (taken now when None)."""
+        status, now_ms = self._write_check(epoch) if check is None else check
+        if status != Status.OK:
+            return status
         if placement.capability_expiry_ms and placement.capability_expiry_ms < now_ms:
             return Status.TIMEOUT
         return Status.OK
+
+    def _write_check(self, epoch: int) -> tuple[Status, float]:
+        """(OK, or why nothing granted in ``epoch`` may be written any more; the wall clock in
+        ms, ``WRITE_MARGIN_S`` ahead, against which write capabilities are checked)."""
+        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
+        if self._epoch() != epoch:
+            return Status.UNKNOWN_CLIENT, now_ms
+        liveness = self.liveness
+        if liveness is not None and not liveness.is_alive(time.monotonic() + WRITE_MARGIN_S):
+            return Status.TIMEOUT, now_ms
+        return Status.OK, now_ms
 
     async def _revoke(self, keys: list[bytes]) -> None:
         try:
@@ -343,7 +354,8 @@ class DataPath:
             if not candidates:
                 out[index] = int(Status.SEGMENT_NOT_FOUND)
                 continue
-            candidates.sort(key=lambda item: not self._prefers(item[0]))
+            if len(candidates) > 1:
+                candidates.sort(key=lambda item: not self._prefers(item[0]))
             jobs.append((index, candidates))
         attempt = 0
         while jobs:

@@ -121,8 +121,13 @@ def _status(value: int) -> Status:
 
 
 def _placements(replicas: Any) -> tuple[Placement, ...]:
-    return tuple(Placement(SegmentId(p.segment_id), p.offset, p.length, p.capability_expiry_ms,
-                           p.capability) for p in replicas.placements)
+    placements = replicas.placements
+    if len(placements) == 1:  # one replica: the common case, without a generator
+        p = placements[0]
+        return (Placement(p.segment_id, p.offset, p.length, p.capability_expiry_ms,
+                          p.capability),)
+    return tuple(Placement(p.segment_id, p.offset, p.length, p.capability_expiry_ms,
+                           p.capability) for p in placements)
 
 
 def _segment_info(d: Any) -> SegmentInfo:

@@ -269,8 +269,10 @@ class MasterServer:
         self.store.flush()  # the "batch" policy's bound on unsynced changes
 
     def _fan_out(self, events: list[ev.Event]) -> None:
+        every = log.isEnabledFor(logging.DEBUG)
         for event in events:
-            _log_event(event)
+            if every or type(event) in _INFO_EVENTS:
+                _log_event(event)
         if self.store is None:
             return
         try:
@@ -330,8 +332,9 @@ def _has_token(context: grpc.aio.ServicerContext, expected: str) -> bool:
     return False
 
 
-_INFO_EVENTS = (ev.ClientRegistered, ev.ClientExpired, ev.ClientUnregistered,
-                ev.SegmentMounted, ev.SegmentUnmounted)
+#: Events logged above DEBUG; the others (one per object put, removed, ...) only at DEBUG.
+_INFO_EVENTS = frozenset((ev.ClientRegistered, ev.ClientExpired, ev.ClientUnregistered,
+                          ev.SegmentMounted, ev.SegmentUnmounted))
 
 
 def _log_event(event: ev.Event) -> None:

@@ -81,7 +81,7 @@ def check_item(segment: SegmentInfo, placement: Placement, views: Sequence[memor
                           f"placement on {placement.segment_id!r} given with segment "
                           f"{segment.segment_id!r}")
     check_range(placement.offset, placement.length, segment.size_bytes)
-    total_bytes = sum(view.nbytes for view in views)
+    total_bytes = views[0].nbytes if len(views) == 1 else sum(view.nbytes for view in views)
     if total_bytes != placement.length:
         raise KVPoolError(Status.INVALID_ARGUMENT,
                           f"regions hold {total_bytes} bytes, placement {placement.length}")

@@ -188,9 +188,10 @@ class ShmTransport:
         errors: list[KVPoolError | None] = [None] * len(items)
         copies: list[Copy] = []
         used: list[_Mapping] = []
+        mappings: dict[str, _Mapping] = {}  # looked up once per segment and batch
         for index, (segment, placement, regions) in enumerate(items):
             try:
-                mapping = self._prepare(segment, placement, regions, writing, copies)
+                mapping = self._prepare(segment, placement, regions, writing, copies, mappings)
             except KVPoolError as exc:
                 errors[index] = exc
                 continue
@@ -214,13 +215,16 @@ class ShmTransport:
         return errors
 
     def _prepare(self, segment: SegmentInfo, placement: Placement, regions: Regions,
-                 writing: bool, copies: list[Copy]) -> _Mapping:
-        """Validate one item, append its copies; return the mapping it uses."""
+                 writing: bool, copies: list[Copy], mappings: dict[str, _Mapping]) -> _Mapping:
+        """Validate one item, append its copies; return the mapping it uses (from
+        ``mappings`` when this batch already looked it up)."""
         if self._closed:
             raise KVPoolError(Status.UNAVAILABLE, "shm transport is closed")
         views = byte_views(regions, writable=not writing)
         check_item(segment, placement, views)
-        mapping = self._mapping(segment)
+        mapping = mappings.get(segment.segment_id)
+        if mapping is None or mapping.shm_name != segment.shm_name:
+            mapping = mappings[segment.segment_id] = self._mapping(segment)
         check_range(placement.offset, placement.length, mapping.size_bytes)
         cursor = placement.offset
         for view in views:
