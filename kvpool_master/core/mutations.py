@@ -365,7 +365,9 @@ class Mutations:
             placements = segments.allocate(size_bytes, replica_num, preferred_segment,
                                            same_host_id)
         id_to_segment = segments.id_to_segment
-        for tier in {id_to_segment[p.segment_id].info.tier for p in placements}:
+        tiers = {id_to_segment[placements[0].segment_id].info.tier} if len(placements) == 1 \
+            else {id_to_segment[p.segment_id].info.tier for p in placements}
+        for tier in tiers:
             if tier not in exhausted and not self._relieve_watermark(tier, now):
                 exhausted.add(tier)
         return placements

@@ -110,6 +110,13 @@ class SegmentTable:
 
         Nothing is allocated when None is returned.
         """
+        if replica_num == 1 and preferred_segment:  # the common pinned put: no generator
+            preferred = self.id_to_segment.get(SegmentId(preferred_segment))
+            if preferred is not None and preferred.mounted:
+                offset = preferred.allocator.allocate(size_bytes)
+                if offset >= 0:
+                    self.tier_to_used_bytes[preferred.info.tier] += aligned(size_bytes)
+                    return (Placement(preferred.info.segment_id, offset, size_bytes),)
         placements: list[Placement] = []
         for state in self._candidates(replica_num, preferred_segment, same_host_id):
             offset = state.allocator.allocate(size_bytes)
