@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 install: $(BIN)/kvpool-master
 
-$(BIN)/kvpool-master: pyproject.toml
+$(BIN)/kvpool-master: pyproject.toml setup.py kvpool_client/transfer/_ntcopy.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
@@ -52,3 +52,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) $(LMCACHE_VENV) build *.egg-info .pytest_cache
+	find kvpool_client -name '*.so' -delete

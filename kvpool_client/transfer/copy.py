@@ -1,11 +1,12 @@
 """Fast memory copies between caller buffers and mapped segments.
 
 Measured here: one thread copies 4 KiB pieces issued one by one from Python at about 10 GB/s
-with memoryview slice assignment (the cheapest call, but it holds the GIL), and large pieces at
-about 20 GB/s with ``numpy.copyto`` (which releases the GIL, so two threads overlap their
-copies, but costs a few microseconds per call). So small pieces, and batches too small to be
-worth a thread hand-off, are copied at once on the caller's thread; the large pieces of a
-larger batch are cut into parts of equal byte count, one per copy thread.
+with memoryview slice assignment (the cheapest call, but it holds the GIL), and large pieces
+with the GIL released, so that two threads overlap their copies: with streaming stores
+(``_ntcopy``, see ``STREAM_MIN_BYTES``) where the extension was built, else ``numpy.copyto``
+(a few microseconds per call). So small pieces, and batches too small to be worth a thread
+hand-off, are copied at once on the caller's thread; the large pieces of a larger batch are
+cut into parts of equal byte count, one per copy thread.
 
 Who copies those parts depends on whether the calling thread may block:
 - On an event loop (the async client, or the sync client once a call waits on its loop), worker
@@ -24,11 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+_stream_copy: Callable[[memoryview, memoryview], None] | None
+try:  # the optional C extension (see setup.py); numpy copies where it was not built
+    from kvpool_client.transfer._ntcopy import copy as _stream_copy
+except ImportError:  # pragma: no cover - built wherever a C compiler is at hand
+    _stream_copy = None
+
 Copy = tuple[memoryview, memoryview]  # (destination, source), flat byte views of equal size
+
+#: Pieces at least this large are copied with streaming (non-temporal) stores: they bypass the
+#: caches, which the destination would only pollute (see ``_ntcopy.c``). Measured on the
+#: 2-core AMD host, 1 MiB pieces between a mapped segment and a process's own memory: 16.7–17.2
+#: GB/s on one thread and 22–23 on two, against 11.9–12.3 and 15.8–16.0 with numpy.copyto.
+STREAM_MIN_BYTES = 256 << 10
 
 #: Total size below which a batch is copied at once on the calling thread: a thread hand-off
 #: costs tens of microseconds, more than copying this much.
@@ -46,9 +59,14 @@ def copy_now(copies: Sequence[Copy]) -> None:
 
 
 def copy_nogil(copies: Sequence[Copy]) -> None:
-    """Copy every pair with the GIL released (numpy.copyto on flat uint8 arrays)."""
+    """Copy every pair with the GIL released: with streaming stores (``_ntcopy``, where it was
+    built) from ``STREAM_MIN_BYTES`` up, otherwise numpy.copyto on flat uint8 arrays."""
+    stream, stream_min_bytes = _stream_copy, STREAM_MIN_BYTES
     for dst, src in copies:
-        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+        if stream is not None and dst.nbytes >= stream_min_bytes:
+            stream(dst, src)
+        else:
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def split_by_bytes(copies: Sequence[Copy], parts: int) -> list[list[Copy]]:

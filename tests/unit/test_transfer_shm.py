@@ -286,11 +286,11 @@ async def test_caller_copies_raise_a_helpers_failure_after_every_part_ended() ->
     copier.caller_copies = True
     src = os.urandom(2 << 20)
     dst = bytearray(1 << 20)
-    read_only = bytes(1 << 20)  # the helper's destination: numpy refuses to write it
+    read_only = bytes(1 << 20)  # the helper's destination: the copy refuses to write it
     copies = [(memoryview(dst), memoryview(src)[:1 << 20]),
               (memoryview(read_only), memoryview(src)[1 << 20:])]
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, TypeError)):
             copier.start(copies)
     finally:
         copier.close()

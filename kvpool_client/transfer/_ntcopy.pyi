@@ -1,0 +1,3 @@
+STREAMING: int
+
+def copy(dst: memoryview, src: memoryview, /) -> None: ...
