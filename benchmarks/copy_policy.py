@@ -3,17 +3,20 @@
 
 Two client processes and a master on 127.0.0.1, as in ``client_bench.py`` phase d: this process
 (client B) reads 32-key batches from client A's segment and writes 32-key batches into it,
-zero-copy, alternating two policies round by round in one run:
+zero-copy, alternating three policies round by round in one run:
 
   caller   (the client as it is) the calling thread copies half of a large batch and a helper
-           thread the other half, in the call's synchronous stretch; the batch stays whole
-  previous one thread copies inline, and a batch of 16 MiB or more is cut into two concurrent
-           sub-batches (which moves the call onto the client's event loop)
+           thread the other half, in the call's synchronous stretch; the batch stays whole;
+           pieces of STREAM_MIN_BYTES or more are copied with streaming stores (``_ntcopy``,
+           where it was built)
+  numpy    the same, every piece copied with numpy.copyto
+  previous one thread copies inline with numpy.copyto, and a batch of 16 MiB or more is cut
+           into two concurrent sub-batches (which moves the call onto the client's event loop)
 
 Each round measures single-thread memcpy (numpy, 256 MiB) first; ratios are medians of
 per-round ratios. It also prints where a call's time goes: the master calls and the copy, per
-call, as the client times them. The previous policy is emulated on the current code (one copy
-thread, the sub-batch split forced); nothing else differs.
+call, as the client times them. The other policies are emulated on the current code (streaming
+switched off; one copy thread and the sub-batch split forced); nothing else differs.
 
 Usage:  python benchmarks/copy_policy.py [--size-mib 1] [--calls 32] [--rounds 6]
 """
@@ -33,15 +36,19 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import client_bench as cb  # noqa: E402  (Procs, Master, Worker: the same processes)
 
+from kvpool_client.transfer import copy as copy_module  # noqa: E402
+
 MiB = 1 << 20
 BATCH = 32
-POLICIES = ("previous", "caller")
+STREAM_MIN_BYTES = copy_module.STREAM_MIN_BYTES  # the client's, before any policy changes it
+POLICIES = ("previous", "numpy", "caller")
 
 
 def use_policy(client: Any, policy: str) -> None:
-    """Switch ``client`` (a KVPoolClient) between the two copy policies."""
+    """Switch ``client`` (a KVPoolClient) between the copy policies."""
     from kvpool_client import _datapath
 
+    copy_module.STREAM_MIN_BYTES = STREAM_MIN_BYTES if policy == "caller" else 1 << 62
     datapath = client.async_client._datapath
     previous = policy == "previous"
     datapath.shm._copier.num_threads = 1 if previous else 2
@@ -153,7 +160,8 @@ def main() -> int:
                     per_call_ms[policy][name].append(seconds / args.calls * 1e3)
         print(f"batches of {BATCH} x {args.size_mib} MiB, {args.calls} calls per round and "
               f"direction, {args.rounds} rounds; ratio = GB/s / single-thread memcpy "
-              f"(median of per-round ratios, min-max in brackets)")
+              f"(median of per-round ratios, min-max in brackets); streaming copies "
+              f"{'built' if copy_module._stream_copy is not None else 'NOT built: caller = numpy'}")
         for policy in POLICIES:
             g, p = ratios[policy]["get"], ratios[policy]["put"]
             print(f"  {policy:9s} get {statistics.median(g):6.0%} ({min(g):.0%}-{max(g):.0%})"
