@@ -113,21 +113,27 @@ class SegmentTable:
         if replica_num == 1 and preferred_segment:  # the common pinned put: no generator
             preferred = self.id_to_segment.get(SegmentId(preferred_segment))
             if preferred is not None and preferred.mounted:
-                offset = preferred.allocator.allocate(size_bytes)
-                if offset >= 0:
-                    self.tier_to_used_bytes[preferred.info.tier] += aligned(size_bytes)
-                    return (Placement(preferred.info.segment_id, offset, size_bytes),)
+                placement = self._allocate_on(preferred, size_bytes)
+                if placement is not None:
+                    return (placement,)
         placements: list[Placement] = []
         for state in self._candidates(replica_num, preferred_segment, same_host_id):
-            offset = state.allocator.allocate(size_bytes)
-            if offset < 0:
+            placement = self._allocate_on(state, size_bytes)
+            if placement is None:
                 continue
-            self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes)
-            placements.append(Placement(state.info.segment_id, offset, size_bytes))
+            placements.append(placement)
             if len(placements) == replica_num:
                 return tuple(placements)
         self.free(placements)
         return None
+
+    def _allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
+        """One extent of ``size_bytes`` on ``state`` (counted as used), or None if none fits."""
+        offset = state.allocator.allocate(size_bytes)
+        if offset < 0:
+            return None
+        self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes)
+        return Placement(state.info.segment_id, offset, size_bytes)
 
     def free(self, placements: Iterable[Placement]) -> None:
         """Free the extents of ``placements`` that sit on segments still known.
