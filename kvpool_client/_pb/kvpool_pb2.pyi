@@ -26,6 +26,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_RPC_FAILED: _ClassVar[Status]
     STATUS_UNAVAILABLE: _ClassVar[Status]
     STATUS_UNKNOWN_CLIENT: _ClassVar[Status]
+    STATUS_CLIENT_ALREADY_EXISTS: _ClassVar[Status]
     STATUS_PERMISSION_DENIED: _ClassVar[Status]
     STATUS_CHECKSUM_MISMATCH: _ClassVar[Status]
     STATUS_RESOURCE_EXHAUSTED: _ClassVar[Status]
@@ -80,6 +81,7 @@ STATUS_TRANSFER_FAILED: Status
 STATUS_RPC_FAILED: Status
 STATUS_UNAVAILABLE: Status
 STATUS_UNKNOWN_CLIENT: Status
+STATUS_CLIENT_ALREADY_EXISTS: Status
 STATUS_PERMISSION_DENIED: Status
 STATUS_CHECKSUM_MISMATCH: Status
 STATUS_RESOURCE_EXHAUSTED: Status
@@ -110,7 +112,7 @@ METHOD_GET_STATS: Method
 METHOD_ERROR: Method
 
 class SegmentDescriptor(_message.Message):
-    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint")
+    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint", "ownership_proof")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class SegmentDescriptor(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OWNERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     client_id: str
     size_bytes: int
@@ -127,21 +130,24 @@ class SegmentDescriptor(_message.Message):
     shm_name: str
     tcp_endpoint: str
     engine_endpoint: str
-    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ...) -> None: ...
+    ownership_proof: bytes
+    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., ownership_proof: _Optional[bytes] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("segment_id", "offset", "length", "capability_expiry_ms", "capability")
+    __slots__ = ("segment_id", "offset", "length", "capability_expiry_ms", "capability", "put_id")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     offset: int
     length: int
     capability_expiry_ms: int
     capability: bytes
-    def __init__(self, segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., capability_expiry_ms: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
+    put_id: int
+    def __init__(self, segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., capability_expiry_ms: _Optional[int] = ..., capability: _Optional[bytes] = ..., put_id: _Optional[int] = ...) -> None: ...
 
 class Replicas(_message.Message):
     __slots__ = ("placements",)
@@ -162,17 +168,19 @@ class AuthResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
-    __slots__ = ("client_id", "host_id", "hostname")
+    __slots__ = ("client_id", "host_id", "hostname", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_id: str
     hostname: str
-    def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid")
+    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid", "client_token", "retry_after_ms", "master_clock_ms", "capability_epoch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +189,10 @@ class RegisterClientResponse(_message.Message):
     DEFAULT_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MASTER_PID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     status: Status
     client_ttl_ms: int
     capability_key: bytes
@@ -189,25 +201,35 @@ class RegisterClientResponse(_message.Message):
     default_lease_ttl_ms: int
     fast_socket: str
     master_pid: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ...) -> None: ...
+    client_token: bytes
+    retry_after_ms: int
+    master_clock_ms: int
+    capability_epoch: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ..., client_token: _Optional[bytes] = ..., retry_after_ms: _Optional[int] = ..., master_clock_ms: _Optional[int] = ..., capability_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status",)
+    __slots__ = ("status", "master_clock_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     status: Status
-    def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
+    master_clock_ms: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., master_clock_ms: _Optional[int] = ...) -> None: ...
 
 class UnregisterClientRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterClientResponse(_message.Message):
     __slots__ = ("status",)
@@ -216,12 +238,14 @@ class UnregisterClientResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("client_id", "segment")
+    __slots__ = ("client_id", "segment", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     segment: SegmentDescriptor
-    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentDescriptor, _Mapping]] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentDescriptor, _Mapping]] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status",)
@@ -230,12 +254,14 @@ class MountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
-    __slots__ = ("client_id", "segment_id")
+    __slots__ = ("client_id", "segment_id", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     segment_id: str
-    def __init__(self, client_id: _Optional[str] = ..., segment_id: _Optional[str] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class UnmountSegmentResponse(_message.Message):
     __slots__ = ("status",)
@@ -270,18 +296,20 @@ class PutOptions(_message.Message):
     def __init__(self, replica_num: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., prefer_same_host: bool = ..., pin: _Optional[_Union[Pin, str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options")
+    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
     options: PutOptions
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("statuses", "replicas")
@@ -292,14 +320,16 @@ class PutStartResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "checksums")
+    __slots__ = ("client_id", "keys", "checksums", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class PutEndResponse(_message.Message):
     __slots__ = ("statuses",)
@@ -308,12 +338,14 @@ class PutEndResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class PutRevokeRequest(_message.Message):
-    __slots__ = ("client_id", "keys")
+    __slots__ = ("client_id", "keys", "client_token")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    client_token: bytes
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class PutRevokeResponse(_message.Message):
     __slots__ = ("statuses",)

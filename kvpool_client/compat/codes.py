@@ -26,6 +26,7 @@ RPC_FAILED = int(Status.RPC_FAILED)  # -900
 KVPOOL_ONLY_TO_MOONCAKE: dict[Status, int] = {
     Status.UNAVAILABLE: RPC_FAILED,  # master unreachable
     Status.UNKNOWN_CLIENT: RPC_FAILED,  # the master forgot us (restart); the client re-registers
+    Status.CLIENT_ALREADY_EXISTS: RPC_FAILED,  # the id is held by a live client (registration)
     Status.PERMISSION_DENIED: TRANSFER_FAILED,  # a data server refused a capability
     Status.CHECKSUM_MISMATCH: TRANSFER_FAILED,  # the bytes read are not the bytes written
     Status.RESOURCE_EXHAUSTED: NO_SPACE,  # async-write queue or data-server limits full
