@@ -1,8 +1,18 @@
-"""Data-plane capabilities: the master signs every placement it hands out, data servers check.
+"""Data-plane capabilities, client tokens and the master's capability clock.
 
 A capability is a keyed BLAKE2b MAC (16 bytes) over (segment, offset, length, operation,
-expiry) with the key of the segment's owner. Each client gets its own random key when it
-registers, so a client can forge capabilities only for its own segments.
+expiry, epoch, put id) with the key of the segment's owner. Each client gets its own random
+key when it registers, so a client can forge capabilities only for its own segments.
+
+Rules of this file:
+- Expiries are on the *master's capability clock*: milliseconds since the master's epoch
+  began (a random ``epoch`` number chosen at every master start). They are never compared with
+  a wall clock: a client learns an upper bound of that clock from an answer of the master
+  (``MasterClock``), so clock skew between hosts cannot make a capability live longer.
+- ``epoch`` is signed, so a capability of a previous master incarnation never verifies against
+  the current one. ``put_id`` names the put a WRITE capability belongs to (0 for READ).
+- ``client_token`` derives the secret a client presents on every client-scoped call from its
+  capability key; the master derives the same, so nothing more needs to be stored or persisted.
 """
 
 from __future__ import annotations
@@ -10,12 +20,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from dataclasses import dataclass
 
 from kvpool_client.types import Op
 
 CAPABILITY_BYTES = 16
 KEY_BYTES = 32
-_FIELDS = struct.Struct("<QQBQ")
+TOKEN_BYTES = 16
+_FIELDS = struct.Struct("<QQBQQQ")
+_TOKEN_PERSON = b"kvpool-client"
 
 
 def keyed(key: bytes) -> hashlib.blake2b:
@@ -25,22 +38,63 @@ def keyed(key: bytes) -> hashlib.blake2b:
 
 
 def sign_keyed(state: hashlib.blake2b, segment_id: str, offset: int, length: int, op: Op,
-               expiry_ms: int) -> bytes:
+               expiry_ms: int, epoch: int = 0, put_id: int = 0) -> bytes:
     """``sign`` with a state from ``keyed`` (which it leaves unchanged)."""
     mac = state.copy()
     mac.update(segment_id.encode())
-    mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms))
+    mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms, epoch, put_id))
     return mac.digest()
 
 
-def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int) -> bytes:
-    """Return the capability allowing ``op`` on ``[offset, offset+length)`` until ``expiry_ms``."""
-    return sign_keyed(keyed(key), segment_id, offset, length, op, expiry_ms)
+def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int,
+         epoch: int = 0, put_id: int = 0) -> bytes:
+    """Return the capability allowing ``op`` on ``[offset, offset+length)`` until ``expiry_ms``
+    on the capability clock of master epoch ``epoch``, for put ``put_id`` (WRITE)."""
+    return sign_keyed(keyed(key), segment_id, offset, length, op, expiry_ms, epoch, put_id)
 
 
 def verify(key: bytes, capability: bytes, segment_id: str, offset: int, length: int, op: Op,
-           expiry_ms: int, now_ms: int) -> bool:
-    """True when ``capability`` is valid for exactly this request and has not expired."""
+           expiry_ms: int, now_ms: int, epoch: int = 0, put_id: int = 0) -> bool:
+    """True when ``capability`` is valid for exactly this request and has not expired
+    (``now_ms`` is an upper bound of the master's capability clock)."""
     if now_ms > expiry_ms or len(capability) != CAPABILITY_BYTES:
         return False
-    return hmac.compare_digest(capability, sign(key, segment_id, offset, length, op, expiry_ms))
+    return hmac.compare_digest(
+        capability, sign(key, segment_id, offset, length, op, expiry_ms, epoch, put_id))
+
+
+def client_token(capability_key: bytes) -> bytes:
+    """The secret a client presents on client-scoped calls, derived from its capability key."""
+    return hashlib.blake2b(capability_key, digest_size=TOKEN_BYTES,
+                           person=_TOKEN_PERSON).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class MasterClock:
+    """An upper bound of the master's capability clock, learnt from one of its answers.
+
+    The master read its clock (``master_ms``) after the request was sent at ``sent_s``
+    (``time.monotonic()`` here), so ``master_ms + (now - sent_s)`` is never behind it.
+    """
+
+    epoch: int
+    master_ms: int
+    sent_s: float
+
+    def now_ms(self, local_now_s: float) -> int:
+        """An upper bound of the master's capability clock at ``local_now_s`` (this host's
+        ``time.monotonic()``)."""
+        return self.master_ms + int((local_now_s - self.sent_s) * 1000) + 1
+
+    def local_deadline_s(self, expiry_ms: int) -> float:
+        """The ``time.monotonic()`` by which the master's clock may have reached ``expiry_ms``."""
+        return self.sent_s + (expiry_ms - self.master_ms - 1) / 1000
+
+    def tighter(self, other: MasterClock) -> MasterClock:
+        """The sample giving the lower (still safe) bound, preferring ``other``'s epoch when
+        the epochs differ (a newer answer of a restarted master)."""
+        if other.epoch != self.epoch:
+            return other
+        mine = self.master_ms - self.sent_s * 1000
+        theirs = other.master_ms - other.sent_s * 1000
+        return other if theirs <= mine else self

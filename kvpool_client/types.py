@@ -64,8 +64,9 @@ class Placement:
     segment_id: SegmentId
     offset: int
     length: int
-    capability_expiry_ms: int = 0
+    capability_expiry_ms: int = 0   # on the master's capability clock
     capability: bytes = b""
+    put_id: int = 0                 # WRITE: the put the capability belongs to
 
 
 @dataclass(frozen=True, slots=True)

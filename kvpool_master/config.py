@@ -47,6 +47,7 @@ class MasterConfig:
     default_kv_lease_ttl_ms: int = 5000
     client_ttl_s: float = 10.0
     put_start_discard_timeout_s: float = 30.0
+    write_capability_ttl_s: float = 10.0
     max_batch_keys: int = 100_000
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
@@ -200,6 +201,10 @@ OPTIONS: tuple[Option, ...] = (
            _float(0.0, 24 * HOUR_S, lo_open=True),
            "seconds after which an uncommitted put is reclaimed (default 30)", "SECONDS",
            aliases=("put_start_discard_timeout_sec",)),
+    Option("write_capability_ttl", "write_capability_ttl_s", _float(0.0, HOUR_S, lo_open=True),
+           "seconds a writer may use the WRITE capabilities of one PutStart; space a revoked or "
+           "reclaimed put held is reused only after them, and after a restart with --state-dir "
+           "the free space of restored segments only after this long (default 10)", "SECONDS"),
     Option("max_batch_keys", "max_batch_keys", _int(1, 10_000_000),
            "most keys in one call; longer batches answer INVALID_ARGUMENT (default 100000)", "N"),
     Option("max_key_bytes", "max_key_bytes", _int(1, MAX_KEY_BYTES),

@@ -4,6 +4,9 @@ Rules of this file:
 - A client is *live* (registered in this master's lifetime) or *restored* (known from a
   persisted index). A restored client keeps its capability key; its heartbeat answers
   UNKNOWN_CLIENT so it re-registers (getting the same key back) and remounts its segments.
+- Identity is the token derived from the capability key (``capability.client_token``), not the
+  id: every client-scoped call presents it, and re-registering a known id (live or restored)
+  needs it too. An id whose holder cannot prove it is refused until that holder expires.
 - Expiry is purely ``now - last_heartbeat_s > client_ttl_s``. The core has no clock: the
   server passes a clock that does not advance while the master itself was stalled, so a
   master pause never expires anyone.
@@ -11,6 +14,9 @@ Rules of this file:
 
 from __future__ import annotations
 
+import hmac
+
+from kvpool_client.capability import client_token
 from kvpool_client.types import ClientId
 
 #: Longest client id and host id accepted.
@@ -23,8 +29,8 @@ MAX_CAPABILITY_KEY_BYTES = 64
 class ClientState:
     """One client: identity, capability key, liveness."""
 
-    __slots__ = ("client_id", "host_id", "capability_key", "last_heartbeat_s", "restored",
-                 "restore_deadline_s")
+    __slots__ = ("client_id", "host_id", "capability_key", "token", "last_heartbeat_s",
+                 "restored", "restore_deadline_s")
 
     def __init__(self, client_id: ClientId, host_id: str, capability_key: bytes,
                  last_heartbeat_s: float, restored: bool = False,
@@ -32,6 +38,7 @@ class ClientState:
         self.client_id = client_id
         self.host_id = host_id
         self.capability_key = capability_key
+        self.token = client_token(capability_key)
         self.last_heartbeat_s = last_heartbeat_s
         self.restored = restored
         self.restore_deadline_s = restore_deadline_s
@@ -66,6 +73,14 @@ class ClientTable:
         """Return the client if it registered in this master's lifetime, else None."""
         client = self.id_to_client.get(client_id)
         return client if client is not None and not client.restored else None
+
+    def proven(self, client_id: ClientId, token: bytes) -> ClientState | None:
+        """Return the live client ``client_id`` when ``token`` is its token, else None."""
+        client = self.id_to_client.get(client_id)
+        if (client is None or client.restored or type(token) is not bytes
+                or not hmac.compare_digest(client.token, token)):
+            return None
+        return client
 
     def add(self, client: ClientState) -> None:
         """Track ``client`` (replacing nothing: its id must be new)."""

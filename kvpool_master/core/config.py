@@ -15,6 +15,7 @@ class CoreConfig:
     client_ttl_s: float = 10.0
     default_lease_ttl_s: float = 5.0
     put_start_discard_timeout_s: float = 30.0
+    write_capability_ttl_s: float = 10.0  # how long a WRITE capability may be used
     eviction_high_watermark_ratio: float = 0.95
     eviction_ratio: float = 0.05
     eviction_policy: str = "lru"          # or "prefix-lru"
@@ -22,7 +23,8 @@ class CoreConfig:
     max_batch_keys: int = 100_000
 
     def __post_init__(self) -> None:
-        for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s"):
+        for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s",
+                     "write_capability_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

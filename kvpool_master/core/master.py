@@ -16,6 +16,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Sequence
 
 from kvpool_client.status import Status
@@ -67,15 +68,22 @@ class MasterCore(Mutations):
     # ---- clients -------------------------------------------------------------------------
 
     def register_client(self, client_id: ClientId, host_id: str, capability_key: bytes,
-                        now: float) -> tuple[Status, bytes]:
-        """Register (or re-register) a client; return (OK, the key it must use).
+                        now: float, token: bytes = b"") -> tuple[Status, bytes]:
+        """Register (or re-register) a client; return (status, the key it must use).
 
-        A client already known (live, or restored from persisted state) keeps its existing key.
+        A new id gets ``capability_key``. A known id (live, or restored from persisted state)
+        keeps its key, and only a caller presenting its token (``capability.client_token``
+        of that key) may re-register it: anyone else gets CLIENT_ALREADY_EXISTS (key empty;
+        ``holder_expires_in_s`` says for how long at most).
         Fails with INVALID_ARGUMENT (malformed id or key; key returned empty).
         """
         if registration_error(client_id, host_id, capability_key):
             return Status.INVALID_ARGUMENT, b""
         client = self._clients.get(client_id)
+        if client is not None and not hmac.compare_digest(
+                client.token, token if type(token) is bytes else b""):
+            self._counters.registrations_refused += 1
+            return Status.CLIENT_ALREADY_EXISTS, b""
         if client is not None and not client.restored:
             client.last_heartbeat_s = now
             return Status.OK, client.capability_key
@@ -88,6 +96,28 @@ class MasterCore(Mutations):
         self._counters.clients_registered += 1
         self._events.append(ClientRegistered(client_id, host_id, client.capability_key))
         return Status.OK, client.capability_key
+
+    def holder_expires_in_s(self, client_id: ClientId, now: float) -> float:
+        """Seconds until the holder of ``client_id`` expires unless it heartbeats (or, restored,
+        re-registers) meanwhile; 0 when the id is free."""
+        client = self._clients.get(client_id)
+        if client is None:
+            return 0.0
+        until_s = (client.restore_deadline_s if client.restored
+                   else client.last_heartbeat_s + self._config.client_ttl_s)
+        return max(until_s - now, 0.0)
+
+    def authenticate(self, client_id: ClientId, token: bytes) -> Status:
+        """Whether a client-scoped call may act as ``client_id``: OK, or UNKNOWN_CLIENT when
+        the caller is not that client as this master knows it (not registered in this master's
+        lifetime, or a token that is not its current one). A client holding a stale token
+        (it re-registered meanwhile) re-registers and retries, as after a master restart; an
+        impostor learns nothing and is counted."""
+        if self._clients.proven(client_id, token) is not None:
+            return Status.OK
+        if self._clients.live(client_id) is not None:
+            self._counters.calls_unauthenticated += 1
+        return Status.UNKNOWN_CLIENT
 
     def heartbeat(self, client_id: ClientId, now: float) -> Status:
         """Mark the client alive. Returns OK, or UNKNOWN_CLIENT (re-register and remount)."""
@@ -268,7 +298,7 @@ class MasterCore(Mutations):
     def _drop_client(self, client_id: ClientId, now: float) -> None:
         for key in [k for k, started in self._objects.pending_key_to_started_s.items()
                     if self._objects.key_to_object[k].writer_id == client_id]:
-            self._reclaim(key)
+            self._reclaim(key, now)
         for state in self._segments.owned_by(client_id):
             self._lose_segment(state, now)
         self._clients.discard(client_id)
@@ -281,4 +311,4 @@ class MasterCore(Mutations):
                 break  # started in order: everything after is younger
             stale.append(key)
         for key in stale:
-            self._reclaim(key)
+            self._reclaim(key, now)

@@ -7,6 +7,9 @@ Rules of this file:
 - Every object leaves through ``_drop`` (one ``ObjectRemoved`` event each, extents freed, or
   parked in ``DeferredFrees`` while a read lease on them is live), or through ``_reclaim``
   for a PENDING object whose writer vanished or ran out of time.
+- A PENDING object's extents (revoked or reclaimed) stay parked for ``write_capability_ttl_s``:
+  its writer may still hold WRITE capabilities for them, and a late write must land on space
+  that belongs to nobody, never on the next object's.
 - Eviction inside ``put_start``: when an allocation fails, passes run (DRAM first) until it
   fits or nothing evictable is left; after a successful allocation that pushes a tier above
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
@@ -194,7 +197,8 @@ class Mutations:
 
     def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
                    now: float) -> list[Status]:
-        """Abandon PENDING objects of this client; their space is freed at once. OK per key.
+        """Abandon PENDING objects of this client; their space is reused once the put's WRITE
+        capabilities have expired (``write_capability_ttl_s``). OK per key.
         Fails per key with NOT_FOUND, INVALID_ARGUMENT (already READY: too late to revoke),
         PERMISSION_DENIED (another client's put), INVALID_KEY; for the call with UNKNOWN_CLIENT
         or INVALID_ARGUMENT."""
@@ -214,7 +218,7 @@ class Mutations:
             elif entry.writer_id != client_id:
                 statuses.append(Status.PERMISSION_DENIED)
             else:
-                self._drop((key,), "revoke", now)
+                self._drop((key,), "revoke", now, now + self._config.write_capability_ttl_s)
                 self._counters.put_revoked += 1
                 statuses.append(Status.OK)
         return statuses
@@ -270,15 +274,17 @@ class Mutations:
         ok = type(key) is bytes and 0 < len(key) <= self._config.max_key_bytes
         return Status.NOT_FOUND if ok else Status.INVALID_KEY
 
-    def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float) -> None:
-        """Remove objects (READY or PENDING, all present) and free or park their extents."""
+    def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float,
+              hold_until_s: float = 0.0) -> None:
+        """Remove objects (READY or PENDING, all present) and free or park their extents
+        (until their read lease ends, and at least until ``hold_until_s``)."""
         pop = self._objects.pop
         events = self._events
         to_free: list[Placement] = []
         lapsed = 0
         for key in keys:
             entry = pop(key)
-            lease_s = entry.lease_expiry_s
+            lease_s = max(entry.lease_expiry_s, hold_until_s)
             if lease_s > now:
                 # A reader may still be copying these bytes: reuse them only after its lease.
                 get = self._segments.id_to_segment.get
@@ -287,18 +293,16 @@ class Mutations:
                     if state is not None:
                         self._deferred.add(lease_s, state, p.offset, p.length)
             else:
-                if lease_s > 0.0:
+                if entry.lease_expiry_s > 0.0:
                     lapsed += 1
                 to_free += entry.placements
             events.append(ObjectRemoved(key, entry.size_bytes, reason))
         self._segments.free(to_free)
         self._lease_counters.leases_lapsed += lapsed
 
-    def _reclaim(self, key: ObjectKey) -> None:
-        entry = self._objects.pop(key)
-        self._segments.free(entry.placements)
+    def _reclaim(self, key: ObjectKey, now: float) -> None:
+        self._drop((key,), "reclaim", now, now + self._config.write_capability_ttl_s)
         self._counters.pending_reclaimed += 1
-        self._events.append(ObjectRemoved(key, entry.size_bytes, "reclaim"))
         self._events.append(PendingReclaimed(key))
 
     def _mount_fresh(self, segment: SegmentInfo) -> None:

@@ -25,6 +25,7 @@ class Counters:
     __slots__ = ("put_started", "put_committed", "put_revoked", "put_no_space", "evicted_objects",
                  "evicted_bytes", "eviction_passes", "removed_objects", "segment_lost_objects",
                  "pending_reclaimed", "clients_registered", "clients_expired",
+                 "registrations_refused", "calls_unauthenticated",
                  "lookup_queries", "lookup_keys", "lookup_hit_keys", "read_keys", "read_hit_keys")
 
     def __init__(self) -> None:
@@ -40,6 +41,8 @@ class Counters:
         self.pending_reclaimed = 0
         self.clients_registered = 0
         self.clients_expired = 0
+        self.registrations_refused = 0
+        self.calls_unauthenticated = 0
         self.lookup_queries = 0
         self.lookup_keys = 0
         self.lookup_hit_keys = 0
@@ -87,6 +90,8 @@ class CoreStats:
     pending_reclaimed_total: int
     clients_registered_total: int
     clients_expired_total: int
+    registrations_refused_total: int  # a known id without its token
+    calls_unauthenticated_total: int  # client-scoped calls with a wrong token
     leases_granted_total: int         # successful reads (each grants or extends a lease)
     leases_lapsed_total: int          # leases seen to have run out unrenewed
     lookup_queries_total: int         # query_prefix calls
@@ -126,6 +131,8 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         pending_reclaimed_total=counters.pending_reclaimed,
         clients_registered_total=counters.clients_registered,
         clients_expired_total=counters.clients_expired,
+        registrations_refused_total=counters.registrations_refused,
+        calls_unauthenticated_total=counters.calls_unauthenticated,
         leases_granted_total=leases.leases_granted,
         leases_lapsed_total=leases.leases_lapsed,
         lookup_queries_total=counters.lookup_queries,

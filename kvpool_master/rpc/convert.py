@@ -12,6 +12,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,28 +67,42 @@ def _name(value: str, what: str, *, required: bool = True) -> str:
 
 # --- clients and segments ----------------------------------------------------------------------
 
-def decode_register_client(request: Any) -> tuple[ClientId, str, str]:
-    """(client_id, host_id, hostname) of a RegisterClient request."""
+def decode_register_client(request: Any) -> tuple[ClientId, str, str, bytes]:
+    """(client_id, host_id, hostname, client_token) of a RegisterClient request."""
     return (ClientId(_name(request.client_id, "client_id")),
             _name(request.host_id, "host_id", required=False),
-            _name(request.hostname, "hostname", required=False))
+            _name(request.hostname, "hostname", required=False),
+            request.client_token)
 
 
 def encode_register_client(status: Status, *, client_ttl_s: float, capability_key: bytes,
-                           fast_port: int, master_id: str, default_lease_ttl_s: float,
-                           fast_socket: str = "", master_pid: int = 0
+                           client_token: bytes, fast_port: int, master_id: str,
+                           default_lease_ttl_s: float, fast_socket: str = "",
+                           master_pid: int = 0, retry_after_s: float = 0.0,
+                           master_clock_ms: int = 0, capability_epoch: int = 0,
                            ) -> pb.RegisterClientResponse:
-    """The RegisterClient answer."""
+    """The RegisterClient answer (key and token only when OK)."""
     return pb.RegisterClientResponse(
         status=status, client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
-        fast_port=max(fast_port, 0), master_id=master_id,
+        client_token=client_token, fast_port=max(fast_port, 0), master_id=master_id,
         default_lease_ttl_ms=round(default_lease_ttl_s * 1000), fast_socket=fast_socket,
-        master_pid=master_pid if fast_socket else 0)
+        master_pid=master_pid if fast_socket else 0, retry_after_ms=math.ceil(retry_after_s * 1000),
+        master_clock_ms=master_clock_ms, capability_epoch=capability_epoch)
 
 
 def decode_client_id(request: Any) -> ClientId:
     """The client id of a request that carries only that (Heartbeat)."""
     return ClientId(_name(request.client_id, "client_id"))
+
+
+def decode_client_token(request: Any) -> bytes:
+    """The client token of a client-scoped request (empty when absent)."""
+    return request.client_token  # type: ignore[no-any-return]
+
+
+def encode_heartbeat(status: Status, master_clock_ms: int) -> pb.HeartbeatResponse:
+    """The Heartbeat answer."""
+    return pb.HeartbeatResponse(status=status, master_clock_ms=master_clock_ms)
 
 
 def status_response(response_type: type[Message], status: Status) -> Message:
@@ -178,23 +193,24 @@ def decode_put_start(request: Any) -> tuple[ClientId, list[ObjectKey], list[int]
 
 
 def _add_replicas(replicas: Any, placements: Sequence[Placement], expiry_ms: int,
-                  capability_of: Callable[[Placement], bytes]) -> None:
+                  capability_of: Callable[[Placement], bytes], put_id: int = 0) -> None:
     """Append one key's replicas, each signed by ``capability_of``, to a repeated ``Replicas``
     field. Messages are built in place with ``add``: constructing sub-messages and passing
     them in lists copies each one, several times the cost on a batch's answer."""
     target = replicas.add().placements
     for p in placements:
         target.add(segment_id=p.segment_id, offset=p.offset, length=p.length,
-                   capability_expiry_ms=expiry_ms, capability=capability_of(p))
+                   capability_expiry_ms=expiry_ms, capability=capability_of(p), put_id=put_id)
 
 
 def encode_put_start(results: Sequence[tuple[Status, Sequence[Placement]]], expiry_ms: int,
-                     capability_of: Callable[[Placement], bytes]) -> pb.PutStartResponse:
-    """One status and signed replica list per key."""
+                     capability_of: Callable[[Placement], bytes],
+                     put_id: int) -> pb.PutStartResponse:
+    """One status and signed replica list per key (capabilities of put ``put_id``)."""
     response = pb.PutStartResponse(statuses=[status for status, _ in results])
     replicas = response.replicas
     for _, placements in results:
-        _add_replicas(replicas, placements, expiry_ms, capability_of)
+        _add_replicas(replicas, placements, expiry_ms, capability_of, put_id)
     return response
 
 

@@ -8,6 +8,12 @@ Rules of this file:
 - Expected outcomes travel in-band as ``Status`` values. A request that cannot be served at all
   raises :class:`BadRequest` (INVALID_ARGUMENT for the call); anything else escaping a handler is
   a bug and raises :class:`InternalError` after being logged.
+- Client-scoped calls (heartbeat, unregister, mount, unmount, put_start, put_end, put_revoke)
+  first prove the caller's ``client_token`` (``core.authenticate``); a refusal answers its
+  status for the whole call and changes nothing.
+- Capabilities carry this master's ``capability_epoch`` (random at every start) and expire on
+  its capability clock (monotonic ms since start), which every registration and heartbeat
+  answer reports; a PutStart's WRITE capabilities name a fresh ``put_id``.
 """
 
 from __future__ import annotations
@@ -49,15 +55,16 @@ class Servicer:
 
     def __init__(self, core: MasterCore, clock: ServingClock, observer: RpcObserver, *,
                  master_id: str, on_events: Callable[[list[Event]], None],
-                 status_document: Callable[[], str],
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 status_document: Callable[[], str]) -> None:
         self._core = core
         self._clock = clock
         self._observer = observer
         self._master_id = master_id
         self._on_events = on_events
         self._status_document = status_document
-        self._wall_clock = wall_clock
+        self._clock_start_s = time.monotonic()
+        self.capability_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self._last_put_id = 0
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self._handlers: dict[str, Callable[[Any], Any]] = {
@@ -112,11 +119,16 @@ class Servicer:
 
     # -- signing ----------------------------------------------------------------------------------
 
-    def _signer(self, op: Op, expiry_ms: int) -> Callable[[Placement], bytes]:
+    def capability_clock_ms(self) -> int:
+        """The capability clock: monotonic milliseconds since this master started."""
+        return int((time.monotonic() - self._clock_start_s) * 1000)
+
+    def _signer(self, op: Op, expiry_ms: int, put_id: int = 0) -> Callable[[Placement], bytes]:
         # the owner's keyed MAC state; None: the owner has no key
         state_of_segment: dict[str, hashlib.blake2b | None] = {}
         segment_key = self._core.segment_key
         keyed, sign_keyed = capability.keyed, capability.sign_keyed
+        epoch = self.capability_epoch
 
         def capability_of(p: Placement) -> bytes:
             if p.segment_id in state_of_segment:
@@ -126,7 +138,8 @@ class Servicer:
                 state = state_of_segment[p.segment_id] = keyed(key) if key else None
             if state is None:
                 return b""
-            return sign_keyed(state, p.segment_id, p.offset, p.length, op, expiry_ms)
+            return sign_keyed(state, p.segment_id, p.offset, p.length, op, expiry_ms, epoch,
+                              put_id)
         return capability_of
 
     def _check_batch(self, keys: Sequence[object]) -> None:
@@ -136,38 +149,53 @@ class Servicer:
 
     # -- clients and segments ---------------------------------------------------------------------
 
+    def _authenticate(self, client_id: str, request: Any) -> Status:
+        return self._core.authenticate(ClientId(client_id), convert.decode_client_token(request))
+
     def _register_client(self, request: Any) -> Any:
-        client_id, host_id, _hostname = convert.decode_register_client(request)
-        status, key = self._core.register_client(client_id, host_id,
-                                                 os.urandom(capability.KEY_BYTES),
-                                                 self._clock.now())
+        client_id, host_id, _hostname, token = convert.decode_register_client(request)
+        now = self._clock.now()
+        status, key = self._core.register_client(
+            client_id, host_id, os.urandom(capability.KEY_BYTES), now, token)
+        retry_after_s = (self._core.holder_expires_in_s(client_id, now)
+                         if status == Status.CLIENT_ALREADY_EXISTS else 0.0)
         config = self._core.config
         return convert.encode_register_client(
             status, client_ttl_s=config.client_ttl_s, capability_key=key,
+            client_token=capability.client_token(key) if key else b"",
             fast_port=self.fast_port, master_id=self._master_id,
             default_lease_ttl_s=config.default_lease_ttl_s, fast_socket=self.fast_socket,
-            master_pid=os.getpid())
+            master_pid=os.getpid(), retry_after_s=retry_after_s,
+            master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch)
 
     def _heartbeat(self, request: Any) -> Any:
-        status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
-        return convert.status_response(_response_of(request), status)
+        client_id = convert.decode_client_id(request)
+        status = self._authenticate(client_id, request)
+        if status == Status.OK:
+            status = self._core.heartbeat(client_id, self._clock.now())
+        return convert.encode_heartbeat(status, self.capability_clock_ms())
 
     def _unregister_client(self, request: Any) -> Any:
-        status = self._core.unregister_client(convert.decode_client_id(request),
-                                              self._clock.now())
+        client_id = convert.decode_client_id(request)
+        status = self._authenticate(client_id, request)
+        if status == Status.OK:
+            status = self._core.unregister_client(client_id, self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _mount_segment(self, request: Any) -> Any:
         client_id, segment = convert.decode_mount_segment(request)
-        if segment.client_id != client_id:
+        status = self._authenticate(client_id, request)
+        if status == Status.OK and segment.client_id != client_id:
             status = Status.PERMISSION_DENIED  # a client mounts only its own segments
-        else:
+        if status == Status.OK:
             status = self._core.mount_segment(segment, self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _unmount_segment(self, request: Any) -> Any:
         client_id, segment_id = convert.decode_unmount_segment(request)
-        status = self._core.unmount_segment(client_id, segment_id, self._clock.now())
+        status = self._authenticate(client_id, request)
+        if status == Status.OK:
+            status = self._core.unmount_segment(client_id, segment_id, self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _get_segments(self, request: Any) -> Any:
@@ -179,20 +207,35 @@ class Servicer:
 
     def _put_start(self, request: Any) -> Any:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
-        results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
-                                       self._clock.now(), parent_keys)
-        expiry_ms = int((self._wall_clock() + self._core.config.put_start_discard_timeout_s)
-                        * 1000)
-        return convert.encode_put_start(results, expiry_ms, self._signer(Op.WRITE, expiry_ms))
+        status = self._authenticate(client_id, request)
+        if status != Status.OK:
+            results = [(status, ())] * len(keys)
+        else:
+            results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
+                                           self._clock.now(), parent_keys)
+        expiry_ms = (self.capability_clock_ms()
+                     + int(self._core.config.write_capability_ttl_s * 1000))
+        self._last_put_id += 1
+        put_id = self._last_put_id
+        return convert.encode_put_start(results, expiry_ms,
+                                        self._signer(Op.WRITE, expiry_ms, put_id), put_id)
 
     def _put_end(self, request: Any) -> Any:
         client_id, keys, checksums = convert.decode_put_end(request)
-        statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
+        status = self._authenticate(client_id, request)
+        if status != Status.OK:
+            statuses = [status] * len(keys)
+        else:
+            statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
         return convert.encode_statuses(_response_of(request), statuses)
 
     def _put_revoke(self, request: Any) -> Any:
         client_id, keys = convert.decode_keys(request)
-        statuses = self._core.put_revoke(ClientId(client_id), keys, self._clock.now())
+        status = self._authenticate(client_id, request)
+        if status != Status.OK:
+            statuses = [status] * len(keys)
+        else:
+            statuses = self._core.put_revoke(ClientId(client_id), keys, self._clock.now())
         return convert.encode_statuses(_response_of(request), statuses)
 
     # -- reads ------------------------------------------------------------------------------------
@@ -201,7 +244,7 @@ class Servicer:
         _client_id, keys = convert.decode_keys(request)
         results = self._core.get_replicas(keys, self._clock.now())
         lease_ttl_s = self._core.config.default_lease_ttl_s
-        expiry_ms = int((self._wall_clock() + lease_ttl_s) * 1000)
+        expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
         return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms,
                                            self._signer(Op.READ, expiry_ms))
 

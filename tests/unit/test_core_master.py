@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_client.capability import client_token
 from kvpool_client.status import Status
 from kvpool_client.types import (
     ClientId,
@@ -59,7 +60,10 @@ def put(core: MasterCore, client: ClientId, keys: list[bytes], size: int = 1000,
 def test_register_keeps_the_first_key_and_heartbeat_keeps_alive() -> None:
     core = MasterCore(CoreConfig(client_ttl_s=10.0))
     assert core.register_client(A, "h", KEY, 0.0) == (Status.OK, KEY)
-    assert core.register_client(A, "h", b"x" * 32, 1.0) == (Status.OK, KEY)
+    assert core.register_client(A, "h", b"x" * 32, 1.0, client_token(KEY)) == (Status.OK, KEY)
+    # without the token, a live id cannot be taken over, and its key is not handed out
+    assert core.register_client(A, "h", b"x" * 32, 1.0) == (Status.CLIENT_ALREADY_EXISTS, b"")
+    assert core.holder_expires_in_s(A, 1.0) == 10.0
     assert core.heartbeat(A, 9.0) == Status.OK
     core.tick(18.0)
     assert core.heartbeat(A, 18.0) == Status.OK
@@ -196,14 +200,22 @@ def test_write_once_retry_and_ownership() -> None:
     assert core.stats().put_started_total == 1
 
 
-def test_revoke_frees_space_at_once() -> None:
-    core = core_with(A)
+def test_revoked_space_is_reused_only_after_the_write_capabilities_expired() -> None:
+    # The writer may still hold WRITE capabilities for the revoked extent: a late write must
+    # land on space that belongs to nobody, never on the next object's bytes.
+    core = core_with(A, config=CoreConfig(write_capability_ttl_s=10.0))
     core.put_start(A, [ObjectKey(b"x")], [4096], PutOptions(), 1.0)
-    assert core.stats().tier_to_used_bytes[0] == 4096
-    assert core.put_revoke(A, [ObjectKey(b"x"), ObjectKey(b"y")], 1.0) == [
+    (status, (first,)), = core.put_start(A, [ObjectKey(b"w")], [4096], PutOptions(), 1.0)
+    assert core.stats().tier_to_used_bytes[0] == 8192
+    assert core.put_revoke(A, [ObjectKey(b"w"), ObjectKey(b"y")], 1.0) == [
         Status.OK, Status.NOT_FOUND]
-    assert core.stats().tier_to_used_bytes[0] == 0
-    assert core.put_end(A, [ObjectKey(b"x")], 1.0) == [Status.NOT_FOUND]
+    assert core.stats().deferred_free_bytes == 4096
+    assert core.put_end(A, [ObjectKey(b"w")], 1.0) == [Status.NOT_FOUND]
+    (status, (held,)), = core.put_start(A, [ObjectKey(b"z")], [4096], PutOptions(), 10.9)
+    assert status == Status.OK and held.offset != first.offset
+    (status, (reused,)), = core.put_start(A, [ObjectKey(b"v")], [4096], PutOptions(), 11.1)
+    assert status == Status.OK and reused.offset == first.offset
+    assert core.stats().deferred_free_bytes == 0
 
 
 def test_stale_pending_is_reclaimed_after_the_discard_timeout() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_client.capability import client_token
 from kvpool_client.status import Status
 from kvpool_client.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.master import CoreConfig, MasterCore
@@ -18,7 +19,7 @@ SEGMENT_ROW = ["s", "a", 1 << 16, 0, "h", "", "", ""]
 def restore(objects: list[list[object]], now: float = 0.0) -> tuple[MasterCore, int]:
     core = MasterCore(CoreConfig())
     counts = core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW], objects), now, 10.0)
-    core.register_client(A, "h", b"x" * 16, now)
+    core.register_client(A, "h", b"x" * 16, now, client_token(b"k" * 16))
     core.mount_segment(SEG, now)
     return core, counts.num_dropped_rows
 
@@ -36,7 +37,7 @@ def test_snapshot_round_trip_in_memory() -> None:
     copy = MasterCore(CoreConfig())
     counts = copy.restore(Snapshot(snapshot.clients, snapshot.segments, rows), 5.0, 10.0)
     assert (counts.num_clients, counts.num_segments, counts.num_objects) == (1, 1, 4)
-    copy.register_client(A, "h", b"y" * 16, 5.0)
+    copy.register_client(A, "h", b"y" * 16, 5.0, client_token(b"k" * 16))
     copy.mount_segment(SEG, 5.0)
     assert copy.get_replicas(keys, 6.0) == core.get_replicas(keys, 6.0)
     with pytest.raises(ValueError, match="fresh"):
@@ -93,6 +94,6 @@ def test_a_restored_segment_is_kept_from_another_owner() -> None:
     thief = SegmentInfo(SegmentId("s"), ClientId("thief"), 1 << 16, host_id="h")
     assert core.mount_segment(thief, 1.0) == Status.SEGMENT_ALREADY_EXISTS
     assert core.mount_segment(SEG, 1.0) == Status.UNKNOWN_CLIENT   # owner not back yet
-    core.register_client(A, "h", b"x" * 16, 2.0)
+    core.register_client(A, "h", b"x" * 16, 2.0, client_token(b"k" * 16))
     assert core.mount_segment(SEG, 2.0) == Status.OK
     assert core.exist([ObjectKey(b"k")], 3.0)[0] == [Status.OK]

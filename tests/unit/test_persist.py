@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_client.capability import client_token
 from kvpool_client.status import Status
 from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.master import CoreConfig, MasterCore
@@ -56,7 +57,8 @@ def readable(core: MasterCore, now: float) -> dict[bytes, tuple]:  # type: ignor
 def come_back(core: MasterCore, now: float, *segments: SegmentInfo) -> None:
     for client, key in ((A, KEY_A), (B, KEY_B)):
         assert core.heartbeat(client, now) == Status.UNKNOWN_CLIENT
-        assert core.register_client(client, "h", b"new-key-ignored!", now) == (Status.OK, key)
+        assert core.register_client(client, "h", b"new-key-ignored!", now,
+                                    client_token(key)) == (Status.OK, key)
     for segment in segments:
         assert core.mount_segment(segment, now) == Status.OK
 
@@ -94,7 +96,8 @@ def test_objects_of_segments_not_back_in_time_are_dropped(tmp_path: Path) -> Non
     restored = MasterCore(CONFIG)
     store2 = StateStore(tmp_path, restore_grace_s=20.0)
     store2.load(restored, 100.0)
-    assert restored.register_client(A, "h1", KEY_A, 101.0) == (Status.OK, KEY_A)
+    assert restored.register_client(A, "h1", KEY_A, 101.0,
+                                    client_token(KEY_A)) == (Status.OK, KEY_A)
     assert restored.mount_segment(SEG_A, 101.0) == Status.OK   # B never comes back
     restored.tick(110.0)
     restored.heartbeat(A, 115.0)
