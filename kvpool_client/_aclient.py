@@ -40,9 +40,9 @@ from kvpool_client.buffers import (
     trim_regions,
 )
 from kvpool_client.config import ClientConfig
-from kvpool_client.liveness import Liveness, MasterAddress
+from kvpool_client.liveness import Liveness, MasterAddress, register_waiting
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.rpc import MasterRpc
+from kvpool_client.rpc import MasterRpc, MasterSession
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
@@ -67,6 +67,7 @@ class AsyncKVPoolClient:
         self.client_id = name
         self.host_id = host_id()
         self._master = MasterAddress.of(config)
+        self._session = MasterSession()  # this client's token and master clock, for all stubs
         self._segments: dict[str, LocalSegment] = {}
         self._server: DataServer | None = None
         self._rpc: MasterRpc | None = None
@@ -123,21 +124,23 @@ class AsyncKVPoolClient:
             self._segments[segment.segment_id] = segment
         if self._segments:
             # Refuses every request until the master's key for this client is installed.
+            session = self._session
             self._server = DataServer(self._segments, secrets.token_bytes(32),
                                       host=config.data_host,
-                                      frame_timeout_s=config.transfer_timeout_s)
+                                      frame_timeout_s=config.transfer_timeout_s,
+                                      clock=lambda: session.clock)
             self._server.start()
             self.metrics.watch_refusals(self._refusals)
-        self._rpc = rpc = self._master.stub()
-        sent = time.monotonic()
-        registration = await rpc.register_client(self.client_id, self.host_id, self.hostname)
+        self._rpc = rpc = self._master.stub(session=self._session)
+        registration = await register_waiting(rpc, self.client_id, self.host_id, self.hostname)
         self._registered = True
         if self._server is not None:
             self._server.capability_key = registration.capability_key
         descriptors = self._descriptors()
         for descriptor in descriptors:
             status = await rpc.mount_segment(self.client_id, descriptor)
-            if status not in _OK_STATUSES and status != Status.SEGMENT_ALREADY_EXISTS:
+            if status not in _OK_STATUSES:
+                # SEGMENT_ALREADY_EXISTS: another live client mounted a segment of this id.
                 raise KVPoolError(status, f"mounting segment {descriptor.segment_id} failed")
         self._writer = AsyncWriter(self._write_normalised, config.async_write_queue_size,
                                    self.metrics)
@@ -152,8 +155,9 @@ class AsyncKVPoolClient:
         self._datapath.remember(descriptors)
         self._datapath.commits = self._writer
         self._liveness = Liveness(
-            master=self._master, client_id=self.client_id, host_id=self.host_id,
-            hostname=self.hostname, registration=registration, registered_at=sent,
+            master=self._master, session=self._session, client_id=self.client_id,
+            host_id=self.host_id, hostname=self.hostname, registration=registration,
+            registered_at=registration.clock.sent_s,
             segments=self._descriptors, set_serving_key=self._set_serving_key,
             interval_s=config.heartbeat_interval_s, metrics=self.metrics)
         self._datapath.liveness = self._liveness

@@ -271,9 +271,10 @@ class DataPath:
         return Status.OK
 
     def _write_check(self, epoch: int) -> tuple[Status, float]:
-        """(OK, or why nothing granted in ``epoch`` may be written any more; the wall clock in
-        ms, ``WRITE_MARGIN_S`` ahead, against which write capabilities are checked)."""
-        now_ms = (time.time() + WRITE_MARGIN_S) * 1000
+        """(OK, or why nothing granted in ``epoch`` may be written any more; an upper bound
+        of the master's capability clock, ``WRITE_MARGIN_S`` ahead, against which write
+        capabilities are checked)."""
+        now_ms = self.rpc.session.clock.now_ms(time.monotonic() + WRITE_MARGIN_S)
         if self._epoch() != epoch:
             return Status.UNKNOWN_CLIENT, now_ms
         liveness = self.liveness

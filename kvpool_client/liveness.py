@@ -8,6 +8,11 @@ Rules of this file:
   paused, or the master is unreachable) the client may already be expired and the bytes it was
   told to write may belong to someone else: writes are abandoned and the data server refuses
   every capability until a heartbeat answers again.
+- Identity is the session's token (``rpc.MasterSession``, shared with the data path's stub):
+  heartbeats and re-registrations present it. A registration refused with
+  CLIENT_ALREADY_EXISTS (a process with the same fixed id that has not expired yet, e.g. this
+  process's previous incarnation) waits until the master says the id is free
+  (``register_waiting``), once; a holder that keeps heartbeating is an error.
 - ``UNKNOWN_CLIENT`` (master restarted, or this client was expired after a pause) re-registers,
   installs the new capability key in the data server *before* remounting (so capabilities
   signed for the old incarnation are refused from then on), remounts every segment and bumps
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from kvpool_client._loopthread import LoopThread, wait_for
 from kvpool_client.config import ClientConfig
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.rpc import MasterRpc, Registration, TlsConfig
+from kvpool_client.rpc import ClientIdTaken, MasterRpc, MasterSession, Registration, TlsConfig
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import SegmentInfo
 
@@ -60,22 +65,43 @@ class MasterAddress:
         return cls(config.master_server_address, config.rpc_timeout_s, tls, config.auth_token,
                    config.use_fast_path, config.busy_poll_us)
 
-    def stub(self, timeout_s: float | None = None) -> MasterRpc:
-        """A new stub for the calling loop."""
+    def stub(self, timeout_s: float | None = None,
+             session: MasterSession | None = None) -> MasterRpc:
+        """A new stub for the calling loop (acting for ``session``'s client, if given)."""
         return MasterRpc(self.address, timeout_s=timeout_s or self.timeout_s, tls=self.tls,
                          auth_token=self.auth_token, use_fast_path=self.use_fast_path,
-                         busy_poll_us=self.busy_poll_us)
+                         busy_poll_us=self.busy_poll_us, session=session)
+
+
+#: A refused registration waits at most this much longer than the master said.
+REGISTER_WAIT_SLACK_S = 1.0
+
+
+async def register_waiting(rpc: MasterRpc, client_id: str, host_id: str,
+                           hostname: str) -> Registration:
+    """Register; when another client still holds the id, wait once until the master says it
+    is free (its holder silent for client_ttl) and try again. Raises ClientIdTaken when the
+    holder is still there then (another live process uses the same client id)."""
+    try:
+        return await rpc.register_client(client_id, host_id, hostname)
+    except ClientIdTaken as exc:
+        logger.warning("client id %r is still held by a live client (a previous incarnation "
+                       "of this process?); waiting %.1f s for the master to expire it",
+                       client_id, exc.retry_after_s)
+        await asyncio.sleep(exc.retry_after_s + REGISTER_WAIT_SLACK_S)
+    return await rpc.register_client(client_id, host_id, hostname)
 
 
 class Liveness:
     """Keeps one client registered and alive; see the module docstring."""
 
-    def __init__(self, *, master: MasterAddress, client_id: str, host_id: str, hostname: str,
-                 registration: Registration, registered_at: float,
+    def __init__(self, *, master: MasterAddress, session: MasterSession, client_id: str,
+                 host_id: str, hostname: str, registration: Registration, registered_at: float,
                  segments: Callable[[], list[SegmentInfo]],
                  set_serving_key: Callable[[bytes], None], interval_s: float,
                  metrics: ClientMetrics) -> None:
         self._master = master
+        self._session = session
         self._client_id = client_id
         self._host_id = host_id
         self._hostname = hostname
@@ -165,7 +191,7 @@ class Liveness:
         self._wake = asyncio.Event()
         timeout_s = min(self._master.timeout_s, MAX_HEARTBEAT_TIMEOUT_S,
                         max(self._registration.client_ttl_s / 3, 0.05))
-        rpc = self._master.stub(timeout_s)
+        rpc = self._master.stub(timeout_s, self._session)
         next_beat = time.monotonic() + self._interval_s()
         try:
             while not self._stopping:
@@ -222,6 +248,7 @@ class Liveness:
                 registration = await rpc.register_client(self._client_id, self._host_id,
                                                          self._hostname)
             except KVPoolError as exc:
+                # ClientIdTaken too: another process took this id while this one was expired.
                 logger.warning("re-registration failed: %s", exc)
                 self._check_lapse()
                 return False
@@ -239,9 +266,10 @@ class Liveness:
             except KVPoolError as exc:
                 logger.warning("remount of segment %s failed: %s", segment.segment_id, exc)
                 return False
-            if status not in (Status.OK, Status.SEGMENT_ALREADY_EXISTS):
-                logger.warning("remount of segment %s answered %s", segment.segment_id,
-                               status.name)
+            if status != Status.OK:
+                # SEGMENT_ALREADY_EXISTS: another live client mounted a segment of this id.
+                logger.error("remount of segment %s answered %s", segment.segment_id,
+                             status.name)
                 if status == Status.UNKNOWN_CLIENT:
                     self._needs_mount = False  # register again from the start
                     return False

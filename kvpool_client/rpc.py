@@ -9,6 +9,9 @@ Rules of this file:
   | u32 LE request id | protobuf bytes``), which costs a small fraction of a grpc.aio call in
   Python. Once a registration advertised the port, every call uses one persistent, pipelined lean
   connection; frames on it are served in order, which is what makes ``put_end_nowait`` safe.
+- Identity: a ``MasterSession`` (shared by every stub of one client) holds the token the last
+  registration returned, which every client-scoped call presents and a re-registration proves
+  itself with, and the best known sample of the master's capability clock.
 - One instance belongs to one event loop. While ``direct`` is set (by the sync client, only
   around code it runs synchronously on the thread that holds that loop), lean calls block the
   calling thread on a connection of their own instead (``lean_blocking``); a commit sent
@@ -23,6 +26,7 @@ import re
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ import grpc
 
 from kvpool_client._loopthread import wait_for
 from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client.capability import MasterClock
 from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_client.lean_blocking import BlockingLeanConnection
 from kvpool_client.status import KVPoolError, Status
@@ -97,6 +102,35 @@ class Registration:
     master_id: str
     default_lease_ttl_s: float
     fast_port: int
+    client_token: bytes = b""
+    clock: MasterClock = MasterClock(0, 0, 0.0)
+
+
+class MasterSession:
+    """One client's standing with the master, shared by all of its stubs: the token of its
+    latest registration and the best known sample of the master's capability clock (see
+    ``kvpool_client.capability``). Attributes are replaced whole, never mutated."""
+
+    __slots__ = ("token", "clock")
+
+    def __init__(self) -> None:
+        self.token = b""
+        self.clock = MasterClock(0, 0, 0.0)
+
+    def learn_clock(self, sample: MasterClock) -> None:
+        """Keep the tighter of the known clock and ``sample`` (``sample`` on a new epoch)."""
+        self.clock = self.clock.tighter(sample)
+
+
+class ClientIdTaken(KVPoolError):
+    """RegisterClient answered CLIENT_ALREADY_EXISTS: another live client (or one restored
+    from the master's state) holds the id; it expires within ``retry_after_s``."""
+
+    def __init__(self, client_id: str, retry_after_s: float) -> None:
+        super().__init__(Status.CLIENT_ALREADY_EXISTS,
+                         f"client id {client_id!r} is held by a live client; it is free in at "
+                         f"most {retry_after_s:.1f} s unless that client heartbeats")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +159,9 @@ def _placements(replicas: Any) -> tuple[Placement, ...]:
     if len(placements) == 1:  # one replica: the common case, without a generator
         p = placements[0]
         return (Placement(p.segment_id, p.offset, p.length, p.capability_expiry_ms,
-                          p.capability),)
+                          p.capability, p.put_id),)
     return tuple(Placement(p.segment_id, p.offset, p.length, p.capability_expiry_ms,
-                           p.capability) for p in placements)
+                           p.capability, p.put_id) for p in placements)
 
 
 def _segment_info(d: Any) -> SegmentInfo:
@@ -346,8 +380,9 @@ class MasterRpc:
     def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
                  auth_token: str = "", use_fast_path: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 busy_poll_us: int = 0) -> None:
+                 busy_poll_us: int = 0, session: MasterSession | None = None) -> None:
         self._address = address
+        self.session = session if session is not None else MasterSession()
         self._host, self._port = _split_address(address)
         self._timeout_s = timeout_s
         self._tls = tls
@@ -508,12 +543,21 @@ class MasterRpc:
     # -- clients and segments ---------------------------------------------------------------------
 
     async def register_client(self, client_id: str, host_id: str, hostname: str) -> Registration:
-        """Register (or re-register) a client; raises KVPoolError unless OK."""
+        """Register (or re-register, proving the session's token) a client; raises
+        ClientIdTaken when another client holds the id, KVPoolError for anything else but OK."""
+        session = self.session
+        sent_s = time.monotonic()
         response = await self._call(RPC_METHODS["RegisterClient"], pb.RegisterClientRequest(
-            client_id=client_id, host_id=host_id, hostname=hostname))
+            client_id=client_id, host_id=host_id, hostname=hostname,
+            client_token=session.token))
         status = _status(response.status)
+        if status == Status.CLIENT_ALREADY_EXISTS:
+            raise ClientIdTaken(client_id, response.retry_after_ms / 1000)
         if status != Status.OK:
             raise KVPoolError(status, f"RegisterClient {client_id!r} refused")
+        clock = MasterClock(response.capability_epoch, response.master_clock_ms, sent_s)
+        session.token = response.client_token
+        session.learn_clock(clock)
         if (response.fast_port, response.fast_socket) != (self._fast_port, self._fast_socket):
             self._fast_port = response.fast_port
             self._fast_socket = response.fast_socket
@@ -526,18 +570,25 @@ class MasterRpc:
                 self._blocking = None
         return Registration(response.client_ttl_ms / 1000, response.capability_key,
                             response.master_id, response.default_lease_ttl_ms / 1000,
-                            response.fast_port)
+                            response.fast_port, response.client_token, clock)
 
     async def heartbeat(self, client_id: str) -> Status:
-        """OK, or UNKNOWN_CLIENT when the master forgot this client (re-register)."""
-        response = await self._call(RPC_METHODS["Heartbeat"],
-                                    pb.HeartbeatRequest(client_id=client_id))
-        return _status(response.status)
+        """OK, or UNKNOWN_CLIENT when the master forgot this client (re-register); an OK
+        answer also tightens the session's sample of the master's clock."""
+        session = self.session
+        sent_s = time.monotonic()
+        response = await self._call(RPC_METHODS["Heartbeat"], pb.HeartbeatRequest(
+            client_id=client_id, client_token=session.token))
+        status = _status(response.status)
+        if status == Status.OK:
+            session.learn_clock(MasterClock(session.clock.epoch, response.master_clock_ms,
+                                            sent_s))
+        return status
 
     async def unregister_client(self, client_id: str) -> Status:
         """Graceful close: OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""
-        response = await self._call(RPC_METHODS["UnregisterClient"],
-                                    pb.UnregisterClientRequest(client_id=client_id))
+        response = await self._call(RPC_METHODS["UnregisterClient"], pb.UnregisterClientRequest(
+            client_id=client_id, client_token=self.session.token))
         return _status(response.status)
 
     async def mount_segment(self, client_id: str, segment: SegmentInfo) -> Status:
@@ -548,13 +599,13 @@ class MasterRpc:
             host_id=segment.host_id, shm_name=segment.shm_name, tcp_endpoint=segment.tcp_endpoint,
             engine_endpoint=segment.engine_endpoint)
         response = await self._call(RPC_METHODS["MountSegment"], pb.MountSegmentRequest(
-            client_id=client_id, segment=descriptor))
+            client_id=client_id, segment=descriptor, client_token=self.session.token))
         return _status(response.status)
 
     async def unmount_segment(self, client_id: str, segment_id: str) -> Status:
         """Unmount a segment; its objects are dropped."""
         response = await self._call(RPC_METHODS["UnmountSegment"], pb.UnmountSegmentRequest(
-            client_id=client_id, segment_id=segment_id))
+            client_id=client_id, segment_id=segment_id, client_token=self.session.token))
         return _status(response.status)
 
     async def get_segments(self, segment_ids: Sequence[str]) -> list[SegmentInfo | None]:
@@ -571,7 +622,8 @@ class MasterRpc:
                         ) -> list[tuple[Status, tuple[Placement, ...]]]:
         """Allocate space per key: (OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())."""
         request = pb.PutStartRequest(
-            client_id=client_id, keys=keys, sizes_bytes=sizes_bytes,
+            client_id=client_id, client_token=self.session.token, keys=keys,
+            sizes_bytes=sizes_bytes,
             parent_keys=parent_keys or (),
             options=pb.PutOptions(replica_num=options.replica_num,
                                   preferred_segment=options.preferred_segment,
@@ -583,7 +635,8 @@ class MasterRpc:
 
     def _put_end_request(self, client_id: str, keys: Sequence[bytes],
                          checksums: Sequence[int] | None) -> pb.PutEndRequest:
-        return pb.PutEndRequest(client_id=client_id, keys=keys, checksums=checksums or ())
+        return pb.PutEndRequest(client_id=client_id, keys=keys, checksums=checksums or (),
+                                client_token=self.session.token)
 
     async def put_end(self, client_id: str, keys: Sequence[bytes],
                       checksums: Sequence[int] | None = None) -> list[Status]:
@@ -621,7 +674,8 @@ class MasterRpc:
     async def put_revoke(self, client_id: str, keys: Sequence[bytes]) -> list[Status]:
         """Abandon PENDING keys (after a failed transfer): OK per key or why not."""
         response = await self._call(RPC_METHODS["PutRevoke"],
-                                    pb.PutRevokeRequest(client_id=client_id, keys=keys))
+                                    pb.PutRevokeRequest(client_id=client_id, keys=keys,
+                                                        client_token=self.session.token))
         return _statuses(response.statuses)
 
     async def get_replicas(self, client_id: str, keys: Sequence[bytes]

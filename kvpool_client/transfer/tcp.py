@@ -1,9 +1,9 @@
 """TCP data plane: the wire format, and the data server every client runs for its own segments.
 
-Wire format, version 1 (integers little-endian). One TCP connection carries a sequence of
+Wire format, version 2 (integers little-endian). One TCP connection carries a sequence of
 requests; the server answers them one at a time, in order, so a client may pipeline.
 
-Request = header (72 bytes) + segment id (UTF-8) + payload (WRITE only, ``length`` bytes)::
+Request = header (80 bytes) + segment id (UTF-8) + payload (WRITE only, ``length`` bytes)::
 
     off  size  field
       0     4  magic          b"KVPQ"
@@ -15,9 +15,10 @@ Request = header (72 bytes) + segment id (UTF-8) + payload (WRITE only, ``length
      24     8  length         bytes to move, >= 1
      32     8  cap_offset     the range the capability covers: the request must lie inside
      40     8  cap_length       [cap_offset, cap_offset + cap_length)
-     48     8  cap_expiry_ms  unix time (ms) after which the capability is refused
-     56    16  capability     capability.sign(owner key, segment id, cap_offset, cap_length,
-                              op, cap_expiry_ms): the master's signature of the placement
+     48     8  cap_expiry_ms  the master's capability clock (ms) after which it is refused
+     56     8  put_id         WRITE: the put the capability belongs to (0 for READ)
+     64    16  capability     capability.sign(owner key, segment id, cap_offset, cap_length,
+                              op, cap_expiry_ms, epoch, put_id): the master's signature
 
 Response = header (28 bytes) + message (UTF-8, ``msg_len`` bytes) + payload::
 
@@ -34,7 +35,9 @@ Response = header (28 bytes) + message (UTF-8, ``msg_len`` bytes) + payload::
 Server rules:
 - A request is checked completely before any byte of any segment is touched: magic, version,
   op, segment id, bounds (``offset + length <= segment size``), request inside the capability's
-  range, capability MAC (the segment owner's key) and expiry. Only then is a WRITE's payload
+  range, capability MAC (the segment owner's key and the master epoch it registered in) and
+  expiry (against an upper bound of the master's capability clock, ``clock``: skew between
+  the hosts' wall clocks plays no part). Only then is a WRITE's payload
   received, directly into the segment (``recv_into`` on a view of it, no intermediate copy),
   or a READ's answer sent straight from the segment (``sendmsg``).
 - A refused request (SEGMENT_NOT_FOUND, INVALID_ARGUMENT for bounds, PERMISSION_DENIED for the
@@ -77,6 +80,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool_client import capability
+from kvpool_client.capability import MasterClock
 from kvpool_client.segments import LocalSegment
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import Op
@@ -85,8 +89,8 @@ log = logging.getLogger(__name__)
 
 REQUEST_MAGIC = b"KVPQ"
 RESPONSE_MAGIC = b"KVPR"
-VERSION = 1
-REQUEST = struct.Struct("<4sBBHQQQQQQ16s")
+VERSION = 2
+REQUEST = struct.Struct("<4sBBHQQQQQQQ16s")
 RESPONSE = struct.Struct("<4sBxHiQQ")
 MAX_SEGMENT_ID_BYTES = 255
 MAX_MESSAGE_BYTES = 1024
@@ -98,11 +102,11 @@ _TIMEVAL = struct.Struct("@ll")
 
 def encode_request(op: Op, request_id: int, segment_id: str, offset: int, length: int,
                    cap_offset: int, cap_length: int, cap_expiry_ms: int,
-                   cap: bytes) -> bytes:
+                   cap: bytes, put_id: int = 0) -> bytes:
     """Return a request header followed by the segment id (the payload is sent separately)."""
     seg = segment_id.encode()
     return REQUEST.pack(REQUEST_MAGIC, VERSION, int(op), len(seg), request_id, offset, length,
-                        cap_offset, cap_length, cap_expiry_ms, cap) + seg
+                        cap_offset, cap_length, cap_expiry_ms, put_id, cap) + seg
 
 
 def encode_response(status: Status, request_id: int, length: int = 0, message: str = "") -> bytes:
@@ -125,13 +129,18 @@ class DataServer:
 
     ``segments`` is read at every request, so segments added to or removed from the mapping
     later are served or refused accordingly. ``capability_key`` may be replaced (e.g. after
-    re-registration). Counters are plain ints, read by the client's metrics.
+    re-registration). ``clock`` returns the owner's current sample of the master's capability
+    clock (epoch and time; see ``kvpool_client.capability.MasterClock``): a client always
+    passes it. Without one (a data server on its own), ``clock_ms`` is the time base and the
+    epoch is 0. Counters are plain ints, read by the
+    client's metrics.
     """
 
     def __init__(self, segments: Mapping[str, LocalSegment], capability_key: bytes,
                  host: str = "127.0.0.1", port: int = 0, *, max_connections: int = 64,
                  frame_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
-                 clock_ms: Callable[[], int] = _wall_ms) -> None:
+                 clock_ms: Callable[[], int] = _wall_ms,
+                 clock: Callable[[], MasterClock] | None = None) -> None:
         self.segments = segments
         self.capability_key = capability_key
         self.host = host
@@ -139,6 +148,7 @@ class DataServer:
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._clock_ms = clock_ms
+        self.clock = clock
         self._requested_port = port
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -259,7 +269,7 @@ class DataServer:
         deadline_s = time.monotonic() + self.frame_timeout_s
         self._recv_exact(sock, header[first:], deadline_s)
         (magic, version, op, seg_len, request_id, offset, length, cap_offset, cap_length,
-         cap_expiry_ms, cap) = REQUEST.unpack(header)
+         cap_expiry_ms, put_id, cap) = REQUEST.unpack(header)
         if (magic != REQUEST_MAGIC or version != VERSION or op not in _OPS
                 or not 1 <= seg_len <= MAX_SEGMENT_ID_BYTES):
             self._answer_refusal(sock, deadline_s, Status.INVALID_ARGUMENT, 0,
@@ -274,8 +284,9 @@ class DataServer:
                                  "segment id is not UTF-8", bad_frame=True)
             raise _Closed from None
         self._count(requests_total=1)
-        target, error = self._authorise(segment_id, Op(op), offset, length, cap_offset,
-                                        cap_length, cap_expiry_ms, cap)
+        target, error, cap_deadline_s = self._authorise(
+            segment_id, Op(op), offset, length, cap_offset, cap_length, cap_expiry_ms, cap,
+            put_id)
         if target is None:
             assert error is not None
             if op == Op.WRITE:  # its payload follows: drop it (or give up the connection)
@@ -288,7 +299,9 @@ class DataServer:
             return
         with target:
             if op == Op.WRITE:
-                self._recv_exact(sock, target, deadline_s)
+                # Not one byte lands after the capability expired: the master may have given
+                # the range to another object by then.
+                self._recv_exact(sock, target, min(deadline_s, cap_deadline_s))
                 self._count(bytes_written_total=length)
                 self._send_all(sock, [encode_response(Status.OK, request_id)], deadline_s)
             else:
@@ -297,25 +310,35 @@ class DataServer:
                 self._count(bytes_read_total=length)
 
     def _authorise(self, segment_id: str, op: Op, offset: int, length: int, cap_offset: int,
-                   cap_length: int, cap_expiry_ms: int, cap: bytes,
-                   ) -> tuple[memoryview | None, KVPoolError | None]:
-        """Return (a view of the requested bytes, None), or (None, why it is refused)."""
+                   cap_length: int, cap_expiry_ms: int, cap: bytes, put_id: int = 0,
+                   ) -> tuple[memoryview | None, KVPoolError | None, float]:
+        """Return (a view of the requested bytes, None, the monotonic time the capability
+        expires), or (None, why it is refused, 0)."""
         segment = self.segments.get(segment_id)
         if segment is None or segment.closed:
-            return None, KVPoolError(Status.SEGMENT_NOT_FOUND, f"no segment {segment_id!r} here")
+            return None, KVPoolError(Status.SEGMENT_NOT_FOUND,
+                                     f"no segment {segment_id!r} here"), 0.0
         if length <= 0 or offset + length > segment.size_bytes:
             return None, KVPoolError(Status.INVALID_ARGUMENT,
                                      f"[{offset}, {offset + length}) is outside {segment_id!r} "
-                                     f"({segment.size_bytes} bytes)")
+                                     f"({segment.size_bytes} bytes)"), 0.0
         if offset < cap_offset or offset + length > cap_offset + cap_length:
-            return None, KVPoolError(Status.PERMISSION_DENIED, "request outside its capability")
+            return None, KVPoolError(Status.PERMISSION_DENIED,
+                                     "request outside its capability"), 0.0
+        clock = self.clock() if self.clock is not None else None
+        if clock is None:
+            epoch, now_ms, deadline_s = 0, self._clock_ms(), float("inf")
+        else:
+            epoch, now_ms = clock.epoch, clock.now_ms(time.monotonic())
+            deadline_s = clock.local_deadline_s(cap_expiry_ms)
         if not capability.verify(self.capability_key, cap, segment_id, cap_offset, cap_length,
-                                 op, cap_expiry_ms, self._clock_ms()):
-            return None, KVPoolError(Status.PERMISSION_DENIED, "invalid or expired capability")
+                                 op, cap_expiry_ms, now_ms, epoch, put_id):
+            return None, KVPoolError(Status.PERMISSION_DENIED,
+                                     "invalid or expired capability"), 0.0
         try:
-            return segment.buffer[offset:offset + length], None
+            return segment.buffer[offset:offset + length], None, deadline_s
         except KVPoolError as exc:  # closed since the lookup
-            return None, exc
+            return None, exc, 0.0
 
     def _answer_refusal(self, sock: socket.socket, deadline_s: float, status: Status,
                         request_id: int, message: str, *, bad_frame: bool = False) -> None:

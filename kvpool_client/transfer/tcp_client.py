@@ -88,7 +88,8 @@ class _Connection(asyncio.BufferedProtocol):
         request.timer = loop.call_later(timeout_s, self._expire, request)
         header = encode_request(op, request.request_id, segment_id, offset, length,
                                 placement.offset, placement.length,
-                                placement.capability_expiry_ms, placement.capability)
+                                placement.capability_expiry_ms, placement.capability,
+                                placement.put_id)
         # One writelines: uvloop sends header and payload views in one writev, without copying.
         self._transport.writelines([header, *regions] if op == Op.WRITE else [header])
         return request.future

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from kvpool_client import capability
-from kvpool_client.rpc import MasterRpc
+from kvpool_client.rpc import ClientIdTaken, MasterRpc
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 
@@ -48,10 +49,15 @@ async def test_put_read_remove_round_trip(master, use_fast_path: bool) -> None:
             (placement,) = placements
             assert placement.segment_id == segment.segment_id
             assert placement.length == size
+            assert placement.put_id > 0
             assert capability.verify(registration.capability_key, placement.capability,
                                      placement.segment_id, placement.offset, placement.length,
                                      Op.WRITE, placement.capability_expiry_ms,
-                                     placement.capability_expiry_ms - 1)
+                                     placement.capability_expiry_ms - 1,
+                                     registration.clock.epoch, placement.put_id)
+            # WRITE capabilities live write_capability_ttl (10 s) on the master's clock
+            left_ms = placement.capability_expiry_ms - rpc.session.clock.now_ms(time.monotonic())
+            assert 9_000 <= left_ms <= 10_000
         # PENDING objects are invisible to readers.
         statuses, _ = await rpc.exist("c1", keys)
         assert statuses == [Status.NOT_FOUND] * 3
@@ -69,7 +75,7 @@ async def test_put_read_remove_round_trip(master, use_fast_path: bool) -> None:
         assert capability.verify(registration.capability_key, placement.capability,
                                  placement.segment_id, placement.offset, placement.length,
                                  Op.READ, placement.capability_expiry_ms,
-                                 placement.capability_expiry_ms - 1)
+                                 placement.capability_expiry_ms - 1, registration.clock.epoch)
         assert await rpc.query_prefix("c1", keys) == 2
         assert await rpc.query_prefix("c1", [b"zz", *keys]) == 0
 
@@ -84,6 +90,25 @@ async def test_put_read_remove_round_trip(master, use_fast_path: bool) -> None:
 
         stats = await rpc.get_stats()
         assert stats["clients"] == 1 and stats["segments"]["mounted"] == 1
+        # Another caller naming "c1" cannot act as it: no key, no token, nothing changes.
+        impostor = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
+        try:
+            with pytest.raises(ClientIdTaken) as taken:
+                await impostor.register_client("c1", "host-a", "")
+            assert 9.0 <= taken.value.retry_after_s <= 10.0
+            assert await impostor.heartbeat("c1") == Status.UNKNOWN_CLIENT
+            assert await impostor.mount_segment("c1", _segment("c1", 9)) == \
+                Status.UNKNOWN_CLIENT
+            assert await impostor.unmount_segment("c1", segment.segment_id) == \
+                Status.UNKNOWN_CLIENT
+            assert await impostor.unregister_client("c1") == Status.UNKNOWN_CLIENT
+            assert [s for s, _ in await impostor.put_start("c1", [b"i"], [8], PutOptions())] \
+                == [Status.UNKNOWN_CLIENT]
+            assert (await impostor.get_stats())["totals"]["calls_unauthenticated_total"] == 5
+        finally:
+            await impostor.close()
+        assert await rpc.heartbeat("c1") == Status.OK
+        assert (await rpc.get_stats())["segments"]["mounted"] == 1
         assert await rpc.unmount_segment("c1", segment.segment_id) == Status.OK
         assert await rpc.unmount_segment("c1", segment.segment_id) == Status.SEGMENT_NOT_FOUND
     finally:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from kvpool_client import capability
+from kvpool_client.capability import MasterClock
 from kvpool_client.segments import LocalSegment
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer.tcp import (
@@ -42,14 +44,15 @@ def server(segment: LocalSegment) -> DataServer:
 
 
 def test_frame_layout_is_fixed() -> None:
-    assert REQUEST.size == 72 and RESPONSE.size == 28
-    frame = encode_request(Op.WRITE, 7, "seg", 1, 2, 0, 4, NOW_MS, bytes(16))
-    assert frame[:4] == b"KVPQ" and frame[4] == 1 and frame[5] == Op.WRITE
+    assert REQUEST.size == 80 and RESPONSE.size == 28
+    frame = encode_request(Op.WRITE, 7, "seg", 1, 2, 0, 4, NOW_MS, bytes(16), put_id=9)
+    assert frame[:4] == b"KVPQ" and frame[4] == 2 and frame[5] == Op.WRITE
+    assert REQUEST.unpack_from(frame)[10] == 9
     assert frame[REQUEST.size:] == b"seg" and len(frame) == REQUEST.size + 3
     answer = encode_response(Status.PERMISSION_DENIED, 7, message="no")
     magic, version, msg_len, status, request_id, length = RESPONSE.unpack_from(answer)
     assert (magic, version, msg_len, status, request_id, length) == (
-        b"KVPR", 1, 2, Status.PERMISSION_DENIED, 7, 0)
+        b"KVPR", 2, 2, Status.PERMISSION_DENIED, 7, 0)
     assert answer[RESPONSE.size:] == b"no"
     assert len(encode_response(Status.INTERNAL_ERROR, 1, message="x" * 5000)) == \
         RESPONSE.size + 1024
@@ -61,7 +64,7 @@ def _authorise(server: DataServer, segment: LocalSegment, op: Op, offset: int, l
                segment_id: str | None = None) -> Status:
     seg_id = segment_id or segment.segment_id
     cap = capability.sign(key, seg_id, cap_offset, cap_length, sign_op or op, expiry_ms)
-    view, error = server._authorise(seg_id, op, offset, length, cap_offset, cap_length,
+    view, error, _ = server._authorise(seg_id, op, offset, length, cap_offset, cap_length,
                                     expiry_ms, cap)
     if view is not None:
         assert error is None and view.nbytes == length
@@ -113,7 +116,7 @@ def test_forged_capability_bytes_are_refused(server: DataServer, segment: LocalS
     refused = 0
     for trial in range(200):
         forged = os.urandom(16) if trial % 2 else bytes(16)
-        view, error = server._authorise(segment.segment_id, Op.WRITE, 0, 8, 0, 8,
+        view, error, _ = server._authorise(segment.segment_id, Op.WRITE, 0, 8, 0, 8,
                                         NOW_MS + 1000, forged)
         refused += view is None and error is not None and error.status == \
             Status.PERMISSION_DENIED
@@ -146,3 +149,29 @@ def test_parse_endpoint() -> None:
         with pytest.raises(KVPoolError) as err:
             parse_endpoint(bad)
         assert err.value.status == Status.INVALID_ARGUMENT
+
+
+def test_capabilities_bind_the_master_epoch_and_put_and_expire_on_the_master_clock(
+        segment: LocalSegment) -> None:
+    # The owner's sample of the master's capability clock: 1000 ms, read just now. The
+    # host's wall clock plays no part, so a skewed host neither extends nor cuts capabilities.
+    clock = MasterClock(epoch=77, master_ms=1000, sent_s=time.monotonic())
+    server = DataServer({segment.segment_id: segment}, KEY, clock=lambda: clock)
+    seg = segment.segment_id
+
+    def ask(expiry_ms: int, epoch: int, put_id: int, signed_put_id: int | None = None) -> Status:
+        cap = capability.sign(KEY, seg, 0, 64, Op.WRITE, expiry_ms, epoch,
+                              put_id if signed_put_id is None else signed_put_id)
+        view, error, deadline_s = server._authorise(seg, Op.WRITE, 0, 64, 0, 64, expiry_ms,
+                                                    cap, put_id)
+        if view is not None:
+            view.release()
+            assert deadline_s == clock.local_deadline_s(expiry_ms)
+            return Status.OK
+        assert error is not None
+        return error.status
+
+    assert ask(60_000, 77, 3) == Status.OK
+    assert ask(60_000, 76, 3) == Status.PERMISSION_DENIED    # another master incarnation
+    assert ask(60_000, 77, 3, signed_put_id=4) == Status.PERMISSION_DENIED  # another put
+    assert ask(900, 77, 3) == Status.PERMISSION_DENIED       # past, on the master's clock
