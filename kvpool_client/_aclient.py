@@ -52,6 +52,16 @@ from kvpool_client.types import PutOptions, SegmentInfo
 logger = logging.getLogger(__name__)
 
 _OK_STATUSES = (Status.OK, Status.ALREADY_EXISTS)
+#: ``"checksum": "auto"`` checksums objects up to this size: hashing them costs little beside
+#: the call itself (README, "Checksums").
+CHECKSUM_AUTO_MAX_BYTES = 256 << 10
+
+
+def checksum_max_bytes(setting: bool | str) -> int:
+    """The largest object a put checksums under the ``checksum`` setting (0: none)."""
+    if setting == "auto":
+        return CHECKSUM_AUTO_MAX_BYTES
+    return (1 << 63) if setting else 0
 
 
 class AsyncKVPoolClient:
@@ -150,7 +160,8 @@ class AsyncKVPoolClient:
             shm=ShmTransport(self._segments, copier=ParallelCopier(
                 config.copy_threads or copy_threads())),
             tcp=TcpTransport(timeout_s=config.transfer_timeout_s),
-            checksum_enabled=config.checksum, commit_nowait=config.commit_nowait,
+            checksum_max_bytes=checksum_max_bytes(config.checksum),
+            commit_nowait=config.commit_nowait,
             metrics=self.metrics, reregistered=self._reregistered)
         self._datapath.remember(descriptors)
         self._datapath.commits = self._writer

@@ -77,7 +77,7 @@ class DataPath:
     """Moves objects between caller regions and the pool; see the module docstring."""
 
     def __init__(self, *, rpc: MasterRpc, client_id: str, local_host_id: str, transport: str,
-                 shm: ShmTransport, tcp: TcpTransport, checksum_enabled: bool,
+                 shm: ShmTransport, tcp: TcpTransport, checksum_max_bytes: int,
                  commit_nowait: bool, metrics: ClientMetrics,
                  reregistered: Callable[[], Awaitable[None]]) -> None:
         self.rpc = rpc
@@ -87,7 +87,9 @@ class DataPath:
         self.shm_only = transport == "shm"
         self.shm = shm
         self.tcp = tcp
-        self.checksum_enabled = checksum_enabled
+        # objects up to this size get a checksum at put; reads check any committed one
+        # (0: "checksum": false, neither)
+        self.checksum_max_bytes = checksum_max_bytes
         self.commit_nowait = commit_nowait
         self.metrics = metrics
         self.liveness: LivenessView | None = None
@@ -185,7 +187,9 @@ class DataPath:
 
     async def _write_batch(self, keys: list[bytes], regions: list[Regions], sizes: list[int],
                            options: PutOptions) -> list[Status]:
-        checksums = [checksum(r) for r in regions] if self.checksum_enabled else None
+        limit = self.checksum_max_bytes
+        checksums = [checksum(r) if size <= limit else 0 for r, size in
+                     zip(regions, sizes, strict=True)] if limit else None
         epoch, statuses, jobs = await self._put_start(keys, sizes, options)
         if not jobs:
             return statuses
@@ -381,7 +385,7 @@ class DataPath:
         if time.monotonic() > deadline:
             # The lease ran out while the bytes moved: they may have been overwritten.
             return int(Status.LEASE_EXPIRED)
-        if self.checksum_enabled and expected and checksum(dst) != expected:
+        if expected and self.checksum_max_bytes and checksum(dst) != expected:
             return int(Status.CHECKSUM_MISMATCH)
         return size_bytes
 

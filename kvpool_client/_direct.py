@@ -72,7 +72,7 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
         return statuses
     infos = await path.resolve(p.segment_id for _, p in jobs)
     remote: list[tuple[int, Item]] = []  # (key index, item) for placements on other hosts
-    checksums = [0] * len(keys) if path.checksum_enabled else None
+    checksums = [0] * len(keys) if path.checksum_max_bytes else None
     with contextlib.ExitStack() as borrowed:  # same-host placements stay mapped until done
         filled: dict[int, memoryview] = {}  # key index -> its first placement's bytes
         attempted = False  # a fill ran: done() must end its copies before the views go
@@ -110,7 +110,7 @@ async def write_with(path: DataPath, keys: list[bytes], sizes: list[int], option
                     statuses[index] = Status.TRANSFER_FAILED
         if checksums is not None:  # over the bytes as they landed, while still mapped
             for index, view in filled.items():
-                if statuses[index] == Status.OK:
+                if statuses[index] == Status.OK and len(view) <= path.checksum_max_bytes:
                     checksums[index] = checksum([view])
     remote = [(index, item) for index, item in remote if statuses[index] == Status.OK]
     if remote:
@@ -160,7 +160,7 @@ async def read_with(path: DataPath, keys: Sequence[bytes], consume: Consumer,
         attempted = False  # a consume ran: done() must end its copies before the views go
         for index, view in views.items():
             expected = results[index].checksum
-            if path.checksum_enabled and expected and checksum([view]) != expected:
+            if expected and path.checksum_max_bytes and checksum([view]) != expected:
                 out[index] = int(Status.CHECKSUM_MISMATCH)
                 continue
             attempted = True

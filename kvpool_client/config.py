@@ -87,7 +87,10 @@ class ClientConfig:
     heartbeat_interval_s: float = 0.0  # 0: a third of the master's client_ttl
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
-    checksum: bool = False  # xxh3_64 over every object, checked on read
+    # xxh3_64 of each object, committed with it and checked by every read: True for every
+    # object, False for none, "auto" for objects up to CHECKSUM_AUTO_MAX_BYTES (where hashing
+    # costs little beside the call; larger shared-memory copies would slow by a quarter or more)
+    checksum: bool | str = "auto"
     metrics_port: int = -1  # -1: no metrics server; 0: any free port
     metrics_host: str = "127.0.0.1"
     cluster_id: str = "kvpool"  # namespaces shared-memory names
@@ -220,6 +223,15 @@ def _nonempty_str(raw: Any) -> str:
     return text
 
 
+def _checksum(raw: Any) -> bool | str:
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(f"expected true, false or \"auto\", got {_describe(raw)}") from None
+
+
 def _bool(raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -315,7 +327,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval_s": _seconds(allow_zero=True),
     "rpc_timeout_s": _seconds(allow_zero=False),
     "transfer_timeout_s": _seconds(allow_zero=False),
-    "checksum": _bool,
+    "checksum": _checksum,
     "metrics_port": _int_range(-1, 65535),
     "metrics_host": _nonempty_str,
     "cluster_id": lambda raw: _identifier(_nonempty_str(raw)),

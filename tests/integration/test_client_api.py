@@ -275,6 +275,38 @@ def test_checksums_round_trip(master: Any) -> None:
         assert c.get_batch(["c1", "c2"]) == [b"abc" * 1000, b"def"]
 
 
+def test_by_default_a_small_object_is_checked_and_a_large_one_is_not(master: Any) -> None:
+    # "checksum": "auto" (the default): objects up to 256 KiB carry a committed checksum, so
+    # bytes that changed under a small object are an error, never a silent wrong answer.
+    import asyncio
+    import mmap
+
+    from kvpool_client.rpc import MasterRpc
+
+    with KVPoolClient(make_config(master)) as c:
+        c.put_batch(["small", "large"], [b"s" * (256 << 10), b"l" * ((256 << 10) + 1)])
+
+        async def placements() -> list[Any]:
+            rpc = MasterRpc(master.address)
+            try:
+                results, _ = await rpc.get_replicas("x", [b"small", b"large"])
+                (info,) = await rpc.get_segments([results[0].placements[0].segment_id])
+                return [results, info]
+            finally:
+                await rpc.close()
+
+        results, info = asyncio.run(placements())
+        assert results[0].checksum != 0 and results[1].checksum == 0
+        placement = results[0].placements[0]
+        with open(f"/dev/shm/{info.shm_name.lstrip('/')}", "r+b") as f, \
+                mmap.mmap(f.fileno(), 0) as shm:
+            shm[placement.offset] ^= 0xFF            # one flipped byte under "small"
+        with pytest.raises(KVPoolError) as error:
+            c.get("small")
+        assert error.value.status == Status.CHECKSUM_MISMATCH
+        assert c.get("large") == b"l" * ((256 << 10) + 1)
+
+
 async def test_async_client(master: Any) -> None:
     async with AsyncKVPoolClient(make_config(master)) as c:
         await c.put("async-key", b"async value")

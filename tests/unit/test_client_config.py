@@ -103,7 +103,7 @@ def test_known_mooncake_keys_are_ignored_silently() -> None:
         ({"master_server_address": "nohost"}, "key 'master_server_address': expected 'host:port'"),
         ({"master_server_address": "h:99999"}, "key 'master_server_address'"),
         ({"local_hostname": ""}, "key 'local_hostname': must not be empty"),
-        ({"checksum": "yes"}, "key 'checksum': expected true or false"),
+        ({"checksum": "yes"}, "key 'checksum': expected true, false or \"auto\""),
         ({"rpc_timeout_s": 0}, "key 'rpc_timeout_s': must be > 0 seconds"),
         ({"heartbeat_interval_s": float("nan")}, "key 'heartbeat_interval_s'"),
         ({"metrics_port": 70000}, "key 'metrics_port': must be between -1 and 65535"),
