@@ -110,6 +110,8 @@ class MasterServer:
                 self.servicer, max_connections=self.config.max_connections,
                 max_frame_bytes=self.config.max_message_bytes,
                 frame_timeout_s=self.config.frame_timeout_s, auth_token=self._auth_token,
+                max_connections_per_peer=self.config.max_connections_per_peer,
+                auth_timeout_s=self.config.auth_timeout_s,
                 ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused,
                 busy_poll_us=self.config.busy_poll_us)
             self.metrics.watch_busy_poll(self._lean.poller)
