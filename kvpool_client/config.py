@@ -87,6 +87,10 @@ class ClientConfig:
     heartbeat_interval_s: float = 0.0  # 0: a third of the master's client_ttl
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
+    # this client's TCP data server: a connection idle this long between requests is closed,
+    # and one IP address holds at most this many connections
+    data_idle_timeout_s: float = 120.0
+    data_max_connections_per_peer: int = 32
     checksum: bool = False  # xxh3_64 over every object, checked on read
     metrics_port: int = -1  # -1: no metrics server; 0: any free port
     metrics_host: str = "127.0.0.1"
@@ -315,6 +319,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval_s": _seconds(allow_zero=True),
     "rpc_timeout_s": _seconds(allow_zero=False),
     "transfer_timeout_s": _seconds(allow_zero=False),
+    "data_idle_timeout_s": _seconds(allow_zero=False),
+    "data_max_connections_per_peer": _int_range(1, 1 << 16),
     "checksum": _bool,
     "metrics_port": _int_range(-1, 65535),
     "metrics_host": _nonempty_str,
