@@ -138,7 +138,10 @@ class AsyncKVPoolClient:
             self._server = DataServer(self._segments, secrets.token_bytes(32),
                                       host=config.data_host,
                                       frame_timeout_s=config.transfer_timeout_s,
-                                      clock=lambda: session.clock)
+                                      clock=lambda: session.clock,
+                                      idle_timeout_s=config.data_idle_timeout_s,
+                                      max_connections_per_peer=(
+                                          config.data_max_connections_per_peer))
             self._server.start()
             self.metrics.watch_refusals(self._refusals)
         self._rpc = rpc = self._master.stub(session=self._session)

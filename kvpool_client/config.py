@@ -87,6 +87,10 @@ class ClientConfig:
     heartbeat_interval_s: float = 0.0  # 0: a third of the master's client_ttl
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
+    # this client's TCP data server: a connection idle this long between requests is closed,
+    # and one IP address holds at most this many connections
+    data_idle_timeout_s: float = 120.0
+    data_max_connections_per_peer: int = 32
     # xxh3_64 of each object, committed with it and checked by every read: True for every
     # object, False for none, "auto" for objects up to CHECKSUM_AUTO_MAX_BYTES (where hashing
     # costs little beside the call; larger shared-memory copies would slow by a quarter or more)
@@ -327,6 +331,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval_s": _seconds(allow_zero=True),
     "rpc_timeout_s": _seconds(allow_zero=False),
     "transfer_timeout_s": _seconds(allow_zero=False),
+    "data_idle_timeout_s": _seconds(allow_zero=False),
+    "data_max_connections_per_peer": _int_range(1, 1 << 16),
     "checksum": _checksum,
     "metrics_port": _int_range(-1, 65535),
     "metrics_host": _nonempty_str,

@@ -28,34 +28,38 @@ class FrameError(ValueError):
 class FrameDecoder:
     """Splits a byte stream into ``(method, request_id, payload)`` frames."""
 
-    __slots__ = ("_buffer", "_max_frame_bytes")
+    __slots__ = ("_buffer", "max_frame_bytes")
 
     def __init__(self, max_frame_bytes: int) -> None:
         self._buffer = bytearray()
-        self._max_frame_bytes = max_frame_bytes
+        #: Longest frame accepted (length field); may be changed between feeds, e.g. raised
+        #: once the peer has authenticated.
+        self.max_frame_bytes = max_frame_bytes
 
     @property
     def pending_bytes(self) -> int:
         """Bytes of an incomplete frame held back."""
         return len(self._buffer)
 
-    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
-        """Append ``data``; return the complete frames. Raises FrameError on a bad length."""
+    def feed(self, data: bytes, max_frames: int = -1) -> list[tuple[int, int, bytes]]:
+        """Append ``data``; return the complete frames, at most ``max_frames`` of them when it
+        is not negative (the rest stays buffered, its lengths not yet checked: a later feed,
+        e.g. ``feed(b"")``, returns it). Raises FrameError on a bad length."""
         buffer = self._buffer
         if buffer:
             buffer += data
             view: bytes | bytearray = buffer
         else:
             view = data
-        frames = []
+        frames: list[tuple[int, int, bytes]] = []
         pos = 0
         size = len(view)
         with memoryview(view) as whole:  # released before the buffer is resized below
-            while size - pos >= 4:
+            while size - pos >= 4 and len(frames) != max_frames:
                 (length,) = FRAME_LENGTH.unpack_from(view, pos)
-                if length < FRAME_OVERHEAD_BYTES or length > self._max_frame_bytes:
+                if length < FRAME_OVERHEAD_BYTES or length > self.max_frame_bytes:
                     raise FrameError(f"frame length {length} outside "
-                                     f"[5, {self._max_frame_bytes}]")
+                                     f"[5, {self.max_frame_bytes}]")
                 end = pos + 4 + length
                 if end > size:
                     break

@@ -52,6 +52,8 @@ class MasterConfig:
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
     max_connections: int = 4096
+    max_connections_per_peer: int = 256
+    auth_timeout_s: float = 5.0
     max_inflight_requests: int = 4096
     frame_timeout_s: float = 30.0
     state_dir: str = ""
@@ -214,6 +216,13 @@ OPTIONS: tuple[Option, ...] = (
            "100k keys of 1 KiB fits)", "BYTES"),
     Option("max_connections", "max_connections", _int(1, 1_000_000),
            "most open lean-framing connections; more are refused (default 4096)", "N"),
+    Option("max_connections_per_peer", "max_connections_per_peer", _int(1, 1_000_000),
+           "most open lean-framing connections from one IP address; more are refused "
+           "(the local Unix socket is not counted; default 256)", "N"),
+    Option("auth_timeout", "auth_timeout_s", _float(0.0, HOUR_S, lo_open=True),
+           "seconds a new lean connection has to send its first frame (METHOD_AUTH when a "
+           "token is set) before it is closed; until then, at max_connections, the oldest such "
+           "connection is closed to admit a new one (default 5)", "SECONDS"),
     Option("max_inflight_requests", "max_inflight_requests", _int(1, 1_000_000),
            "most gRPC calls served at once; more answer RESOURCE_EXHAUSTED (default 4096)", "N"),
     Option("frame_timeout", "frame_timeout_s", _float(0.0, HOUR_S, lo_open=True),

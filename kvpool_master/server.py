@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
 import signal
 import ssl
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ TICK_INTERVAL_S = 0.1
 STATE_FSYNC_INTERVAL_S = 0.05
 MASTER_ID_NAME = "master_id"
 STALL_THRESHOLD_S = 0.5
+GRPC_KEEPALIVE_MS = 60_000
+GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -111,6 +115,8 @@ class MasterServer:
                 self.servicer, max_connections=self.config.max_connections,
                 max_frame_bytes=self.config.max_message_bytes,
                 frame_timeout_s=self.config.frame_timeout_s, auth_token=self._auth_token,
+                max_connections_per_peer=self.config.max_connections_per_peer,
+                auth_timeout_s=self.config.auth_timeout_s,
                 ssl_context=self._lean_ssl_context(), on_refusal=self.metrics.refused,
                 busy_poll_us=self.config.busy_poll_us)
             self.metrics.watch_busy_poll(self._lean.poller)
@@ -155,10 +161,18 @@ class MasterServer:
 
     async def _start_grpc(self) -> None:
         limit = self.config.max_message_bytes
+        interceptors = ([_TokenInterceptor(self._auth_token, self.metrics.refused)]
+                        if self._auth_token else [])
         server = grpc.aio.server(
             options=[("grpc.max_send_message_length", limit),
                      ("grpc.max_receive_message_length", limit),
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", 0),
+                     # A connection must finish its HTTP/2 (and TLS) handshake this soon.
+                     ("grpc.server_handshake_timeout_ms", int(self.config.auth_timeout_s * 1000)),
+                     # Pings find connections whose peer host vanished.
+                     ("grpc.keepalive_time_ms", GRPC_KEEPALIVE_MS),
+                     ("grpc.keepalive_timeout_ms", GRPC_KEEPALIVE_TIMEOUT_MS)],
+            interceptors=interceptors,
             maximum_concurrent_rpcs=self.config.max_inflight_requests)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._grpc_behavior(method))
                     for name, method in RPC_METHODS.items()}
@@ -182,14 +196,8 @@ class MasterServer:
 
     def _grpc_behavior(self, method: RpcMethod) -> Any:
         servicer = self.servicer
-        expected = f"Bearer {self._auth_token}" if self._auth_token else ""
-        refused = self.metrics.refused
 
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            if expected and not _has_token(context, expected):
-                refused("grpc", "bad_token")
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or wrong token: send 'authorization: Bearer <token>'")
             try:
                 return servicer.serve(method, request, "grpc")
             except BadRequest as exc:
@@ -324,13 +332,30 @@ class MasterServer:
         log.info("stopped")
 
 
-def _has_token(context: grpc.aio.ServicerContext, expected: str) -> bool:
-    import hmac
+class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """With a token configured, every gRPC call (Master, health, reflection) must carry
+    ``authorization: Bearer <token>``. The check runs on the call's headers: a call without the
+    token is answered UNAUTHENTICATED by a handler that never reads the request, so its
+    message (up to max_message_bytes) is never buffered."""
 
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and isinstance(value, str):
-            return hmac.compare_digest(value.encode(), expected.encode())
-    return False
+    def __init__(self, token: str, refused: Callable[[str, str], None]) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._refused = refused
+        self._deny = grpc.stream_stream_rpc_method_handler(_deny_unauthenticated)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str) \
+                    and hmac.compare_digest(value.encode(), self._expected):
+                return await continuation(details)
+        self._refused("grpc", "bad_token")
+        return self._deny
+
+
+async def _deny_unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong token: send 'authorization: Bearer <token>'")
 
 
 #: Events logged above DEBUG; the others (one per object put, removed, ...) only at DEBUG.

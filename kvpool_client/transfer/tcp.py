@@ -47,16 +47,23 @@ Server rules:
 - A malformed frame (bad magic, version, op, segment-id length or UTF-8) is answered with
   INVALID_ARGUMENT, counted in ``bad_frames_total``, and the connection is closed. The server
   keeps serving every other connection.
-- Time limits: a connection may sit idle between frames for ``idle_timeout_s``; once a frame's
+- Time limits: a connection may sit idle between frames for ``idle_timeout_s``; its first
+  request's header must arrive within ``first_request_timeout_s`` of connecting; once a frame's
   first byte arrived, the whole frame must arrive, and every answer be sent, within
-  ``frame_timeout_s``; otherwise the connection is closed (``timeouts_total``). A WRITE cut
+  ``frame_timeout_s``; otherwise the connection is closed (``timeouts_total``). TCP keepalive
+  closes connections whose peer host vanished. A WRITE cut
   short (timeout or disconnect) leaves the bytes received so far in its authorised range. That
   range belongs to an object that is still PENDING: the master makes it READY only after the
   writer reports success, so no reader sees them, and the failed put is revoked.
-- Limits: at most ``max_connections`` connections (one more is answered RESOURCE_EXHAUSTED and
-  closed, counted in ``connections_rejected_total``); each connection has one request in
-  service, so at most ``max_connections`` requests are in service, and pipelined requests wait
-  in the kernel's socket buffers under TCP flow control.
+- Limits: at most ``max_connections`` connections, and at most ``max_connections_per_peer``
+  from one IP address. A connection is "unproven" while it waits for, or reads, a request that
+  has not passed the checks above (so also while a refused WRITE's payload is drained). At a
+  limit, the connection unproven the longest (of the same peer, for the per-peer limit) is
+  closed to admit the new one (``connections_evicted_total``): idle sockets, or peers with no
+  valid capability, cannot keep a client with one out. With none to close, the new connection
+  is answered RESOURCE_EXHAUSTED and closed (``connections_rejected_total``). Each connection
+  has one request in service, so at most ``max_connections`` requests are in service, and
+  pipelined requests wait in the kernel's socket buffers under TCP flow control.
 
 The server runs threads with blocking sockets: one accepts, one serves each connection.
 ``benchmarks/dataplane_bench.py --io-models`` compares that with a uvloop BufferedProtocol
@@ -138,21 +145,28 @@ class DataServer:
 
     def __init__(self, segments: Mapping[str, LocalSegment], capability_key: bytes,
                  host: str = "127.0.0.1", port: int = 0, *, max_connections: int = 64,
-                 frame_timeout_s: float = 30.0, idle_timeout_s: float = 600.0,
+                 max_connections_per_peer: int = 32, frame_timeout_s: float = 30.0,
+                 idle_timeout_s: float = 120.0, first_request_timeout_s: float = 5.0,
                  clock_ms: Callable[[], int] = _wall_ms,
                  clock: Callable[[], MasterClock] | None = None) -> None:
         self.segments = segments
         self.capability_key = capability_key
         self.host = host
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.first_request_timeout_s = first_request_timeout_s
         self._clock_ms = clock_ms
         self.clock = clock
         self._requested_port = port
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._sock_to_thread: dict[socket.socket, threading.Thread] = {}
+        self._sock_to_peer: dict[socket.socket, str] = {}
+        self._peer_to_count: dict[str, int] = {}
+        # Connections whose current request has not passed its checks, longest unproven first.
+        self._unproven: dict[socket.socket, None] = {}
         self._lock = threading.Lock()
         self._closing = False
         self.requests_total = 0
@@ -161,6 +175,7 @@ class DataServer:
         self.timeouts_total = 0
         self.connections_total = 0
         self.connections_rejected_total = 0
+        self.connections_evicted_total = 0
         self.bytes_read_total = 0
         self.bytes_written_total = 0
 
@@ -192,6 +207,13 @@ class DataServer:
         with self._lock:
             return len(self._sock_to_thread)
 
+    @property
+    def unproven_connections(self) -> int:
+        """Connections waiting for, or reading, a request not yet checked (the ones closed
+        first to make room)."""
+        with self._lock:
+            return len(self._unproven)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, close every connection and wait (bounded) for the threads."""
         self._closing = True
@@ -221,15 +243,16 @@ class DataServer:
         listener = self._listener
         while not self._closing and listener is not None:
             try:
-                sock, _ = listener.accept()
+                sock, address = listener.accept()
             except OSError:
                 if self._closing:
                     return
                 time.sleep(0.01)  # e.g. EMFILE: back off instead of spinning
                 continue
             sock.settimeout(None)
+            peer = str(address[0]) if isinstance(address, tuple) else ""
             with self._lock:
-                full = len(self._sock_to_thread) >= self.max_connections
+                evicted, full = self._admit(sock, peer)
                 if not full:
                     thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                               name="kvpool-data-conn")
@@ -237,6 +260,9 @@ class DataServer:
                     self.connections_total += 1
                 else:
                     self.connections_rejected_total += 1
+            for victim in evicted:
+                with contextlib.suppress(OSError):
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread wakes up and exits
             if full:
                 with contextlib.suppress(OSError):
                     sock.sendall(encode_response(Status.RESOURCE_EXHAUSTED, 0,
@@ -245,29 +271,85 @@ class DataServer:
                 continue
             thread.start()
 
+    def _admit(self, sock: socket.socket, peer: str) -> tuple[list[socket.socket], bool]:
+        """(connections to close to make room, whether ``sock`` is refused); under the lock.
+        On success ``sock`` is counted (its thread is registered by the caller)."""
+        evicted: list[socket.socket] = []
+        if peer and self._peer_to_count.get(peer, 0) >= self.max_connections_per_peer:
+            victim = next((s for s in self._unproven if self._sock_to_peer.get(s) == peer), None)
+            if victim is None:
+                return evicted, True
+            evicted.append(victim)
+            self._forget(victim)
+        if len(self._sock_to_thread) >= self.max_connections:
+            victim = next(iter(self._unproven), None)
+            if victim is None:
+                return evicted, True
+            evicted.append(victim)
+            self._forget(victim)
+        self.connections_evicted_total += len(evicted)
+        self._sock_to_peer[sock] = peer
+        self._unproven[sock] = None
+        if peer:
+            self._peer_to_count[peer] = self._peer_to_count.get(peer, 0) + 1
+        return evicted, False
+
+    def _forget(self, sock: socket.socket) -> None:
+        """Stop counting ``sock`` (idempotent); under the lock."""
+        if self._sock_to_thread.pop(sock, None) is None:
+            return
+        self._unproven.pop(sock, None)
+        peer = self._sock_to_peer.pop(sock, "")
+        if peer:
+            left = self._peer_to_count[peer] - 1
+            if left:
+                self._peer_to_count[peer] = left
+            else:
+                del self._peer_to_count[peer]
+
+    def _set_unproven(self, sock: socket.socket, unproven: bool) -> None:
+        """Mark the connection's current request as (not) yet checked; raise _Closed when the
+        connection was closed to make room for another."""
+        with self._lock:
+            if sock not in self._sock_to_thread:
+                raise _Closed
+            if unproven:
+                self._unproven[sock] = None
+            else:
+                self._unproven.pop(sock, None)
+
     def _serve(self, sock: socket.socket) -> None:
         header = bytearray(REQUEST.size)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
+            first_deadline_s = time.monotonic() + self.first_request_timeout_s
+            self._serve_one(sock, memoryview(header), first_deadline_s)
             while not self._closing:
-                self._serve_one(sock, memoryview(header))
+                self._serve_one(sock, memoryview(header), None)
         except _Closed:
             pass
         except Exception:  # a bug must cost one connection, never the server
             log.exception("data connection failed")
         finally:
             with self._lock:
-                self._sock_to_thread.pop(sock, None)
+                self._forget(sock)
             sock.close()
 
-    def _serve_one(self, sock: socket.socket, header: memoryview) -> None:
-        """Read one request and answer it; raise _Closed when the connection must end."""
-        _set_timeout(sock, socket.SO_RCVTIMEO, self.idle_timeout_s)
+    def _serve_one(self, sock: socket.socket, header: memoryview,
+                   first_deadline_s: float | None) -> None:
+        """Read one request and answer it; raise _Closed when the connection must end.
+        ``first_deadline_s``: for the first request, when its header must have arrived."""
+        self._set_unproven(sock, True)
+        idle_s = (self.idle_timeout_s if first_deadline_s is None
+                  else max(first_deadline_s - time.monotonic(), 0.0))
+        _set_timeout(sock, socket.SO_RCVTIMEO, idle_s)
         first = _recv_some(sock, header)
         if first <= 0:
             raise _Closed  # the peer closed, or stayed idle too long, between frames
         deadline_s = time.monotonic() + self.frame_timeout_s
-        self._recv_exact(sock, header[first:], deadline_s)
+        header_deadline_s = min(deadline_s, first_deadline_s or deadline_s)
+        self._recv_exact(sock, header[first:], header_deadline_s)
         (magic, version, op, seg_len, request_id, offset, length, cap_offset, cap_length,
          cap_expiry_ms, put_id, cap) = REQUEST.unpack(header)
         if (magic != REQUEST_MAGIC or version != VERSION or op not in _OPS
@@ -276,7 +358,7 @@ class DataServer:
                                  "malformed request header", bad_frame=True)
             raise _Closed
         seg_raw = bytearray(seg_len)
-        self._recv_exact(sock, memoryview(seg_raw), deadline_s)
+        self._recv_exact(sock, memoryview(seg_raw), header_deadline_s)
         try:
             segment_id = seg_raw.decode()
         except UnicodeDecodeError:
@@ -298,6 +380,7 @@ class DataServer:
             self._answer_refusal(sock, deadline_s, error.status, request_id, error.message)
             return
         with target:
+            self._set_unproven(sock, False)
             if op == Op.WRITE:
                 # Not one byte lands after the capability expired: the master may have given
                 # the range to another object by then.
@@ -402,6 +485,15 @@ def _recv_some(sock: socket.socket, view: memoryview, flags: int = 0) -> int:
         return -1
     except OSError:
         return 0
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Probe an idle connection so that one whose peer host vanished is closed by the kernel."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def _set_timeout(sock: socket.socket, option: int, timeout_s: float) -> None:

@@ -20,7 +20,6 @@ Rules of this file:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 from kvpool_client.status import Status
@@ -47,13 +46,12 @@ from kvpool_master.core.events import (
     SegmentUnmounted,
 )
 from kvpool_master.core.eviction import select_victims
+from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
 
-#: Longest regex accepted by remove_by_regex.
-MAX_PATTERN_CHARS = 4096
 #: Most replicas one object may ask for.
 MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
@@ -252,15 +250,16 @@ class Mutations:
         return self._remove_matching(None, force, now)
 
     def remove_by_regex(self, pattern: str, force: bool, now: float) -> tuple[Status, int]:
-        """Remove READY objects whose key contains a match of ``pattern`` (Python ``re``, on
-        the key bytes; leased ones only with ``force``). Returns (OK, how many), or
-        (INVALID_ARGUMENT, 0) for a pattern that does not compile or is over 4096 chars."""
-        compiled = _compile(pattern)
+        """Remove READY objects whose key contains a match of ``pattern`` (RE2 syntax, on the
+        key bytes, see ``keyregex``; leased ones only with ``force``). Returns (OK, how many),
+        or (INVALID_ARGUMENT, 0) for a pattern RE2 does not compile (backreferences,
+        lookaround) or one over 4096 chars. Time linear in the total bytes of the keys."""
+        compiled = compile_key_pattern(pattern)
         if compiled is None:
             return Status.INVALID_ARGUMENT, 0
         return Status.OK, self._remove_matching(compiled, force, now)
 
-    def _remove_matching(self, compiled: re.Pattern[bytes] | None, force: bool, now: float) -> int:
+    def _remove_matching(self, compiled: KeyPattern | None, force: bool, now: float) -> int:
         doomed = [key for key, entry in self._objects.key_to_object.items()
                   if entry.writer_id is None and (force or entry.lease_expiry_s <= now)
                   and (compiled is None or compiled.search(key) is not None)]
@@ -429,11 +428,3 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
     except ValueError:
         return None, 0
 
-
-def _compile(pattern: object) -> re.Pattern[bytes] | None:
-    if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
-        return None
-    try:
-        return re.compile(pattern.encode("utf-8", "surrogatepass"))
-    except (re.error, UnicodeEncodeError, OverflowError, RecursionError):
-        return None

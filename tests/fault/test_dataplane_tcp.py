@@ -519,8 +519,11 @@ def test_connection_limit_is_enforced(served: Served) -> None:
     with served_segment(max_connections=2) as small:
         held = [small.connect(), small.connect()]
         try:
+            for sock in held:  # each in service: a checked WRITE whose payload is awaited
+                sock.sendall(small.frame(Op.WRITE, 0, 1 << 20))
             deadline = time.monotonic() + 5.0
-            while small.server.active_connections < 2 and time.monotonic() < deadline:
+            while (small.server.active_connections < 2
+                   or small.server.unproven_connections) and time.monotonic() < deadline:
                 time.sleep(0.01)
             with small.connect() as third:
                 assert read_answer(third) == (Status.RESOURCE_EXHAUSTED, 0,
