@@ -149,8 +149,8 @@ def check_no_overlap(core: MasterCore, now: float) -> None:
     for entry in table.values():
         for p in entry.placements:
             seg_to_extents.setdefault(p.segment_id, []).append((p.offset, aligned(p.length)))
-    for _, _, state, offset, size in core._deferred._heap:
-        seg_to_extents.setdefault(state.info.segment_id, []).append((offset, aligned(size)))
+    for segment_id, offset, size in core._deferred.extents():
+        seg_to_extents.setdefault(segment_id, []).append((offset, aligned(size)))
     for stats in core.stats().segments:
         extents = sorted(seg_to_extents.get(stats.segment_id, []))
         for (o1, s1), (o2, _) in zip(extents, extents[1:], strict=False):

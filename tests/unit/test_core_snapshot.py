@@ -65,14 +65,24 @@ def test_malformed_object_rows_are_dropped(row: list[object]) -> None:
         Status.NOT_FOUND, Status.OK]
 
 
-def test_overlapping_extents_keep_the_first() -> None:
-    core, dropped = restore([[b"first", 128, ["s", 0, 128], 0, 0, None],
-                             [b"second", 64, ["s", 64, 64], 0, 0, None],
-                             [b"first", 64, ["s", 1024, 64], 0, 0, None]])
-    assert dropped == 2   # the overlap and the duplicate key
-    assert core.exist([ObjectKey(b"first"), ObjectKey(b"second")], 1.0)[0] == [
-        Status.OK, Status.NOT_FOUND]
-    assert core.stats().tier_to_used_bytes[0] == 128
+def test_objects_claiming_one_extent_are_all_dropped_and_counted() -> None:
+    core = MasterCore(CoreConfig(put_start_discard_timeout_s=5.0))
+    counts = core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW], [
+        [b"first", 128, ["s", 0, 128], 0, 0, None],
+        [b"second", 64, ["s", 64, 64], 0, 0, None],      # inside first's extent
+        [b"third", 64, ["s", 4096, 64], 0, 0, None],      # exactly on fourth's extent
+        [b"fourth", 64, ["s", 4096, 64], 0, 0, None],
+        [b"alone", 64, ["s", 8192, 64], 0, 0, None],
+        [b"first", 64, ["s", 1024, 64], 0, 0, None]]), 0.0, 10.0)
+    assert counts.num_conflicting_objects == 4
+    assert counts.num_dropped_rows == 1   # the duplicate key
+    assert counts.num_objects == 1
+    core.register_client(A, "h", b"x" * 16, 0.0)
+    core.mount_segment(SEG, 0.0)
+    keys = [ObjectKey(k) for k in (b"first", b"second", b"third", b"fourth", b"alone")]
+    assert core.exist(keys, 1.0)[0] == [Status.NOT_FOUND] * 4 + [Status.OK]
+    core.tick(6.0)   # past the restart quarantine: only "alone" holds bytes
+    assert core.stats().tier_to_used_bytes[0] == 64
 
 
 def test_malformed_client_and_segment_rows_are_dropped() -> None:

@@ -79,9 +79,15 @@ def test_round_trip_restores_clients_segments_and_ready_objects(tmp_path: Path) 
     assert readable(restored, 102.0) == before
     [chain] = restored.get_replicas([ObjectKey(b"chain-1")], 102.0)
     assert chain.checksum == 7 and len(chain.placements) == 2
+    # The free space stays quarantined until write capabilities of the previous master have
+    # run out (put_start_discard_timeout_s after the restore).
+    assert restored.put_start(A, [ObjectKey(b"early")], [5000], PutOptions(),
+                              103.0)[0][0] == Status.NO_SPACE
     # The allocators know the restored extents: new puts never overlap them.
+    after_s = 100.0 + CONFIG.put_start_discard_timeout_s
+    restored.heartbeat(A, after_s)
     [(status, placements)] = restored.put_start(A, [ObjectKey(b"new")], [5000], PutOptions(),
-                                                103.0)
+                                                after_s)
     taken = {(p.segment_id, p.offset) for _, ps, _ in before.values() for p in ps}
     assert status == Status.OK and (placements[0].segment_id, placements[0].offset) not in taken
     assert restored.stats().tier_to_used_bytes[0] == core.stats().tier_to_used_bytes[0] - 64 + 5056
