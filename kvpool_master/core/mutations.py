@@ -13,9 +13,9 @@ Rules of this file:
 - Durability: a ``put_start`` that handed out a placement on a segment with a free not yet
   durable ends with a ``SyncRequired`` event (see ``segments.py`` and ``events.py``).
 - While restored free space is quarantined (``_quarantine``: the first
-  ``put_start_discard_timeout_s`` after a restore) the watermark passes are off: that space
-  frees itself, and evicting for it would only lose restored objects. A put that does not fit
-  still evicts.
+  ``put_start_discard_timeout_s`` after a restore) nothing is evicted: a put that does not fit
+  answers NO_SPACE and the watermark passes are off. That space frees itself, and evicting
+  for it would only throw restored objects away.
 - Eviction inside ``put_start``: when an allocation fails, passes run (DRAM first) until it
   fits or nothing evictable is left; after a successful allocation that pushes a tier above
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
@@ -384,6 +384,8 @@ class Mutations:
                   exhausted: set[Tier]) -> tuple[Placement, ...] | None:
         segments = self._segments
         placements = segments.allocate(size_bytes, replica_num, preferred_segment, same_host_id)
+        if placements is None and self._quarantine:
+            return None   # no eviction during the restart quarantine (see the module rules)
         while placements is None:
             need_bytes = aligned(size_bytes) * replica_num
             for tier in Tier:
