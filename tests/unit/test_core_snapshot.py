@@ -106,3 +106,26 @@ def test_a_restored_segment_is_kept_from_another_owner() -> None:
     core.register_client(A, "h", b"x" * 16, 2.0)
     assert core.mount_segment(SEG, 2.0) == Status.OK
     assert core.exist([ObjectKey(b"k")], 3.0)[0] == [Status.OK]
+
+
+def test_restored_free_space_is_quarantined_and_fresh_segments_are_not() -> None:
+    """PENDING puts are not persisted: a writer of the previous master may still write into
+    space that is free in the restored index until its write capability runs out."""
+    core = MasterCore(CoreConfig(put_start_discard_timeout_s=5.0))
+    core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW],
+                          [[b"kept", 64, ["s", 0, 64], 0, 0, None]]), 100.0, 10.0)
+    core.register_client(A, "h", b"x" * 16, 100.0)
+    core.mount_segment(SEG, 100.0)
+    assert core.stats().quarantined_bytes == (1 << 16) - 64
+    [(status, _)] = core.put_start(A, [ObjectKey(b"early")], [64], PutOptions(), 101.0)
+    assert status == Status.NO_SPACE
+    assert core.exist([ObjectKey(b"kept")], 101.0)[0] == [Status.OK]   # nothing evicted
+    fresh = SegmentInfo(SegmentId("fresh"), A, 1 << 16, host_id="h")
+    assert core.mount_segment(fresh, 101.0) == Status.OK
+    [(status, [placement])] = core.put_start(A, [ObjectKey(b"on-fresh")], [64], PutOptions(),
+                                             101.0)
+    assert status == Status.OK and placement.segment_id == "fresh"
+    [(status, [placement])] = core.put_start(A, [ObjectKey(b"later")], [64],
+                                             PutOptions(preferred_segment="s"), 105.0)
+    assert status == Status.OK and placement.segment_id == "s"
+    assert core.stats().quarantined_bytes == 0
