@@ -65,10 +65,19 @@ class MasterMetrics:
             ["transport", "reason"], registry=r)
         self.state_write_failures = Counter(
             "kvpool_state_write_failures_total",
-            "Failed writes of the --state-dir log (repaired by a full snapshot)", registry=r)
+            "Times a failed write of --state-dir made the master read-only", registry=r)
         self._state_log_bytes = Gauge("kvpool_state_log_bytes",
                                       "Size of the --state-dir log since the last snapshot",
                                       registry=r)
+        self._state_read_only = Gauge(
+            "kvpool_state_read_only",
+            "1 while a failed write of --state-dir keeps the master read-only (calls that "
+            "change the index answer UNAVAILABLE until a full snapshot succeeds)", registry=r)
+        self._restore_conflicts = Gauge(
+            "kvpool_restore_conflicting_objects",
+            "Objects the last restore dropped because their extents overlapped another's",
+            registry=r)
+        self._store: Any = None
         self.registry.register(_CoreCollector(core, clock, master_id))
         self._rpc_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
@@ -96,9 +105,21 @@ class MasterMetrics:
         """Export the lingers of ``poller`` (a busypoll.BusyPoller)."""
         self.registry.register(_BusyPollCollector(poller))
 
-    def watch_store(self, store: Any) -> None:
-        """Export the size of the state log of ``store`` (a persist.StateStore)."""
+    def watch_store(self, store: Any, report: Any = None) -> None:
+        """Export the size and health of the state log of ``store`` (a persist.StateStore)
+        and what its restore (``report``, a persist.RestoreReport) dropped for conflicts."""
+        self._store = store
         self._state_log_bytes.set_function(lambda: store.log_bytes)
+        self._state_read_only.set_function(lambda: 0 if store.healthy else 1)
+        if report is not None:
+            self._restore_conflicts.set(report.num_conflicting_objects)
+
+    def unhealthy_reason(self) -> str:
+        """Why /healthz answers 503 ("" when healthy)."""
+        store = self._store
+        if store is not None and not store.healthy:
+            return f"read-only: cannot write the state directory ({store.failure})"
+        return ""
 
     # -- documents --------------------------------------------------------------------------------
 
@@ -135,7 +156,8 @@ def status_from_stats(stats: CoreStats) -> dict[str, Any]:
         "used_bytes": {t.name: n for t, n in stats.tier_to_used_bytes.items()},
         "objects": {"ready": stats.num_objects, "pending": stats.num_pending,
                     "ready_bytes": stats.ready_bytes,
-                    "deferred_free_bytes": stats.deferred_free_bytes},
+                    "deferred_free_bytes": stats.deferred_free_bytes,
+                    "quarantined_bytes": stats.quarantined_bytes},
         "totals": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
     }
 
@@ -236,6 +258,10 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvpool_deferred_free_bytes",
                             "Bytes of force-removed objects still held by read leases",
                             value=stats.deferred_free_bytes)
+    yield GaugeMetricFamily("kvpool_quarantined_bytes",
+                            "Free space of restored segments held back until write "
+                            "capabilities of the previous master have run out",
+                            value=stats.quarantined_bytes)
     capacity = GaugeMetricFamily("kvpool_capacity_bytes", "Mounted capacity per tier",
                                  labels=["tier"])
     used = GaugeMetricFamily("kvpool_used_bytes", "Allocated bytes per tier", labels=["tier"])
@@ -295,6 +321,9 @@ class HttpEndpoint:
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, self._metrics.exposition()
         if path == "/healthz":
+            reason = self._metrics.unhealthy_reason()
+            if reason:
+                return 503, "text/plain; charset=utf-8", f"unhealthy: {reason}\n".encode()
             return 200, "text/plain; charset=utf-8", b"ok\n"
         if path == "/status":
             body = json.dumps(self._metrics.status(), indent=2, sort_keys=True) + "\n"
@@ -309,7 +338,8 @@ class HttpEndpoint:
                 code, ctype, body = 405, "text/plain; charset=utf-8", b"only GET\n"
             else:
                 code, ctype, body = self._route(parts[1])
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[code]
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+                      503: "Service Unavailable"}[code]
             writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\n"
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
             if parts and parts[0] != "HEAD":

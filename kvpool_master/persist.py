@@ -5,10 +5,11 @@ API (server.py wires it; every call is synchronous and made from the event loop 
     store = StateStore(state_dir, fsync="batch", fsync_interval_s=0.05,
                        restore_grace_s=30.0, compact_log_bytes=64 << 20)
     report = store.load(core, now)       # once, into a fresh MasterCore, before serving
-    store.append(events)                 # every list drained with core.take_events()
-    store.maybe_compact(core)            # now and then (tick loop), right after append():
-                                         # the snapshot must contain everything logged
-    store.flush()                        # optional (tick loop): fsync what "batch" left unsynced
+    ok = store.record(core, events)      # every list drained with core.take_events(): append,
+                                         # compact when due, sync when the events demand it;
+                                         # False: the answer of that call must not go out
+    store.flush(core)                    # now and then (tick loop): fsync what "batch" left
+    store.compact(core)                  # a full snapshot; the way out of read-only mode
     store.close()
 
 Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp``. Both are sequences of records
@@ -28,6 +29,30 @@ Compaction writes the new snapshot to a temporary file, fsyncs it, renames it in
 fsyncs the directory, then starts an empty log of the new generation the same way. A crash at
 any point leaves either the old snapshot and log or the new snapshot (and its log, or none).
 
+Freed bytes are not handed out again before their freeing is durable (``load`` switches the
+core to ``track_durability``). A ``put_start`` whose placement may reuse bytes freed by a record
+not yet synced ends its events with ``SyncRequired``: ``record`` then fsyncs before the answer
+goes out, and tells the core (``mark_durable``) after every fsync and snapshot. So after a
+power cut the log never brings back an object whose bytes a later object overwrote: with
+``"always"`` this costs nothing more; with ``"batch"`` at most one fsync per call that reuses
+freshly freed bytes (typically one per eviction pass). With ``"never"`` a record counts as
+durable once written to the page cache: that survives a killed master, not a power cut, and
+``"never"`` promises nothing across one (placements may reuse bytes whose removal is lost).
+
+Read-only mode: any failed write to the state directory (a log append, ENOSPC, EIO, a short
+write, a failed fsync or snapshot) makes the log untrustworthy from that record on, so from
+then on nothing is appended (later, smaller records would land after a hole: removed objects
+would come back on restore and point at reused bytes). ``healthy`` turns False and stays so
+until a full snapshot (``compact``) succeeds; the server refuses every call that changes
+durable state meanwhile (UNAVAILABLE), retries the snapshot with back-off, and reports it.
+The rule that keeps this sound: while read-only the in-memory index may still drop things
+(expiry, eviction, reclaim of stale puts, released leases), but nothing is allocated, so no
+byte freed after the failure is reused; if the master dies before the snapshot, restore brings
+back the last durable state, whose objects still hold their own bytes. The call whose write
+failed answers normally unless it ended with ``SyncRequired`` (its placements are withheld).
+The snapshot that ends read-only mode captures the in-memory index wholesale and becomes the
+truth.
+
 Restore: clients (with their capability keys), segments and READY objects come back. Restored
 clients must register again and mount their segments again (identical descriptors) within
 ``restore_grace_s``; objects on segments that are not back in time are dropped. Leases are not
@@ -35,14 +60,20 @@ persisted (they last seconds and no reader survives a master restart with a leas
 master must honour). PENDING objects are not persisted: their writers see UNKNOWN_CLIENT,
 re-register and put again, and a half-written object must never become readable.
 
+Restore never resolves two objects claiming one extent: both are dropped and counted
+(``num_conflicting_objects``, logged). The free space of restored segments is quarantined for
+``write_capability_ttl_s`` (see ``MasterCore.restore``).
+
 A torn or corrupt record (short header, impossible length, bad crc, undecodable payload) ends
 the log: it is truncated there with a warning. A corrupt snapshot is set aside
 (``snapshot.kvp.corrupt``) with a warning; what was read before the damage is kept. Nothing
-here raises on bad files; ``OSError`` from the file system propagates from ``load`` only.
+here raises on bad files; ``OSError`` from the file system propagates from ``load``, and from
+``record``, ``flush`` and ``compact`` (the store is then read-only, see above).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -83,11 +114,12 @@ class RestoreReport:
     num_clients: int
     num_segments: int
     num_objects: int
-    num_dropped_rows: int         # malformed or conflicting rows the core refused
+    num_dropped_rows: int         # malformed rows the core refused
     num_log_records: int          # log records replayed on top of the snapshot
     truncated_log_bytes: int      # torn or corrupt log tail cut off
     generation: int
     warnings: tuple[str, ...]
+    num_conflicting_objects: int = 0  # dropped: their extents overlapped another object's
 
 
 class StateStore:
@@ -110,12 +142,29 @@ class StateStore:
         self._fd = -1
         self._log_bytes = 0
         self._unsynced = False
+        self._synced_bytes = 0
         self._last_sync_s = time.monotonic()
+        self._failure = ""   # why the state directory is untrustworthy; "" when healthy
 
     @property
     def log_bytes(self) -> int:
         """Current size of the log file in bytes."""
         return self._log_bytes
+
+    @property
+    def synced_log_bytes(self) -> int:
+        """Size of the log at its last fsync: what survives a power cut (policy permitting)."""
+        return self._synced_bytes
+
+    @property
+    def healthy(self) -> bool:
+        """False from a failed write until a snapshot succeeds (read-only mode)."""
+        return not self._failure
+
+    @property
+    def failure(self) -> str:
+        """Why the store is read-only ("" when healthy)."""
+        return self._failure
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -167,11 +216,15 @@ class StateStore:
                 snapshot_file.close()
         self._generation = generation
         self._open_log(fresh=not (self._dir / LOG_NAME).exists())
+        core.track_durability()
+        if counts.num_conflicting_objects:
+            warnings.append(f"{counts.num_conflicting_objects} objects claimed extents that "
+                            f"overlap another object's: all of them were dropped")
         for message in warnings:
             log.warning("%s", message)
         return RestoreReport(counts.num_clients, counts.num_segments, counts.num_objects,
                              counts.num_dropped_rows, len(log_records), truncated, generation,
-                             tuple(warnings))
+                             tuple(warnings), counts.num_conflicting_objects)
 
     def _read_log(self, generation: int, any_generation: bool,
                   warnings: list[str]) -> tuple[list[list[Any]], int, int]:
@@ -218,10 +271,38 @@ class StateStore:
 
     # ---- append --------------------------------------------------------------------------
 
+    def record(self, core: MasterCore, events: Sequence[ev.Event]) -> bool:
+        """Log ``events`` (just taken from ``core``), compact when due, fsync when they end
+        with ``SyncRequired``, and tell ``core`` what is durable. Return False when the answer
+        of the call that produced them must not go out (its placements may reuse bytes whose
+        freeing is not durable, and the store is read-only).
+
+        Never raises: a failed write makes the store read-only (``healthy`` False, logged
+        once). While read-only nothing is written: the snapshot that ends it carries it all.
+        """
+        sync_required = bool(events) and type(events[-1]) is ev.SyncRequired
+        if self._failure:
+            return not sync_required
+        try:
+            self.append(events)
+            self.maybe_compact(core)
+            if sync_required and self._unsynced and self._fsync != "never":
+                self._sync()
+        except OSError:
+            return not sync_required
+        if not self._unsynced or self._fsync == "never":
+            core.mark_durable(core.free_seq)
+        return True
+
     def append(self, events: Iterable[ev.Event]) -> None:
-        """Log the durable ones among ``events`` as one record; fsync per the policy."""
-        if self._fd < 0:
+        """Log the durable ones among ``events`` as one record; fsync per the policy.
+
+        Raises OSError when the write fails, and at once while read-only (``healthy``).
+        """
+        if self._fd < 0 and not self._failure:
             raise RuntimeError("StateStore.append before load() or after close()")
+        if self._failure:
+            raise OSError(f"state log is read-only after a failed write: {self._failure}")
         rows = [row for row in map(_event_row, events) if row is not None]
         if not rows:
             return
@@ -230,9 +311,11 @@ class StateStore:
             written = os.write(self._fd, record)
             if written != len(record):
                 raise OSError(f"short write ({written} of {len(record)} bytes)")
-        except OSError:
-            # Leave no partial record behind: later records must stay readable.
-            os.ftruncate(self._fd, self._log_bytes)
+        except OSError as exc:
+            self._fail(exc)
+            # Leave no partial record behind (best effort: nothing is appended after it).
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._log_bytes)
             raise
         self._log_bytes += len(record)
         self._unsynced = True
@@ -242,15 +325,35 @@ class StateStore:
         if due:
             self._sync()
 
-    def flush(self) -> None:
-        """Fsync the log now if anything is unsynced (a no-op for ``fsync="never"``)."""
-        if self._fd >= 0 and self._unsynced and self._fsync != "never":
-            self._sync()
+    def flush(self, core: MasterCore | None = None) -> None:
+        """Fsync the log now if anything is unsynced (a no-op for ``fsync="never"`` and while
+        read-only), then tell ``core`` that everything logged is durable. Never raises (a
+        failed fsync makes the store read-only)."""
+        if self._fd >= 0 and self._unsynced and self._fsync != "never" and not self._failure:
+            with contextlib.suppress(OSError):
+                self._sync()
+        if core is not None and not self._failure and not (
+                self._unsynced and self._fsync != "never"):
+            core.mark_durable(core.free_seq)
 
     def _sync(self) -> None:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            # After a failed fsync the kernel may have dropped the dirty pages: nothing in
+            # the log since the last good fsync can be trusted.
+            self._fail(exc)
+            raise
         self._unsynced = False
+        self._synced_bytes = self._log_bytes
         self._last_sync_s = time.monotonic()
+
+    def _fail(self, exc: OSError) -> None:
+        if not self._failure:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            log.error("cannot write the state directory %s (%s): read-only until a full "
+                      "snapshot succeeds; calls that change the index answer UNAVAILABLE",
+                      self._dir, self._failure)
 
     # ---- compaction ----------------------------------------------------------------------
 
@@ -265,11 +368,31 @@ class StateStore:
         return True
 
     def compact(self, core: MasterCore) -> None:
-        """Write a snapshot of ``core`` and start an empty log of the next generation."""
+        """Write a snapshot of ``core`` and start an empty log of the next generation.
+
+        Success makes the store healthy again (the snapshot is the whole truth) and marks
+        every free of ``core`` durable. Raises OSError (the store is then read-only; the
+        temporary file is removed so that a full disk gets its space back).
+        """
         generation = self._generation + 1
-        snapshot = core.snapshot()
         tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
-        with tmp.open("wb") as f:
+        try:
+            self._write_snapshot(core, tmp, generation)
+            os.replace(tmp, self._dir / SNAPSHOT_NAME)
+            self._sync_dir()
+            self._generation = generation
+            self._open_log(fresh=True)
+        except OSError as exc:
+            self._fail(exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        self._failure = ""
+        core.mark_durable(core.free_seq)
+
+    def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> None:
+        snapshot = core.snapshot()
+        with path.open("wb") as f:
             f.write(_frame({"format": "kvpool-snapshot", "version": VERSION,
                             "generation": generation}))
             f.write(_frame([list(c) for c in snapshot.clients]))
@@ -288,20 +411,18 @@ class StateStore:
             f.write(_frame({"end": True, "num_objects": num_objects}))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self._dir / SNAPSHOT_NAME)
-        self._sync_dir()
-        self._generation = generation
-        self._open_log(fresh=True)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Fsync (unless ``fsync="never"``) and close the log. Idempotent."""
+        """Fsync (unless ``fsync="never"`` or read-only) and close the log. Idempotent."""
         if self._fd < 0:
             return
-        self.flush()
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
     def _open_log(self, fresh: bool) -> None:
         if self._fd >= 0:
@@ -318,7 +439,7 @@ class StateStore:
             os.replace(tmp, path)
             self._sync_dir()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._log_bytes = os.fstat(self._fd).st_size
+        self._log_bytes = self._synced_bytes = os.fstat(self._fd).st_size
         self._unsynced = False
 
     def _sync_dir(self) -> None:

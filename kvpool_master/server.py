@@ -5,7 +5,12 @@ Rules of this file:
   is atomic without locks.
 - The core sees the serving clock (``clock.py``), never wall time.
 - Side effects leave the core as events; ``_fan_out`` sends them to logs, metrics and the state
-  store, in that order, before the answer of the request that caused them is written.
+  store, in that order, before the answer of the request that caused them is written; when
+  the store says that answer must not go out (``StateStore.record``), it answers UNAVAILABLE.
+- A failed write to the state directory makes the master read-only (``persist.py``): calls
+  that change durable state answer UNAVAILABLE, reads go on, ``/healthz`` answers 503 and
+  ``kvpool_state_read_only`` is 1, until a full snapshot succeeds; the tick retries one with
+  back-off (``STATE_RETRY_MIN_S`` doubling up to ``STATE_RETRY_MAX_S``).
 - SIGTERM/SIGINT: stop accepting, let in-flight gRPC calls finish (bounded grace), flush the
   lean connections, close the state store, exit 0.
 """
@@ -20,6 +25,7 @@ import logging
 import os
 import signal
 import ssl
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -50,6 +56,8 @@ STALL_THRESHOLD_S = 0.5
 GRPC_KEEPALIVE_MS = 60_000
 GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
 SHUTDOWN_GRACE_S = 10.0
+STATE_RETRY_MIN_S = 0.5
+STATE_RETRY_MAX_S = 30.0
 
 
 def core_config(config: MasterConfig) -> CoreConfig:
@@ -76,7 +84,8 @@ class MasterServer:
         self.core = MasterCore(core_config(config))
         self.master_id = self._master_id(config)
         self.store: StateStore | None = None
-        self._store_failed = False
+        self._snapshot_retry_at_s = 0.0   # read-only: monotonic time of the next snapshot try
+        self._snapshot_retry_s = STATE_RETRY_MIN_S
         self.metrics = MasterMetrics(self.core, self.clock, master_id=self.master_id,
                                      settings=public_settings(config))
         self._auth_token = load_auth_token(config)
@@ -216,11 +225,14 @@ class MasterServer:
                                 restore_grace_s=self.config.restore_grace_s)
         report = self.store.load(self.core, self.clock.now())
         log.info("restored from %s: %d clients, %d segments, %d objects (%d log records, "
-                 "%d rows dropped, %d torn log bytes cut); segments have %g s to be remounted",
-                 self.config.state_dir, report.num_clients, report.num_segments,
-                 report.num_objects, report.num_log_records, report.num_dropped_rows,
-                 report.truncated_log_bytes, self.config.restore_grace_s)
-        self.metrics.watch_store(self.store)
+                 "%d rows dropped, %d objects dropped for overlapping extents, %d torn log "
+                 "bytes cut); segments have %g s to be remounted, their free space is held "
+                 "back for %g s", self.config.state_dir, report.num_clients,
+                 report.num_segments, report.num_objects, report.num_log_records,
+                 report.num_dropped_rows, report.num_conflicting_objects,
+                 report.truncated_log_bytes, self.config.restore_grace_s,
+                 self.config.write_capability_ttl_s)
+        self.metrics.watch_store(self.store, report)
 
     @staticmethod
     def _master_id(config: MasterConfig) -> str:
@@ -265,34 +277,50 @@ class MasterServer:
                 log.exception("tick failed")
 
     def _tick_store(self) -> None:
-        if self.store is None:
+        store = self.store
+        if store is None:
             return
-        if self._store_failed:
-            try:
-                self.store.compact(self.core)
-            except OSError as exc:
-                log.error("state snapshot still failing: %s", exc)
+        if not store.healthy:
+            now_s = time.monotonic()
+            if now_s < self._snapshot_retry_at_s:
                 return
-            log.info("state directory whole again after a full snapshot")
-            self._store_failed = False
-        self.store.flush()  # the "batch" policy's bound on unsynced changes
+            try:
+                store.compact(self.core)
+            except OSError as exc:
+                self._snapshot_retry_at_s = now_s + self._snapshot_retry_s
+                log.warning("state snapshot failed (%s); read-only, next try in %g s", exc,
+                            self._snapshot_retry_s)
+                self._snapshot_retry_s = min(2 * self._snapshot_retry_s, STATE_RETRY_MAX_S)
+                return
+            log.warning("state directory whole again after a full snapshot: accepting changes")
+            self._snapshot_retry_s = STATE_RETRY_MIN_S
+            self._snapshot_retry_at_s = 0.0
+            self.servicer.read_only = False
+            return
+        store.flush(self.core)  # the "batch" policy's bound on unsynced changes
+        self._note_store_health()
 
-    def _fan_out(self, events: list[ev.Event]) -> None:
+    def _fan_out(self, events: list[ev.Event]) -> bool:
+        """Log and persist ``events``; return False when the answer of the call that caused
+        them must not go out (see ``StateStore.record``)."""
         every = log.isEnabledFor(logging.DEBUG)
         for event in events:
             if every or type(event) in _INFO_EVENTS:
                 _log_event(event)
-        if self.store is None:
-            return
-        try:
-            self.store.append(events)
-            self.store.maybe_compact(self.core)
-        except OSError:
-            # The index in memory is right; the log missed a change. A full snapshot on a
-            # later tick makes the state directory whole again.
-            log.exception("cannot write the state log; will retry with a full snapshot")
-            self._store_failed = True
+        store = self.store
+        if store is None:
+            return True
+        may_answer = store.record(self.core, events)
+        if not store.healthy:
+            self._note_store_health()
+        return may_answer
+
+    def _note_store_health(self) -> None:
+        store = self.store
+        if store is not None and not store.healthy and not self.servicer.read_only:
+            self.servicer.read_only = True
             self.metrics.state_write_failures.inc()
+            self._snapshot_retry_at_s = time.monotonic() + self._snapshot_retry_s
 
     def request_stop(self) -> None:
         """Ask the server to shut down (what SIGTERM/SIGINT do)."""
@@ -322,10 +350,11 @@ class MasterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tick_task
         if self.store is not None:
-            if self._store_failed:
+            if not self.store.healthy:
                 with contextlib.suppress(OSError):
                     self.store.compact(self.core)
-            self.store.close()
+            with contextlib.suppress(OSError):
+                self.store.close()
         if self.config.ready_file:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.ready_file)

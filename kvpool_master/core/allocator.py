@@ -190,6 +190,20 @@ class Allocator:
             self._release(start, end)
         self.num_extents -= len(packed)
 
+    def reserve_free(self) -> list[tuple[int, int]]:
+        """Turn every free extent into an allocated one; return them as sorted (offset, size).
+
+        Each can be handed back with ``free`` later (how a restore holds the free space of a
+        restored segment back for a while).
+        """
+        extents = self.free_extents()
+        self._by_size.clear()
+        self._start_to_size.clear()
+        self._end_to_start.clear()
+        self.used_bytes = self.size_bytes
+        self.num_extents += len(extents)
+        return extents
+
     def free_extents(self) -> list[tuple[int, int]]:
         """Return the free extents as sorted (offset, size) pairs (for tests and snapshots)."""
         return sorted(self._start_to_size.items())

@@ -97,5 +97,18 @@ class PendingReclaimed:
     key: ObjectKey
 
 
+@dataclass(frozen=True, slots=True)
+class SyncRequired:
+    """The call that emitted it (always its last event) handed out a placement that may reuse
+    bytes freed by a change not yet durable: its answer must wait until everything logged so
+    far is synced (then ``MasterCore.mark_durable``), and must not go out if that fails.
+
+    Only emitted once ``MasterCore.track_durability`` was called (a master with ``--state-dir``).
+    """
+
+    free_seq: int
+
+
 Event = (ClientRegistered | ClientExpired | ClientUnregistered | SegmentMounted
-         | SegmentUnmounted | ObjectCommitted | ObjectRemoved | EvictionPass | PendingReclaimed)
+         | SegmentUnmounted | ObjectCommitted | ObjectRemoved | EvictionPass | PendingReclaimed
+         | SyncRequired)

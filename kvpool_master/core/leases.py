@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvpool_client.status import Status
 from kvpool_client.types import ObjectKey, Placement, ReadResult
+from kvpool_master.core.allocator import OFFSET_BITS, aligned
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 
@@ -149,29 +150,68 @@ def mounted_placements(segments: SegmentTable,
 
 
 class DeferredFrees:
-    """Extents of force-removed objects whose read lease was still live, freed once it ends."""
+    """Extents freed only once a time has passed: those of force-removed objects whose read
+    lease was still live (until the lease ends), and after a restore the free space of restored
+    segments (until write capabilities of the previous master have run out).
+
+    An extent stays held across an unmount and a later mount under the same segment id (the
+    memory may be the same): ``adopt`` moves it onto the new segment, which must reserve it.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, SegmentState, int, int]] = []
-        self._seq = 0  # tie-breaker: SegmentState does not order
+        # (until_s, tie-breaker, segment, offset, size_bytes, number of the free that parked it)
+        self._heap: list[tuple[float, int, SegmentState, int, int, int]] = []
+        self._tie = 0  # SegmentState does not order
         self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, until_s: float, state: SegmentState, offset: int, size_bytes: int) -> None:
+    def add(self, until_s: float, state: SegmentState, offset: int, size_bytes: int,
+            seq: int) -> None:
         """Free ``(offset, size_bytes)`` of ``state`` once ``until_s`` has passed."""
-        self._seq += 1
-        heapq.heappush(self._heap, (until_s, self._seq, state, offset, size_bytes))
+        self._tie += 1
+        heapq.heappush(self._heap, (until_s, self._tie, state, offset, size_bytes, seq))
         self.num_bytes += size_bytes
 
     def release_due(self, segments: SegmentTable, now: float) -> int:
-        """Free every parked extent whose lease ended at or before ``now``; return how many."""
+        """Free every parked extent whose time ended at or before ``now``; return how many."""
         heap = self._heap
         released = 0
         while heap and heap[0][0] <= now:
-            _, _, state, offset, size_bytes = heapq.heappop(heap)
+            _, _, state, offset, size_bytes, seq = heapq.heappop(heap)
             self.num_bytes -= size_bytes
-            segments.free_on(state, offset, size_bytes)
+            segments.free_on(state, offset, size_bytes, seq)
             released += 1
         return released
+
+    def adopt(self, state: SegmentState) -> list[int]:
+        """Move the extents still held on earlier segments with the id of ``state`` (a fresh
+        mount) onto it; return them as ``offset << OFFSET_BITS | aligned size`` for its
+        allocator to reserve. Extents beyond its size are dropped (they are not in it)."""
+        segment_id = state.info.segment_id
+        limit = state.allocator.size_bytes
+        if not any(item[2] is not state and item[2].info.segment_id == segment_id
+                   for item in self._heap):
+            return []
+        packed: list[int] = []
+        kept: list[tuple[float, int, SegmentState, int, int, int]] = []
+        for item in self._heap:
+            until_s, tie, old, offset, size_bytes, seq = item
+            if old is state or old.info.segment_id != segment_id:
+                kept.append(item)
+                continue
+            self.num_bytes -= size_bytes
+            if offset >= limit:
+                continue
+            size_bytes = min(size_bytes, limit - offset)
+            self.num_bytes += size_bytes
+            packed.append(offset << OFFSET_BITS | aligned(size_bytes))
+            kept.append((until_s, tie, state, offset, size_bytes, seq))
+        heapq.heapify(kept)
+        self._heap = kept
+        return packed
+
+    def extents(self) -> list[tuple[str, int, int]]:
+        """Return (segment id, offset, size_bytes) of every held extent (for checks)."""
+        return [(item[2].info.segment_id, item[3], item[4]) for item in self._heap]

@@ -55,6 +55,7 @@ class MasterCore(Mutations):
         self._segments = SegmentTable()
         self._objects = ObjectTable(track_children=config.eviction_policy == "prefix-lru")
         self._deferred = leases.DeferredFrees()
+        self._quarantine = leases.DeferredFrees()  # restored free space, see restore()
         self._lease_counters = leases.LeaseCounters()
         self._counters = Counters()
         self._events: list[Event] = []
@@ -251,6 +252,7 @@ class MasterCore(Mutations):
         PENDING objects, free extents whose lease ended, and run a background eviction pass
         on every tier above its high watermark."""
         self._deferred.release_due(self._segments, now)
+        self._quarantine.release_due(self._segments, now)
         for client_id in self._clients.find_expired(now, self._config.client_ttl_s):
             self._drop_client(client_id, now)
             self._counters.clients_expired += 1
@@ -270,7 +272,7 @@ class MasterCore(Mutations):
     def stats(self) -> CoreStats:
         """Return a copy of every counter and gauge (see ``core/stats.py``)."""
         return build_stats(self._clients, self._segments, self._objects, self._deferred,
-                           self._counters, self._lease_counters)
+                           self._quarantine, self._counters, self._lease_counters)
 
     # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
 
@@ -287,11 +289,38 @@ class MasterCore(Mutations):
 
         Restored clients must register again and remount their segments (identical
         descriptors) before ``now + grace_s``; objects on a segment are readable once it is
-        remounted and dropped if it is not remounted in time. Emits no events (the state came
-        from the log). Raises ``ValueError`` when the core is not fresh.
+        remounted and dropped if it is not remounted in time. Objects claiming overlapping
+        extents are all dropped (counted). The free space of every restored segment is
+        quarantined until ``now + write_capability_ttl_s``: a writer of the previous master may
+        still hold a write capability for it (PENDING puts are not persisted), and none lives
+        longer than that.
+        Emits no events (the state came from the log). Raises ``ValueError`` when the core is
+        not fresh.
         """
-        return restore_into(self._clients, self._segments, self._objects, snapshot, now,
-                            grace_s, self._config.max_key_bytes)
+        counts = restore_into(self._clients, self._segments, self._objects, snapshot, now,
+                              grace_s, self._config.max_key_bytes)
+        until_s = now + self._config.write_capability_ttl_s
+        for state in self._segments.id_to_segment.values():
+            for offset, size_bytes in state.allocator.reserve_free():
+                self._quarantine.add(until_s, state, offset, size_bytes, 0)
+        return counts
+
+    # ---- durability of frees (persist.py drives it) ------------------------------------
+
+    def track_durability(self) -> None:
+        """From now on a placement may reuse freed bytes only once the free is durable:
+        ``put_start`` emits ``SyncRequired`` when one does, and ``mark_durable`` says what is.
+        Without it (no state directory) every free counts as durable at once."""
+        self._segments.track_durability()
+
+    @property
+    def free_seq(self) -> int:
+        """Number of the latest free (covered by the events taken so far)."""
+        return self._segments.free_seq
+
+    def mark_durable(self, free_seq: int) -> None:
+        """Every free up to number ``free_seq`` is durable (its record is synced)."""
+        self._segments.mark_durable(free_seq)
 
     # ---- helpers shared with mutations.py ------------------------------------------------
 

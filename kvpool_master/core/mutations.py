@@ -10,6 +10,15 @@ Rules of this file:
 - A PENDING object's extents (revoked or reclaimed) stay parked for ``write_capability_ttl_s``:
   its writer may still hold WRITE capabilities for them, and a late write must land on space
   that belongs to nobody, never on the next object's.
+- Losing a segment parks the extents of its leased objects on it like a forced remove does,
+  and a segment mounted again under that id reserves whatever is still parked (a reader
+  inside its lease may still be copying those bytes of the same memory).
+- Durability: a ``put_start`` that handed out a placement on a segment with a free not yet
+  durable ends with a ``SyncRequired`` event (see ``segments.py`` and ``events.py``).
+- While restored free space is quarantined (``_quarantine``: the first
+  ``write_capability_ttl_s`` after a restore) nothing is evicted: a put that does not fit
+  answers NO_SPACE and the watermark passes are off. That space frees itself, and evicting
+  for it would only throw restored objects away.
 - Eviction inside ``put_start``: when an allocation fails, passes run (DRAM first) until it
   fits or nothing evictable is left; after a successful allocation that pushes a tier above
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
@@ -44,6 +53,7 @@ from kvpool_master.core.events import (
     RemoveReason,
     SegmentMounted,
     SegmentUnmounted,
+    SyncRequired,
 )
 from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
@@ -68,6 +78,7 @@ class Mutations:
     _segments: SegmentTable
     _objects: ObjectTable
     _deferred: DeferredFrees
+    _quarantine: DeferredFrees
     _lease_counters: LeaseCounters
     _counters: Counters
     _events: list[Event]
@@ -97,7 +108,10 @@ class Mutations:
         pin, replica_num = _options(options)
         if pin is None:
             return [(Status.INVALID_ARGUMENT, ())] * n
-        self._deferred.release_due(self._segments, now)
+        segments = self._segments
+        self._deferred.release_due(segments, now)
+        if self._quarantine:
+            self._quarantine.release_due(segments, now)
         same_host_id = client.host_id if options.prefer_same_host else ""
         # No eviction can place an object larger than every segment, or more replicas than
         # there are segments: those answer NO_SPACE at once.
@@ -154,6 +168,9 @@ class Mutations:
             results.append((Status.OK, placements))
         self._counters.put_started += started
         self._counters.put_no_space += no_space
+        if segments.needs_sync:
+            segments.needs_sync = False
+            self._events.append(SyncRequired(segments.free_seq))
         return results
 
     def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
@@ -274,13 +291,15 @@ class Mutations:
         return Status.NOT_FOUND if ok else Status.INVALID_KEY
 
     def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float,
-              hold_until_s: float = 0.0) -> None:
+              hold_until_s: float = 0.0, lost: SegmentState | None = None) -> None:
         """Remove objects (READY or PENDING, all present) and free or park their extents
-        (until their read lease ends, and at least until ``hold_until_s``)."""
+        (until their read lease ends, and at least until ``hold_until_s``; ``lost``: a segment
+        just discarded, whose extents of leased objects are parked too)."""
         pop = self._objects.pop
         events = self._events
         to_free: list[Placement] = []
         lapsed = 0
+        seq = self._segments.next_free_seq()
         for key in keys:
             entry = pop(key)
             lease_s = max(entry.lease_expiry_s, hold_until_s)
@@ -289,14 +308,16 @@ class Mutations:
                 get = self._segments.id_to_segment.get
                 for p in entry.placements:
                     state = get(p.segment_id)
+                    if state is None and lost is not None and p.segment_id == lost.info.segment_id:
+                        state = lost
                     if state is not None:
-                        self._deferred.add(lease_s, state, p.offset, p.length)
+                        self._deferred.add(lease_s, state, p.offset, p.length, seq)
             else:
                 if entry.lease_expiry_s > 0.0:
                     lapsed += 1
                 to_free += entry.placements
             events.append(ObjectRemoved(key, entry.size_bytes, reason))
-        self._segments.free(to_free)
+        self._segments.free(to_free, seq)
         self._lease_counters.leases_lapsed += lapsed
 
     def _reclaim(self, key: ObjectKey, now: float) -> None:
@@ -305,25 +326,37 @@ class Mutations:
         self._events.append(PendingReclaimed(key))
 
     def _mount_fresh(self, segment: SegmentInfo) -> None:
-        self._segments.add(SegmentState(segment, Allocator(segment.size_bytes), mounted=True))
+        state = SegmentState(segment, Allocator(segment.size_bytes), mounted=True)
+        # Extents still held on an earlier segment of this id stay held on this one.
+        held = self._deferred.adopt(state) + self._quarantine.adopt(state)
+        if held:
+            state.allocator = Allocator.from_packed(segment.size_bytes, held)
+        self._segments.add(state)
         self._events.append(SegmentMounted(segment))
 
     def _lose_segment(self, state: SegmentState, now: float) -> None:
         """Forget a segment; objects whose every replica sat on it are dropped, the others
-        only lose that replica."""
+        only lose that replica. Extents of leased objects on it stay held (``DeferredFrees``)
+        until the lease ends, in case the segment is mounted again."""
         self._segments.discard(state)
         segment_id = state.info.segment_id
         lost: list[ObjectKey] = []
+        seq = self._segments.next_free_seq()
         for key, entry in self._live_on(state):
             if len(entry.placements) == 1:
                 lost.append(key)
                 continue
             kept = tuple(p for p in entry.placements if p.segment_id != segment_id)
             if kept:
+                if entry.lease_expiry_s > now:
+                    for p in entry.placements:
+                        if p.segment_id == segment_id:
+                            self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length,
+                                               seq)
                 entry.placements = kept
             else:
                 lost.append(key)
-        self._drop(lost, "segment_lost", now)
+        self._drop(lost, "segment_lost", now, lost=state)
         self._counters.segment_lost_objects += len(lost)
         self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
 
@@ -353,6 +386,8 @@ class Mutations:
                   exhausted: set[Tier]) -> tuple[Placement, ...] | None:
         segments = self._segments
         placements = segments.allocate(size_bytes, replica_num, preferred_segment, same_host_id)
+        if placements is None and self._quarantine:
+            return None   # no eviction during the restart quarantine (see the module rules)
         while placements is None:
             need_bytes = aligned(size_bytes) * replica_num
             for tier in Tier:
@@ -388,7 +423,8 @@ class Mutations:
         watermark is allowed (allocation failures still evict at once), and rescanning a
         table of leased or pinned objects on every put would cost O(objects) each time.
         """
-        if not self._above_watermark(tier) or now < self._watermark_retry_s.get(tier, 0.0):
+        if (not self._above_watermark(tier) or now < self._watermark_retry_s.get(tier, 0.0)
+                or self._quarantine):
             return True
         wanted = math.ceil(self._config.eviction_ratio
                            * self._segments.tier_to_capacity_bytes[tier])

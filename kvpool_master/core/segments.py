@@ -6,6 +6,11 @@ Rules of this file:
   segments hold their objects' extents but serve no reads and take no new allocations.
 - All allocation and freeing goes through ``SegmentTable`` so per-tier used bytes stay exact
   without summing over segments on the hot path.
+- Durability of frees (``track_durability``): every free is numbered (``free_seq``) and each
+  segment remembers the number of its latest free (``freed_seq``; a segment mounted again under
+  the id of one lost before inherits the number of that loss). An allocation on a segment whose
+  latest free is newer than ``durable_seq`` sets ``needs_sync``: the placement may reuse bytes
+  whose freeing record is not on disk yet, so the answer must wait for a sync.
 - Placement: the preferred segment first, then (``prefer_same_host``) segments on the writer's
   host, then the rest; within each group DRAM before SSD and most free bytes first, which
   spreads a stream of puts evenly. Replicas of one object always sit on distinct segments.
@@ -37,7 +42,7 @@ class SegmentState:
     O(live objects) and losing a segment visits only its own objects.
     """
 
-    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys")
+    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -46,6 +51,7 @@ class SegmentState:
         self.mounted = mounted
         self.restore_deadline_s = restore_deadline_s
         self.keys: list[ObjectKey] = keys if keys is not None else []
+        self.freed_seq = 0  # number of the latest free on this segment (SegmentTable.free_seq)
 
 
 def segment_info_error(info: SegmentInfo) -> str:
@@ -71,6 +77,28 @@ class SegmentTable:
         self.tier_to_capacity_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.tier_to_used_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.num_restored = 0  # restored segments still waiting for their owner
+        # Durability of frees (see the module rules). Untracked: nothing is ever newer.
+        self.free_seq = 0
+        self.durable_seq = _UNTRACKED
+        self.needs_sync = False
+        self.lost_seq: dict[SegmentId, int] = {}  # segments lost at a free not yet durable
+
+    def track_durability(self) -> None:
+        """From now on, frees count as durable only once ``mark_durable`` says so."""
+        self.durable_seq = self.free_seq
+
+    def next_free_seq(self) -> int:
+        """Number the next free (or parking of extents) and return its number."""
+        self.free_seq += 1
+        return self.free_seq
+
+    def mark_durable(self, seq: int) -> None:
+        """Every free numbered ``seq`` or lower is durable (its record is on disk)."""
+        if self.durable_seq == _UNTRACKED or seq <= self.durable_seq:
+            return
+        self.durable_seq = seq
+        if self.lost_seq:
+            self.lost_seq = {s: n for s, n in self.lost_seq.items() if n > seq}
 
     def get(self, segment_id: SegmentId) -> SegmentState | None:
         """Return the segment (mounted or restored) with this id, or None."""
@@ -81,8 +109,14 @@ class SegmentTable:
         return [s for s in self.id_to_segment.values() if s.info.client_id == client_id]
 
     def add(self, state: SegmentState) -> None:
-        """Track ``state`` (its id must be new); count it in its tier when mounted."""
-        self.id_to_segment[state.info.segment_id] = state
+        """Track ``state`` (its id must be new); count it in its tier when mounted.
+
+        A segment whose id was lost by a free not yet durable inherits that free's number.
+        """
+        segment_id = state.info.segment_id
+        self.id_to_segment[segment_id] = state
+        if self.lost_seq:
+            state.freed_seq = max(state.freed_seq, self.lost_seq.get(segment_id, 0))
         if state.mounted:
             self._count(state, +1)
         else:
@@ -98,6 +132,8 @@ class SegmentTable:
     def discard(self, state: SegmentState) -> None:
         """Forget ``state``; its allocator and every extent in it are gone."""
         del self.id_to_segment[state.info.segment_id]
+        if self.durable_seq != _UNTRACKED:
+            self.lost_seq[state.info.segment_id] = self.next_free_seq()
         if state.mounted:
             self._count(state, -1)
         else:
@@ -124,7 +160,7 @@ class SegmentTable:
             placements.append(placement)
             if len(placements) == replica_num:
                 return tuple(placements)
-        self.free(placements)
+        self.free(placements, seq=-1)  # never handed out: not a free anyone must wait for
         return None
 
     def _allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
@@ -133,13 +169,18 @@ class SegmentTable:
         if offset < 0:
             return None
         self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes)
+        if state.freed_seq > self.durable_seq:
+            self.needs_sync = True
         return Placement(state.info.segment_id, offset, size_bytes)
 
-    def free(self, placements: Iterable[Placement]) -> None:
-        """Free the extents of ``placements`` that sit on segments still known.
+    def free(self, placements: Iterable[Placement], seq: int = 0) -> None:
+        """Free the extents of ``placements`` that sit on segments still known, as free number
+        ``seq`` (a new number when 0; -1 to undo allocations of the same call).
 
         Extents are grouped per segment and freed in one ``Allocator.free_many`` call each.
         """
+        if not seq:
+            seq = self.next_free_seq()
         id_to_segment = self.id_to_segment
         mask = ALIGN_BYTES - 1
         # None for a segment that is gone: its extents went with it.
@@ -159,14 +200,19 @@ class SegmentTable:
             allocator = state.allocator
             before = allocator.used_bytes
             allocator.free_packed(packed)
+            if seq > state.freed_seq:
+                state.freed_seq = seq
             if state.mounted:
                 self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
 
-    def free_on(self, state: SegmentState, offset: int, size_bytes: int) -> None:
-        """Free one extent of ``state`` (no-op when the segment has been discarded since)."""
+    def free_on(self, state: SegmentState, offset: int, size_bytes: int, seq: int) -> None:
+        """Free one extent of ``state`` parked by free number ``seq`` (no-op when the segment
+        has been discarded since)."""
         if self.id_to_segment.get(state.info.segment_id) is not state:
             return
         state.allocator.free(offset, size_bytes)
+        if seq > state.freed_seq:
+            state.freed_seq = seq
         if state.mounted:
             self.tier_to_used_bytes[state.info.tier] -= aligned(size_bytes)
 
@@ -210,6 +256,7 @@ class SegmentTable:
 
 
 _UNSEEN: list[int] = []
+_UNTRACKED = 1 << 62  # durable_seq while durability is not tracked: above every free number
 
 
 def _placement_rank(state: SegmentState) -> tuple[int, int]:

@@ -11,11 +11,15 @@ Rules of this file:
   client must register again (it gets its old key back) and mount each segment again with an
   identical descriptor before ``now + grace_s``; until then objects on that segment are not
   readable, and after it they are dropped (``tick``). Every row is validated; a malformed
-  row, a replica on an unknown segment or an extent overlapping another is dropped (counted).
+  row or a replica on an unknown segment is dropped (counted).
+- Two objects claiming one extent (overlapping extents on a segment) are never resolved in
+  favour of either: the bytes there belong to at most one of them and nothing says which, so
+  every object in the overlap is dropped (counted apart, ``num_conflicting_objects``).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +55,7 @@ class RestoreCounts:
     num_segments: int
     num_objects: int
     num_dropped_rows: int
+    num_conflicting_objects: int = 0   # dropped because their extents overlapped
 
 
 def segment_row(info: SegmentInfo) -> SegmentRow:
@@ -94,7 +99,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     if clients.id_to_client or segments.id_to_segment or len(objects):
         raise ValueError("restore needs a fresh core")
     deadline_s = now + grace_s
-    dropped = 0
+    dropped = conflicting = 0
     for row in snapshot.clients:
         try:
             client_id, host_id, key = row
@@ -128,12 +133,12 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
                       for s, packed in segment_to_packed.items()}
     except ValueError:
-        # Overlapping extents: a corrupt index. Drop every object after the first on each
-        # overlap, then rebuild (the slow path; a checksummed snapshot never takes it).
+        # Overlapping extents: an index that lost a change. Drop every object in an overlap,
+        # then rebuild (the slow path; a whole log never takes it).
         doomed = _overlapping(objects, segment_to_keys)
         for key in doomed:
             objects.pop(key)
-        dropped += len(doomed)
+        conflicting = len(doomed)
         for segment_id in infos:
             segment_to_keys[segment_id] = [k for k in segment_to_keys[segment_id]
                                            if k not in doomed]
@@ -144,7 +149,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         segments.add(SegmentState(info, allocators[segment_id], mounted=False,
                                   restore_deadline_s=deadline_s,
                                   keys=segment_to_keys[segment_id]))
-    return RestoreCounts(len(clients), len(infos), len(objects), dropped)
+    return RestoreCounts(len(clients), len(infos), len(objects), dropped, conflicting)
 
 
 def _extents(objects: ObjectTable, segment_id: SegmentId,
@@ -156,15 +161,17 @@ def _extents(objects: ObjectTable, segment_id: SegmentId,
 
 def _overlapping(objects: ObjectTable,
                  segment_to_keys: dict[SegmentId, list[ObjectKey]]) -> set[ObjectKey]:
-    """Return the keys whose extent overlaps one before it on the same segment."""
+    """Return the keys of every object whose extent overlaps another one on a segment."""
     doomed: set[ObjectKey] = set()
     for segment_id, keys in segment_to_keys.items():
-        end = 0
+        open_extents: list[tuple[int, ObjectKey]] = []   # heap of (end, key) not yet passed
         for offset, size, key in sorted(_extents(objects, segment_id, keys)):
-            if offset < end:
+            while open_extents and open_extents[0][0] <= offset:
+                heapq.heappop(open_extents)
+            if open_extents:
                 doomed.add(key)
-            else:
-                end = offset + size
+                doomed.update(k for _, k in open_extents)
+            heapq.heappush(open_extents, (offset + size, key))
     return doomed
 
 

@@ -75,6 +75,7 @@ class CoreStats:
     num_pending: int
     ready_bytes: int                  # logical bytes of READY objects, one copy each
     deferred_free_bytes: int          # bytes of force-removed objects still under a read lease
+    quarantined_bytes: int            # restored free space held back after a restore
     tier_to_capacity_bytes: Mapping[Tier, int]
     tier_to_used_bytes: Mapping[Tier, int]
     segments: tuple[SegmentStats, ...]
@@ -102,7 +103,8 @@ class CoreStats:
 
 
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
-                deferred: DeferredFrees, counters: Counters, leases: LeaseCounters) -> CoreStats:
+                deferred: DeferredFrees, quarantine: DeferredFrees, counters: Counters,
+                leases: LeaseCounters) -> CoreStats:
     """Return a consistent copy of every counter and gauge."""
     return CoreStats(
         num_clients=len(clients),
@@ -112,6 +114,7 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         num_pending=len(objects.pending_key_to_started_s),
         ready_bytes=objects.ready_bytes,
         deferred_free_bytes=deferred.num_bytes,
+        quarantined_bytes=quarantine.num_bytes,
         tier_to_capacity_bytes=dict(segments.tier_to_capacity_bytes),
         tier_to_used_bytes=dict(segments.tier_to_used_bytes),
         segments=tuple(

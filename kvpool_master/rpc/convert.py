@@ -301,3 +301,19 @@ def response_type_of(request: Message) -> type[Message]:
 def method_by_id() -> dict[int, RpcMethod]:
     """Lean-framing method id -> method."""
     return {method.method_id: method for method in RPC_METHODS.values()}
+
+
+def unavailable_response(request: Message) -> Message:
+    """The answer to ``request`` with UNAVAILABLE for the call or for every item (one empty
+    replica set per key where the answer carries placements)."""
+    response = response_type_of(request)()
+    fields = response.DESCRIPTOR.fields_by_name
+    if "statuses" in fields:
+        num_items = len(request.keys)  # type: ignore[attr-defined]
+        response.statuses.extend([Status.UNAVAILABLE] * num_items)  # type: ignore[attr-defined]
+        if "replicas" in fields:
+            for _ in range(num_items):
+                response.replicas.add()  # type: ignore[attr-defined]
+    else:
+        response.status = Status.UNAVAILABLE  # type: ignore[attr-defined]
+    return response

@@ -5,6 +5,10 @@ Rules of this file:
   (``convert``), call the core with the serving clock's ``now``, sign placements, encode, time it,
   count it, drain the core's events. Transports only move bytes and map failures.
 - Handlers are synchronous: the core never awaits, so each request is atomic on the event loop.
+- While ``read_only`` (the state directory cannot be written, see ``persist.py``) every call
+  in ``WRITE_METHODS`` (those that can change durable state) answers UNAVAILABLE per item
+  without reaching the core; reads, heartbeats and stats are served. A call whose events the
+  server refuses to let answer (``on_events`` returns False) answers UNAVAILABLE too.
 - Expected outcomes travel in-band as ``Status`` values. A request that cannot be served at all
   raises :class:`BadRequest` (INVALID_ARGUMENT for the call); anything else escaping a handler is
   a bug and raises :class:`InternalError` after being logged.
@@ -37,7 +41,12 @@ from kvpool_master.rpc.convert import BadRequest
 
 log = logging.getLogger("kvpool.master.rpc")
 
-__all__ = ["BadRequest", "InternalError", "RpcObserver", "Servicer"]
+__all__ = ["WRITE_METHODS", "BadRequest", "InternalError", "RpcObserver", "Servicer"]
+
+#: Calls that can change durable state (clients, segments, objects): refused while read-only.
+WRITE_METHODS = frozenset({"RegisterClient", "UnregisterClient", "MountSegment",
+                           "UnmountSegment", "PutStart", "PutEnd", "PutRevoke", "Remove",
+                           "RemoveAll", "RemoveByRegex"})
 
 
 class InternalError(RuntimeError):
@@ -54,7 +63,7 @@ class Servicer:
     """Serves every Master RPC against one core."""
 
     def __init__(self, core: MasterCore, clock: ServingClock, observer: RpcObserver, *,
-                 master_id: str, on_events: Callable[[list[Event]], None],
+                 master_id: str, on_events: Callable[[list[Event]], bool],
                  status_document: Callable[[], str]) -> None:
         self._core = core
         self._clock = clock
@@ -67,6 +76,7 @@ class Servicer:
         self._last_put_id = 0
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
+        self.read_only = False  # set by the server while the state directory cannot be written
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "RegisterClient": self._register_client,
             "Heartbeat": self._heartbeat,
@@ -95,7 +105,13 @@ class Servicer:
         failed = True
         try:
             request = convert.parse_request(method, payload)
-            response = self._handlers[method.name](request)
+            if self.read_only and method.name in WRITE_METHODS:
+                response = convert.unavailable_response(request)
+            else:
+                response = self._handlers[method.name](request)
+                events = self._core.take_events()
+                if events and not self._on_events(events):
+                    response = convert.unavailable_response(request)
             failed = False
             return convert.serialize(response)
         except BadRequest:

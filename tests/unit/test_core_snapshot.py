@@ -66,14 +66,24 @@ def test_malformed_object_rows_are_dropped(row: list[object]) -> None:
         Status.NOT_FOUND, Status.OK]
 
 
-def test_overlapping_extents_keep_the_first() -> None:
-    core, dropped = restore([[b"first", 128, ["s", 0, 128], 0, 0, None],
-                             [b"second", 64, ["s", 64, 64], 0, 0, None],
-                             [b"first", 64, ["s", 1024, 64], 0, 0, None]])
-    assert dropped == 2   # the overlap and the duplicate key
-    assert core.exist([ObjectKey(b"first"), ObjectKey(b"second")], 1.0)[0] == [
-        Status.OK, Status.NOT_FOUND]
-    assert core.stats().tier_to_used_bytes[0] == 128
+def test_objects_claiming_one_extent_are_all_dropped_and_counted() -> None:
+    core = MasterCore(CoreConfig(write_capability_ttl_s=5.0))
+    counts = core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW], [
+        [b"first", 128, ["s", 0, 128], 0, 0, None],
+        [b"second", 64, ["s", 64, 64], 0, 0, None],      # inside first's extent
+        [b"third", 64, ["s", 4096, 64], 0, 0, None],      # exactly on fourth's extent
+        [b"fourth", 64, ["s", 4096, 64], 0, 0, None],
+        [b"alone", 64, ["s", 8192, 64], 0, 0, None],
+        [b"first", 64, ["s", 1024, 64], 0, 0, None]]), 0.0, 10.0)
+    assert counts.num_conflicting_objects == 4
+    assert counts.num_dropped_rows == 1   # the duplicate key
+    assert counts.num_objects == 1
+    core.register_client(A, "h", b"x" * 16, 0.0, client_token(b"k" * 16))
+    core.mount_segment(SEG, 0.0)
+    keys = [ObjectKey(k) for k in (b"first", b"second", b"third", b"fourth", b"alone")]
+    assert core.exist(keys, 1.0)[0] == [Status.NOT_FOUND] * 4 + [Status.OK]
+    core.tick(6.0)   # past the restart quarantine: only "alone" holds bytes
+    assert core.stats().tier_to_used_bytes[0] == 64
 
 
 def test_malformed_client_and_segment_rows_are_dropped() -> None:
@@ -97,3 +107,26 @@ def test_a_restored_segment_is_kept_from_another_owner() -> None:
     core.register_client(A, "h", b"x" * 16, 2.0, client_token(b"k" * 16))
     assert core.mount_segment(SEG, 2.0) == Status.OK
     assert core.exist([ObjectKey(b"k")], 3.0)[0] == [Status.OK]
+
+
+def test_restored_free_space_is_quarantined_and_fresh_segments_are_not() -> None:
+    """PENDING puts are not persisted: a writer of the previous master may still write into
+    space that is free in the restored index until its write capability runs out."""
+    core = MasterCore(CoreConfig(write_capability_ttl_s=5.0))
+    core.restore(Snapshot([CLIENT_ROW], [SEGMENT_ROW],
+                          [[b"kept", 64, ["s", 0, 64], 0, 0, None]]), 100.0, 10.0)
+    core.register_client(A, "h", b"x" * 16, 100.0, client_token(b"k" * 16))
+    core.mount_segment(SEG, 100.0)
+    assert core.stats().quarantined_bytes == (1 << 16) - 64
+    [(status, _)] = core.put_start(A, [ObjectKey(b"early")], [64], PutOptions(), 101.0)
+    assert status == Status.NO_SPACE
+    assert core.exist([ObjectKey(b"kept")], 101.0)[0] == [Status.OK]   # nothing evicted
+    fresh = SegmentInfo(SegmentId("fresh"), A, 1 << 16, host_id="h")
+    assert core.mount_segment(fresh, 101.0) == Status.OK
+    [(status, [placement])] = core.put_start(A, [ObjectKey(b"on-fresh")], [64], PutOptions(),
+                                             101.0)
+    assert status == Status.OK and placement.segment_id == "fresh"
+    [(status, [placement])] = core.put_start(A, [ObjectKey(b"later")], [64],
+                                             PutOptions(preferred_segment="s"), 105.0)
+    assert status == Status.OK and placement.segment_id == "s"
+    assert core.stats().quarantined_bytes == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -81,9 +82,15 @@ def test_round_trip_restores_clients_segments_and_ready_objects(tmp_path: Path) 
     assert readable(restored, 102.0) == before
     [chain] = restored.get_replicas([ObjectKey(b"chain-1")], 102.0)
     assert chain.checksum == 7 and len(chain.placements) == 2
+    # The free space stays quarantined until write capabilities of the previous master have
+    # run out (write_capability_ttl_s after the restore).
+    assert restored.put_start(A, [ObjectKey(b"early")], [5000], PutOptions(),
+                              103.0)[0][0] == Status.NO_SPACE
     # The allocators know the restored extents: new puts never overlap them.
+    after_s = 100.0 + CONFIG.write_capability_ttl_s
+    restored.heartbeat(A, after_s)
     [(status, placements)] = restored.put_start(A, [ObjectKey(b"new")], [5000], PutOptions(),
-                                                103.0)
+                                                after_s)
     taken = {(p.segment_id, p.offset) for _, ps, _ in before.values() for p in ps}
     assert status == Status.OK and (placements[0].segment_id, placements[0].offset) not in taken
     assert restored.stats().tier_to_used_bytes[0] == core.stats().tier_to_used_bytes[0] - 64 + 5056
@@ -284,3 +291,91 @@ def test_every_fsync_policy_round_trips(tmp_path: Path, policy: str) -> None:
     store.close()
     store.close()
     assert StateStore(tmp_path).load(MasterCore(CONFIG), 1.0).num_objects == 20
+
+
+def power_cut(store: StateStore, source: Path, target: Path) -> None:
+    """Copy the state directory as a power cut would leave it: the log cut back to the bytes
+    that were fsynced."""
+    target.mkdir()
+    for path in source.iterdir():
+        data = path.read_bytes()
+        if path.name == LOG_NAME:
+            data = data[:store.synced_log_bytes]
+        (target / path.name).write_bytes(data)
+
+
+@pytest.mark.parametrize("policy", ["batch", "always"])
+def test_a_freed_extent_is_handed_out_only_once_its_removal_is_synced(tmp_path: Path,
+                                                                     policy: str) -> None:
+    """remove "old", put "new" on the same bytes, cut the power: "old" never comes back
+    pointing at the bytes "new" was told to write."""
+    store = StateStore(tmp_path / "live", fsync=policy, fsync_interval_s=3600.0)
+    core = MasterCore(CONFIG)
+    store.load(core, 0.0)
+    core.register_client(A, "h1", KEY_A, 0.0)
+    core.mount_segment(SEG_A, 0.0)
+    old, new = ObjectKey(b"old"), ObjectKey(b"new")
+    [(_, [extent])] = core.put_start(A, [old], [4096], PutOptions(), 1.0)
+    core.put_end(A, [old], 1.0)
+    assert store.record(core, core.take_events())
+    store.flush(core)
+    assert core.remove([old], False, 2.0) == [Status.OK]
+    assert store.record(core, core.take_events())
+    [(status, [placement])] = core.put_start(A, [new], [4096], PutOptions(), 2.0)
+    assert status == Status.OK and placement.offset == extent.offset   # the same bytes
+    assert store.record(core, core.take_events())   # the answer may go out: synced first
+    power_cut(store, tmp_path / "live", tmp_path / "after")
+    restored = MasterCore(CONFIG)
+    StateStore(tmp_path / "after").load(restored, 10.0)
+    assert restored.register_client(A, "h1", b"new-key-ignored!", 11.0,
+                                    client_token(KEY_A)) == (Status.OK, KEY_A)
+    assert restored.mount_segment(SEG_A, 11.0) == Status.OK
+    assert restored.get_replicas([old], 11.0)[0].status == Status.NOT_FOUND
+
+
+def test_frees_do_not_wait_without_a_reuse_and_batch_syncs_once_per_reuse(
+        tmp_path: Path) -> None:
+    store = StateStore(tmp_path, fsync="batch", fsync_interval_s=3600.0)
+    core = MasterCore(CONFIG)
+    store.load(core, 0.0)
+    core.register_client(A, "h1", KEY_A, 0.0)
+    core.mount_segment(SEG_A, 0.0)
+    keys = [ObjectKey(b"k%d" % i) for i in range(4)]
+    core.put_start(A, keys, [4096] * 4, PutOptions(), 1.0)
+    core.put_end(A, keys, 1.0)
+    store.record(core, core.take_events())
+    synced = store.synced_log_bytes
+    core.remove(keys[:2], False, 2.0)
+    store.record(core, core.take_events())
+    assert store.synced_log_bytes == synced   # nothing reused yet: no fsync
+    core.put_start(A, [ObjectKey(b"x")], [4096], PutOptions(), 2.0)
+    events = core.take_events()
+    assert type(events[-1]).__name__ == "SyncRequired"
+    store.record(core, events)
+    assert store.synced_log_bytes == store.log_bytes
+    core.put_start(A, [ObjectKey(b"y")], [4096], PutOptions(), 2.0)   # durable already
+    assert core.take_events() == []
+
+
+def test_a_failed_append_makes_the_store_read_only_until_a_snapshot(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    size = store.log_bytes
+    store._fd, real_fd = os.open(os.devnull, os.O_RDONLY), store._fd   # writes now fail
+    core.remove([ObjectKey(b"obj-0")], False, 2.0)
+    assert store.record(core, core.take_events()) is True   # no placement in this answer
+    assert not store.healthy and store.failure
+    os.close(store._fd)
+    store._fd = real_fd
+    core.remove([ObjectKey(b"obj-1")], False, 2.0)
+    store.record(core, core.take_events())   # read-only: not appended after the hole
+    assert os.path.getsize(tmp_path / LOG_NAME) == size
+    with pytest.raises(OSError):
+        store.append([])
+    store.compact(core)
+    assert store.healthy
+    store.close()
+    restored = MasterCore(CONFIG)
+    StateStore(tmp_path).load(restored, 10.0)
+    come_back(restored, 11.0, SEG_A, SEG_B)
+    assert {ObjectKey(b"obj-0"), ObjectKey(b"obj-1")}.isdisjoint(readable(restored, 11.0))
