@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
 
 SCRIPT = Path(sys.executable).parent / "kvpool-master"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason=f"{SCRIPT} is not installed "
@@ -35,7 +35,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 def test_start_scrape_and_sigterm(start_master) -> None:
     master = start_master(executable=[str(SCRIPT)])
     with grpc.insecure_channel(master.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         assert stub.RegisterClient(pb.RegisterClientRequest(client_id="op")).status == \
             pb.STATUS_OK
     status, ctype, body = _get(master.metrics_url + "/metrics")
@@ -48,7 +48,8 @@ def test_start_scrape_and_sigterm(start_master) -> None:
     document = json.loads(body)
     assert ctype == "application/json"
     assert document["clients"] == 1 and document["objects"] == {
-        "ready": 0, "pending": 0, "ready_bytes": 0, "deferred_free_bytes": 0}
+        "ready": 0, "pending": 0, "ready_bytes": 0, "deferred_free_bytes": 0,
+        "quarantined_bytes": 0}
     assert master.stop() == 0
     assert "stopped" in master.log()
 
@@ -83,7 +84,7 @@ def test_precedence_flag_over_env_over_file_over_default(start_master, tmp_path:
     assert settings["default_kv_lease_ttl_ms"] == 2500        # file, in milliseconds
     assert settings["put_start_discard_timeout_s"] == 30.0    # default
     with grpc.insecure_channel(master.address) as channel:
-        reply = pb_grpc.MasterStub(channel).RegisterClient(
+        reply = TokenStub(channel).RegisterClient(
             pb.RegisterClientRequest(client_id="c"))
     assert reply.client_ttl_ms == 6000 and reply.default_lease_ttl_ms == 2500
     assert master.stop() == 0
@@ -161,7 +162,7 @@ def test_signal_during_traffic_finishes_calls_and_exits_0(start_master, signum: 
     master = start_master(executable=[str(SCRIPT)])
     keys = [f"k{i}".encode() for i in range(20_000)]
     with grpc.insecure_channel(master.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \
             pb.STATUS_UNKNOWN_CLIENT
 

@@ -23,6 +23,7 @@ import struct
 import time
 
 import grpc
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
@@ -221,7 +222,7 @@ def test_randomized_malformed_requests(start_master) -> None:
     master = start_master(max_batch_keys=100_000, client_ttl=2 * TIME_BUDGET_S)
     rng = random.Random(SEED)
     channel = grpc.insecure_channel(master.address)
-    stub = pb_grpc.MasterStub(channel)
+    stub = TokenStub(channel)
     try:
         for client_id in ("victim", "mallory"):
             assert stub.RegisterClient(pb.RegisterClientRequest(client_id=client_id,

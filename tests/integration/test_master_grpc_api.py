@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
@@ -25,7 +26,7 @@ SEGMENT_BYTES = 1 << 20
 def stub(start_master) -> Iterator[pb_grpc.MasterStub]:
     master = start_master(max_batch_keys=MAX_BATCH)
     with grpc.insecure_channel(master.address) as channel:
-        yield pb_grpc.MasterStub(channel)
+        yield TokenStub(channel)
 
 
 def _register(stub: pb_grpc.MasterStub, client_id: str, segment_bytes: int = SEGMENT_BYTES
@@ -188,7 +189,7 @@ def test_reads_batches_and_removal(stub) -> None:
 def test_get_stats_health_and_reflection(start_master) -> None:
     master = start_master()
     with grpc.insecure_channel(master.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         _register(stub, "a")
         stats = stub.GetStats(pb.GetStatsRequest())
         document = json.loads(stats.json)
@@ -218,6 +219,6 @@ def test_malformed_message_bytes_are_invalid_argument(master) -> None:
             channel.unary_unary("/kvpool.v1.Master/Heartbeat")(b"\x0a\x02\xc3\x28")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # The master keeps serving.
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \
             pb.STATUS_UNKNOWN_CLIENT

@@ -12,9 +12,9 @@ import time
 
 import grpc
 import pytest
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
 from kvpool_client.rpc import MasterRpc
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
@@ -53,7 +53,7 @@ def test_message_over_the_limit_is_refused_for_the_call(start_master, lean_socke
         with pytest.raises(grpc.RpcError) as err:
             channel.unary_unary("/kvpool.v1.Master/Exist")(big, timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \
             pb.STATUS_UNKNOWN_CLIENT
     conn = lean_socket(master.fast_port)

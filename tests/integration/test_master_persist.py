@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import grpc
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
@@ -50,7 +51,7 @@ def test_restart_restores_remounted_segments_and_drops_the_rest(start_master,
     state = tmp_path / "state"
     first = start_master(state_dir=str(state), restore_grace=GRACE_S)
     with grpc.insecure_channel(first.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         key, on_0, on_1 = _populate(stub)
         before = _view(stub, on_0)
     first.kill()  # no graceful close: everything must already be in the log
@@ -59,7 +60,7 @@ def test_restart_restores_remounted_segments_and_drops_the_rest(start_master,
     assert second.master_id == first.master_id
     assert "restored from" in second.log() and "40 objects" in second.log()
     with grpc.insecure_channel(second.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         # Restored but not remounted yet: not readable.
         assert set(stub.Exist(pb.ExistRequest(keys=on_0)).statuses) == {pb.STATUS_NOT_FOUND}
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="c")).status == \
@@ -91,7 +92,7 @@ def test_torn_log_tail_is_cut_and_the_master_serves(start_master, tmp_path: Path
     state = tmp_path / "state"
     first = start_master(state_dir=str(state))
     with grpc.insecure_channel(first.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         _, on_0, _ = _populate(stub)
         before = _view(stub, on_0)
     first.kill()
@@ -101,7 +102,7 @@ def test_torn_log_tail_is_cut_and_the_master_serves(start_master, tmp_path: Path
     second = start_master(state_dir=str(state))
     assert "truncat" in second.log().lower()
     with grpc.insecure_channel(second.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         stub.RegisterClient(pb.RegisterClientRequest(client_id="c", host_id="h"))
         assert stub.MountSegment(pb.MountSegmentRequest(client_id="c", segment=_segment("c", 0))
                                  ).status == pb.STATUS_OK
@@ -114,5 +115,5 @@ def test_without_state_dir_a_restart_starts_empty(start_master) -> None:
     second = start_master()
     assert first.master_id != second.master_id
     with grpc.insecure_channel(second.address) as channel:
-        stats = pb_grpc.MasterStub(channel).GetStats(pb.GetStatsRequest())
+        stats = TokenStub(channel).GetStats(pb.GetStatsRequest())
     assert '"clients": 0' in stats.json

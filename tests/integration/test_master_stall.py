@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import grpc
+from token_stub import TokenStub
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
@@ -23,7 +24,7 @@ def _heartbeat(stub: pb_grpc.MasterStub, client_id: str) -> int:
 def test_master_stall_expires_no_client(start_master) -> None:
     master = start_master(client_ttl=CLIENT_TTL_S)
     with grpc.insecure_channel(master.address) as channel:
-        stub = pb_grpc.MasterStub(channel)
+        stub = TokenStub(channel)
         for client_id in ("c0", "c1", "c2"):
             assert stub.RegisterClient(pb.RegisterClientRequest(client_id=client_id)).status \
                 == pb.STATUS_OK
