@@ -149,6 +149,7 @@ class AsyncKVPoolClient:
         self._registered = True
         if self._server is not None:
             self._server.capability_key = registration.capability_key
+        self._stamp_segments(registration.capability_key)
         descriptors = self._descriptors()
         for descriptor in descriptors:
             status = await rpc.mount_segment(self.client_id, descriptor)
@@ -173,6 +174,7 @@ class AsyncKVPoolClient:
             host_id=self.host_id, hostname=self.hostname, registration=registration,
             registered_at=registration.clock.sent_s,
             segments=self._descriptors, set_serving_key=self._set_serving_key,
+            stamp_segments=self._stamp_segments,
             interval_s=config.heartbeat_interval_s, metrics=self.metrics)
         self._datapath.liveness = self._liveness
         self._liveness.start()
@@ -275,6 +277,11 @@ class AsyncKVPoolClient:
     def _descriptors(self) -> list[SegmentInfo]:
         endpoint = self._server.endpoint if self._server is not None else ""
         return [s.describe(self.host_id, endpoint) for s in self._segments.values()]
+
+    def _stamp_segments(self, key: bytes) -> None:
+        """Write the ownership proof of ``key`` into every segment (before mounting them)."""
+        for segment in self._segments.values():
+            segment.stamp_owner(key)
 
     def _set_serving_key(self, key: bytes) -> None:
         if self._server is not None:

@@ -13,6 +13,9 @@ Rules of this file:
   the current one. ``put_id`` names the put a WRITE capability belongs to (0 for READ).
 - ``client_token`` derives the secret a client presents on every client-scoped call from its
   capability key; the master derives the same, so nothing more needs to be stored or persisted.
+- ``ownership_proof`` is what a segment's owner writes into its shared memory and the master
+  hands to mappers in GetSegments: only the holder of the owner's key can produce it, so a
+  descriptor that names someone else's memory cannot be made to match it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ KEY_BYTES = 32
 TOKEN_BYTES = 16
 _FIELDS = struct.Struct("<QQBQQQ")
 _TOKEN_PERSON = b"kvpool-client"
+_PROOF_PERSON = b"kvpool-segment"
+PROOF_BYTES = 16
 
 
 def keyed(key: bytes) -> hashlib.blake2b:
@@ -67,6 +72,14 @@ def client_token(capability_key: bytes) -> bytes:
     """The secret a client presents on client-scoped calls, derived from its capability key."""
     return hashlib.blake2b(capability_key, digest_size=TOKEN_BYTES,
                            person=_TOKEN_PERSON).digest()
+
+
+def ownership_proof(capability_key: bytes, segment_id: str, shm_name: str,
+                    size_bytes: int) -> bytes:
+    """The proof that the holder of ``capability_key`` owns this shared-memory segment."""
+    mac = hashlib.blake2b(key=capability_key, digest_size=PROOF_BYTES, person=_PROOF_PERSON)
+    mac.update(f"{segment_id}\0{shm_name}\0{size_bytes}".encode())
+    return mac.digest()
 
 
 @dataclass(frozen=True, slots=True)

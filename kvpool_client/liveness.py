@@ -98,7 +98,8 @@ class Liveness:
     def __init__(self, *, master: MasterAddress, session: MasterSession, client_id: str,
                  host_id: str, hostname: str, registration: Registration, registered_at: float,
                  segments: Callable[[], list[SegmentInfo]],
-                 set_serving_key: Callable[[bytes], None], interval_s: float,
+                 set_serving_key: Callable[[bytes], None],
+                 stamp_segments: Callable[[bytes], None], interval_s: float,
                  metrics: ClientMetrics) -> None:
         self._master = master
         self._session = session
@@ -107,6 +108,7 @@ class Liveness:
         self._hostname = hostname
         self._segments = segments
         self._set_serving_key = set_serving_key
+        self._stamp_segments = stamp_segments
         self._fixed_interval_s = interval_s
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -255,8 +257,10 @@ class Liveness:
             with self._lock:
                 self._registration = registration
                 self._epoch += 1
-            # Before any segment is mounted again: capabilities of the old incarnation die here.
+            # Before any segment is mounted again: capabilities of the old incarnation die here,
+            # and the segments carry the proof of the (maybe new) key for their mappers.
             self._set_serving_key(registration.capability_key)
+            self._stamp_segments(registration.capability_key)
             self._suspended = False
             self._metrics.reregistrations += 1
             self._needs_mount = True

@@ -167,7 +167,8 @@ def _placements(replicas: Any) -> tuple[Placement, ...]:
 def _segment_info(d: Any) -> SegmentInfo:
     return SegmentInfo(SegmentId(d.segment_id), ClientId(d.client_id), d.size_bytes,
                        Tier(d.tier) if d.tier in Tier._value2member_map_ else Tier.DRAM,
-                       d.host_id, d.shm_name, d.tcp_endpoint, d.engine_endpoint)
+                       d.host_id, d.shm_name, d.tcp_endpoint, d.engine_endpoint,
+                       d.ownership_proof)
 
 
 _GRPC_TO_STATUS = {

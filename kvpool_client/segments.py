@@ -12,6 +12,13 @@ Rules of this file:
   some later put) and write-faulted into this process before ``create`` returns, so no put pays
   a page fault.
 - ``close`` unlinks the name first and unmaps when no view is left; it is idempotent.
+- The file holds the segment's ``size_bytes`` and, after them, one page of header: a magic and
+  the ownership proof (``capability.ownership_proof``) the owner stamps with its capability key
+  before every mount. Mappers check it against the proof the master hands out (``shm.py``).
+- The owner holds a shared ``flock`` on its file for as long as the segment lives. The kernel
+  drops it when the process dies, whatever pid namespace it runs in, so start-up cleanup
+  removes a left-over file only when it can take the lock (and the pid in the name, where it
+  can be checked, is gone too).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -30,6 +38,7 @@ import threading
 
 import numpy as np
 
+from kvpool_client.capability import PROOF_BYTES, ownership_proof
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.types import ClientId, SegmentId, SegmentInfo, Tier
 
@@ -39,6 +48,10 @@ _SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_PART_CHARS = 48
 _PARALLEL_PREFAULT_BYTES = 64 << 20
 _STALE_NAME = re.compile(r"kvpool\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.\d+\.(\d+)\.(\d+)")
+#: The header page after a segment's bytes: magic, then the owner's proof.
+HEADER_BYTES = mmap.PAGESIZE
+HEADER_MAGIC = b"KVPOWNR1"
+_PROOF_AT = len(HEADER_MAGIC)
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +133,16 @@ class LocalSegment:
     """One segment of this process: a 0600 POSIX shared-memory file, mapped and pre-faulted."""
 
     def __init__(self, segment_id: str, shm_name: str, size_bytes: int, mapping: mmap.mmap,
-                 client_id: str) -> None:
+                 client_id: str, lock_fd: int = -1) -> None:
         self.segment_id = SegmentId(segment_id)
         self.shm_name = shm_name
         self.size_bytes = size_bytes
         self.client_id = ClientId(client_id)
         self._mmap: mmap.mmap | None = mapping
-        self._view: memoryview | None = memoryview(mapping)
+        self._lock_fd = lock_fd  # holds the shared flock: this segment's owner is alive
+        full = memoryview(mapping)
+        self._view: memoryview | None = full[:size_bytes]  # the header page stays out of reach
+        full.release()
         # The ctypes object exports the buffer only while it exists; it is dropped at once.
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
@@ -150,22 +166,33 @@ class LocalSegment:
             raise KVPoolError(Status.SEGMENT_ALREADY_EXISTS, f"{path} exists") from None
         except OSError as exc:
             raise KVPoolError(Status.INTERNAL_ERROR, f"cannot create {path}: {exc}") from exc
+        total_bytes = size_bytes + HEADER_BYTES
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # before anyone can see it unlocked
             os.fchmod(fd, 0o600)  # the umask can only remove bits; make the mode exact anyway
-            os.posix_fallocate(fd, 0, size_bytes)
-            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED,
+            os.posix_fallocate(fd, 0, total_bytes)
+            mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            os.close(fd)
             status = Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.ENOMEM) else \
                 Status.INTERNAL_ERROR
             raise KVPoolError(status, f"cannot allocate {size_bytes} bytes in {path}: {exc}") \
                 from exc
-        finally:
-            os.close(fd)
-        _prefault(mapping, size_bytes)
-        return cls(f"{client_id}-seg{index}", name, size_bytes, mapping, client_id)
+        _prefault(mapping, total_bytes)
+        mapping[size_bytes:size_bytes + _PROOF_AT] = HEADER_MAGIC
+        return cls(f"{client_id}-seg{index}", name, size_bytes, mapping, client_id, fd)
+
+    def stamp_owner(self, capability_key: bytes) -> None:
+        """Write the ownership proof of ``capability_key`` into the header (before mounting)."""
+        mapping = self._mmap
+        if mapping is None:
+            raise KVPoolError(Status.SEGMENT_NOT_FOUND, f"segment {self.segment_id} is closed")
+        proof = ownership_proof(capability_key, self.segment_id, self.shm_name, self.size_bytes)
+        at = self.size_bytes + _PROOF_AT
+        mapping[at:at + len(proof)] = proof
 
     @property
     def buffer(self) -> memoryview:
@@ -203,6 +230,9 @@ class LocalSegment:
             os.unlink(os.path.join(SHM_DIR, self.shm_name))
         view, self._view = self._view, None
         mapping, self._mmap = self._mmap, None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = -1
         try:
             view.release()
             if mapping is not None:
@@ -225,8 +255,9 @@ def cleanup_stale_segments(cluster: str) -> list[str]:
     """Unlink the shared memory of ``cluster`` left on this host by processes that are gone.
 
     Only files that match kvpool's naming pattern for this cluster, are regular files owned by
-    this user, and whose owner (pid *and* start time) no longer runs are removed; a zombie
-    counts as gone. Returns the removed names, sorted.
+    this user, are not locked by a live owner (see the module rules; this holds across pid
+    namespaces) and whose named owner (pid *and* start time) no longer runs here are removed;
+    a zombie counts as gone. Returns the removed names, sorted.
     """
     part = _name_part(cluster)
     removed: list[str] = []
@@ -247,7 +278,7 @@ def cleanup_stale_segments(cluster: str) -> list[str]:
             info = os.lstat(path)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or _owner_alive(path):
             continue
         try:
             os.unlink(path)
@@ -256,3 +287,32 @@ def cleanup_stale_segments(cluster: str) -> list[str]:
         removed.append(name)
         log.info("removed stale segment %s (owner pid %d is gone)", name, pid)
     return sorted(removed)
+
+
+def _owner_alive(path: str) -> bool:
+    """True while some process holds the owner's lock on ``path`` (or it cannot be checked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock this call took
+    return False
+
+
+def read_owner_proof(fd: int, size_bytes: int) -> bytes | None:
+    """The ownership proof in the header after ``size_bytes`` bytes of an open segment file,
+    or None when the file has no kvpool header there."""
+    try:
+        header = os.pread(fd, _PROOF_AT + PROOF_BYTES, size_bytes)
+    except OSError:
+        return None
+    if len(header) != _PROOF_AT + PROOF_BYTES or header[:_PROOF_AT] != HEADER_MAGIC:
+        return None
+    return header[_PROOF_AT:]

@@ -7,7 +7,7 @@ types and protobuf messages.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 ObjectKey = NewType("ObjectKey", bytes)
@@ -52,6 +52,9 @@ class SegmentInfo:
     shm_name: str = ""
     tcp_endpoint: str = ""
     engine_endpoint: str = ""
+    # Set by the master in GetSegments answers (capability.ownership_proof): not part of what
+    # a segment is, so it takes no part in comparisons.
+    ownership_proof: bytes = field(default=b"", compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ class MasterConfig:
     client_ttl_s: float = 10.0
     put_start_discard_timeout_s: float = 30.0
     write_capability_ttl_s: float = 10.0
+    max_segments_per_client: int = 1024
     max_batch_keys: int = 100_000
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
@@ -207,6 +208,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a writer may use the WRITE capabilities of one PutStart; space a revoked or "
            "reclaimed put held is reused only after them, and after a restart with --state-dir "
            "the free space of restored segments only after this long (default 10)", "SECONDS"),
+    Option("max_segments_per_client", "max_segments_per_client", _int(1, 1_000_000),
+           "most segments one client may mount; more answer RESOURCE_EXHAUSTED (default 1024)",
+           "N"),
     Option("max_batch_keys", "max_batch_keys", _int(1, 10_000_000),
            "most keys in one call; longer batches answer INVALID_ARGUMENT (default 100000)", "N"),
     Option("max_key_bytes", "max_key_bytes", _int(1, MAX_KEY_BYTES),

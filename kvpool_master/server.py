@@ -67,6 +67,7 @@ def core_config(config: MasterConfig) -> CoreConfig:
         default_lease_ttl_s=config.default_kv_lease_ttl_ms / 1000,
         put_start_discard_timeout_s=config.put_start_discard_timeout_s,
         write_capability_ttl_s=config.write_capability_ttl_s,
+        max_segments_per_client=config.max_segments_per_client,
         eviction_high_watermark_ratio=config.eviction_high_watermark_ratio,
         eviction_ratio=config.eviction_ratio,
         eviction_policy=config.eviction_policy,

@@ -7,9 +7,12 @@ Rules of this file:
   and when its file has gone (checked at most once per ``recheck_interval_s``).
 - A mapping is never unmapped while a copy into or out of it is running: each mapping counts
   the copies that use it and is closed by the last one to finish.
-- Only files named like kvpool segments, regular, and owned by this user are mapped. There is
-  no capability check on this path: a process of the same user could map the file anyway; the
-  mode 0600 keeps every other user out.
+- Only files named like kvpool segments, regular, owned by this user, of the descriptor's size
+  plus the header page, and carrying the ownership proof the master handed out with the
+  descriptor are mapped (PERMISSION_DENIED otherwise): a descriptor that names another
+  client's memory is never written through. There is no capability check on this path: a
+  process of the same user could map the file anyway; the mode 0600 keeps every other user
+  out. Only the segment's bytes are reachable through a mapping, never its header.
 - Every placement is bounds-checked against the mapping before any byte moves.
 - ``borrow`` lends a placement's bytes in the mapping to the caller (which moves them itself,
   e.g. by device DMA) and keeps the mapping alive meanwhile. ``pin_mappings`` installs a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import mmap
 import os
@@ -28,7 +32,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from kvpool_client.segments import SHM_DIR, LocalSegment
+from kvpool_client.segments import HEADER_BYTES, SHM_DIR, LocalSegment, read_owner_proof
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer.base import (
     Item,
@@ -248,7 +252,7 @@ class ShmTransport:
             mapping = _Mapping(local.shm_name, None, local.buffer, 0, now_s)
             mapping.checked_at_s = float("inf")  # ours: it cannot vanish under us
         else:
-            mapping = self._map(segment.segment_id, segment.shm_name, now_s)
+            mapping = self._map(segment, now_s)
         self._segment_id_to_mapping[segment.segment_id] = mapping
         self._pin_one(mapping)
         return mapping
@@ -263,7 +267,8 @@ class ShmTransport:
         return info.st_ino == mapping.inode
 
     @staticmethod
-    def _map(segment_id: str, shm_name: str, now_s: float) -> _Mapping:
+    def _map(segment: SegmentInfo, now_s: float) -> _Mapping:
+        segment_id, shm_name = segment.segment_id, segment.shm_name
         if (not shm_name.startswith(_NAME_PREFIX) or "/" in shm_name or "\0" in shm_name
                 or len(shm_name) > _MAX_NAME_CHARS):
             raise KVPoolError(Status.INVALID_ARGUMENT,
@@ -282,6 +287,13 @@ class ShmTransport:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size <= 0:
                 raise KVPoolError(Status.INVALID_ARGUMENT,
                                   f"segment {segment_id!r}: {path} is not a segment of this user")
+            proof = read_owner_proof(fd, segment.size_bytes)
+            if (info.st_size != segment.size_bytes + HEADER_BYTES or not segment.ownership_proof
+                    or proof is None
+                    or not hmac.compare_digest(proof, segment.ownership_proof)):
+                raise KVPoolError(Status.PERMISSION_DENIED,
+                                  f"segment {segment_id!r}: {path} is not the memory of the "
+                                  f"segment's owner (size or ownership proof differ)")
             try:
                 mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -290,7 +302,10 @@ class ShmTransport:
                                   f"segment {segment_id!r}: cannot map {path}: {exc}") from exc
         finally:
             os.close(fd)
-        return _Mapping(shm_name, mapped, memoryview(mapped), info.st_ino, now_s)
+        full = memoryview(mapped)
+        view = full[:segment.size_bytes]
+        full.release()
+        return _Mapping(shm_name, mapped, view, info.st_ino, now_s)
 
     def _retire(self, mapping: _Mapping) -> None:
         mapping.retired = True

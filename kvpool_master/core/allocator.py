@@ -20,9 +20,10 @@ from sortedcontainers import SortedList
 
 ALIGN_BYTES = 64
 OFFSET_BITS = 48
-#: Largest segment (and so largest object) the allocator can describe: 256 TiB.
-MAX_SEGMENT_BYTES = 1 << OFFSET_BITS
-_OFFSET_MASK = MAX_SEGMENT_BYTES - 1
+#: Largest segment (and so largest object) accepted: 64 TiB, well inside what an extent packed
+#: as ``offset << OFFSET_BITS | size`` can describe (a size of 2**48 would spill into the offset).
+MAX_SEGMENT_BYTES = 1 << (OFFSET_BITS - 2)
+_OFFSET_MASK = (1 << OFFSET_BITS) - 1
 
 
 def aligned(size_bytes: int) -> int:
@@ -38,7 +39,7 @@ class Allocator:
 
     def __init__(self, size_bytes: int) -> None:
         if not 0 < size_bytes <= MAX_SEGMENT_BYTES:
-            raise ValueError(f"segment size must be in (0, 2**{OFFSET_BITS}], got {size_bytes}")
+            raise ValueError(f"segment size must be in (0, {MAX_SEGMENT_BYTES}], got {size_bytes}")
         self.size_bytes = size_bytes - size_bytes % ALIGN_BYTES  # a ragged tail is never usable
         self.used_bytes = 0
         self.num_extents = 0  # allocated extents

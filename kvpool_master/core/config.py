@@ -16,6 +16,7 @@ class CoreConfig:
     default_lease_ttl_s: float = 5.0
     put_start_discard_timeout_s: float = 30.0
     write_capability_ttl_s: float = 10.0  # how long a WRITE capability may be used
+    max_segments_per_client: int = 1024
     eviction_high_watermark_ratio: float = 0.95
     eviction_ratio: float = 0.05
     eviction_policy: str = "lru"          # or "prefix-lru"
@@ -38,5 +39,8 @@ class CoreConfig:
         if not isinstance(self.max_key_bytes, int) or not 0 < self.max_key_bytes <= MAX_KEY_BYTES:
             raise ValueError(f"max_key_bytes must be in [1, {MAX_KEY_BYTES}], "
                              f"got {self.max_key_bytes!r}")
+        if not isinstance(self.max_segments_per_client, int) or self.max_segments_per_client < 1:
+            raise ValueError(f"max_segments_per_client must be >= 1, "
+                             f"got {self.max_segments_per_client!r}")
         if not isinstance(self.max_batch_keys, int) or self.max_batch_keys < 1:
             raise ValueError(f"max_batch_keys must be >= 1, got {self.max_batch_keys!r}")

@@ -146,9 +146,10 @@ class MasterCore(Mutations):
 
         Remounting a restored segment with the same descriptor keeps its objects; with a
         different descriptor they are dropped first (the memory behind it is new).
-        Fails with INVALID_ARGUMENT, UNKNOWN_CLIENT (owner not registered) or
-        SEGMENT_ALREADY_EXISTS (a mounted segment with this id and another descriptor, or a
-        restored one of another owner).
+        Fails with INVALID_ARGUMENT (malformed, or larger than 2**46 bytes), UNKNOWN_CLIENT
+        (owner not registered), SEGMENT_ALREADY_EXISTS (a mounted segment with this id and
+        another descriptor, or a restored one of another owner) or RESOURCE_EXHAUSTED (the
+        owner already has ``max_segments_per_client`` segments).
         """
         if not isinstance(segment, SegmentInfo) or segment_info_error(segment):
             return Status.INVALID_ARGUMENT
@@ -165,6 +166,9 @@ class MasterCore(Mutations):
                 self._events.append(SegmentMounted(segment))
                 return Status.OK
             self._lose_segment(existing, now)
+        elif (self._segments.client_to_num_segments.get(segment.client_id, 0)
+              >= self._config.max_segments_per_client):
+            return Status.RESOURCE_EXHAUSTED
         self._mount_fresh(segment)
         return Status.OK
 

@@ -62,7 +62,7 @@ def segment_info_error(info: SegmentInfo) -> str:
         return "client_id must be a non-empty string"
     if (not isinstance(info.size_bytes, int) or isinstance(info.size_bytes, bool)
             or not 0 < info.size_bytes <= MAX_SEGMENT_BYTES):
-        return f"size_bytes must be in (0, 2**48], got {info.size_bytes!r}"
+        return f"size_bytes must be in (0, 2**46], got {info.size_bytes!r}"
     if not isinstance(info.tier, Tier):
         return f"unknown tier {info.tier!r}"
     return ""
@@ -77,6 +77,7 @@ class SegmentTable:
         self.tier_to_capacity_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.tier_to_used_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.num_restored = 0  # restored segments still waiting for their owner
+        self.client_to_num_segments: dict[ClientId, int] = {}  # mounted or restored
         # Durability of frees (see the module rules). Untracked: nothing is ever newer.
         self.free_seq = 0
         self.durable_seq = _UNTRACKED
@@ -115,6 +116,8 @@ class SegmentTable:
         """
         segment_id = state.info.segment_id
         self.id_to_segment[segment_id] = state
+        owner = state.info.client_id
+        self.client_to_num_segments[owner] = self.client_to_num_segments.get(owner, 0) + 1
         if self.lost_seq:
             state.freed_seq = max(state.freed_seq, self.lost_seq.get(segment_id, 0))
         if state.mounted:
@@ -132,6 +135,10 @@ class SegmentTable:
     def discard(self, state: SegmentState) -> None:
         """Forget ``state``; its allocator and every extent in it are gone."""
         del self.id_to_segment[state.info.segment_id]
+        owner = state.info.client_id
+        left = self.client_to_num_segments.pop(owner, 1) - 1
+        if left:
+            self.client_to_num_segments[owner] = left
         if self.durable_seq != _UNTRACKED:
             self.lost_seq[state.info.segment_id] = self.next_free_seq()
         if state.mounted:

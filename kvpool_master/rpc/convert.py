@@ -148,19 +148,23 @@ def decode_get_segments(request: Any) -> list[str]:
     return list(request.segment_ids)
 
 
-def _descriptor(info: SegmentInfo) -> pb.SegmentDescriptor:
+def _descriptor(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.SegmentDescriptor:
     return pb.SegmentDescriptor(
         segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
         tier=int(info.tier), host_id=info.host_id, shm_name=info.shm_name,
-        tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint)
+        tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint,
+        ownership_proof=ownership_proof)
 
 
-def encode_get_segments(infos: Sequence[SegmentInfo | None]) -> pb.GetSegmentsResponse:
-    """One status and descriptor per asked id (SEGMENT_NOT_FOUND + empty descriptor if absent)."""
+def encode_get_segments(infos: Sequence[SegmentInfo | None],
+                        proofs: Sequence[bytes]) -> pb.GetSegmentsResponse:
+    """One status and descriptor (with its ownership proof) per asked id
+    (SEGMENT_NOT_FOUND + empty descriptor if absent)."""
     empty = pb.SegmentDescriptor()
     return pb.GetSegmentsResponse(
         statuses=[Status.OK if info else Status.SEGMENT_NOT_FOUND for info in infos],
-        segments=[_descriptor(info) if info else empty for info in infos])
+        segments=[_descriptor(info, proof) if info else empty
+                  for info, proof in zip(infos, proofs, strict=True)])
 
 
 # --- objects -------------------------------------------------------------------------------------

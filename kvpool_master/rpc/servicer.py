@@ -217,7 +217,15 @@ class Servicer:
     def _get_segments(self, request: Any) -> Any:
         segment_ids = convert.decode_get_segments(request)
         self._check_batch(segment_ids)
-        return convert.encode_get_segments(self._core.get_segments(segment_ids))
+        infos = self._core.get_segments(segment_ids)
+        segment_key = self._core.segment_key
+        proofs = []
+        for info in infos:
+            key = segment_key(info.segment_id) if info is not None else None
+            proofs.append(capability.ownership_proof(key, info.segment_id, info.shm_name,
+                                                     info.size_bytes)
+                          if key and info is not None else b"")
+        return convert.encode_get_segments(infos, proofs)
 
     # -- writes -----------------------------------------------------------------------------------
 

@@ -95,7 +95,12 @@ def test_segments_mount_remount_and_ownership(stub) -> None:
 
     found = stub.GetSegments(pb.GetSegmentsRequest(segment_ids=["a/0", "nope", "b/0"]))
     assert list(found.statuses) == [pb.STATUS_OK, pb.STATUS_SEGMENT_NOT_FOUND, pb.STATUS_OK]
-    assert found.segments[0] == segment and found.segments[1] == pb.SegmentDescriptor()
+    assert found.segments[1] == pb.SegmentDescriptor()
+    # The descriptor comes back with the proof of its owner's key (what a mapper checks).
+    proof = found.segments[0].ownership_proof
+    assert len(proof) == 16 and found.segments[1].ownership_proof == b""
+    found.segments[0].ClearField("ownership_proof")
+    assert found.segments[0] == segment
     assert stub.UnmountSegment(pb.UnmountSegmentRequest(client_id="b", segment_id="a/0")
                                ).status == pb.STATUS_PERMISSION_DENIED
     assert stub.UnmountSegment(pb.UnmountSegmentRequest(client_id="a", segment_id="a/0")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool_client.segments import (
+    HEADER_BYTES,
     SHM_DIR,
     LocalSegment,
     cleanup_stale_segments,
@@ -55,7 +56,7 @@ def test_segment_file_is_0600_owned_by_user(segment: LocalSegment) -> None:
     info = os.stat(os.path.join(SHM_DIR, segment.shm_name))
     assert stat.S_IMODE(info.st_mode) == 0o600
     assert info.st_uid == os.getuid()
-    assert info.st_size == segment.size_bytes == 8 << 20
+    assert info.st_size == segment.size_bytes + HEADER_BYTES and segment.size_bytes == 8 << 20
 
 
 def test_segment_name_carries_cluster_client_index_and_owner(cluster: str) -> None:
@@ -71,7 +72,7 @@ def test_segment_name_carries_cluster_client_index_and_owner(cluster: str) -> No
 
 def test_segment_is_prefaulted_at_creation(segment: LocalSegment) -> None:
     # Every page is already mapped into this process: resident before any byte was written.
-    assert _rss_bytes_of_mapping(segment.address) == segment.size_bytes
+    assert _rss_bytes_of_mapping(segment.address) == segment.size_bytes + HEADER_BYTES
     allocated_bytes = os.stat(os.path.join(SHM_DIR, segment.shm_name)).st_blocks * 512
     assert allocated_bytes >= segment.size_bytes
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import xxhash
 
+from kvpool_client.capability import ownership_proof
 from kvpool_client.segments import SHM_DIR, LocalSegment
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer import ShmTransport, choose
@@ -20,6 +21,15 @@ from kvpool_client.transfer.copy import ParallelCopier, split_by_bytes
 from kvpool_client.types import Placement, SegmentInfo
 
 SEGMENT_BYTES = 8 << 20
+KEY = b"k" * 32
+
+
+def owned(segment: LocalSegment, key: bytes = KEY) -> SegmentInfo:
+    """The owner stamps ``segment`` with its key; return the descriptor a mapper gets from the
+    master (with the proof the master derives from the owner's key)."""
+    segment.stamp_owner(KEY)
+    return dataclasses.replace(segment.describe("this-host"), ownership_proof=ownership_proof(
+        key, segment.segment_id, segment.shm_name, segment.size_bytes))
 
 
 @pytest.fixture
@@ -34,7 +44,7 @@ def segment() -> Iterator[LocalSegment]:
 
 @pytest.fixture
 def info(segment: LocalSegment) -> SegmentInfo:
-    return segment.describe("this-host")
+    return owned(segment)
 
 
 @pytest.fixture
@@ -111,13 +121,13 @@ async def test_out_of_bounds_is_refused_and_changes_nothing(segment: LocalSegmen
     assert _digest(segment) == before
 
 
-async def test_segment_larger_than_its_file_is_bounded_by_the_mapping(
+async def test_a_segment_claimed_larger_than_its_file_is_not_mapped(
         segment: LocalSegment, info: SegmentInfo, shm: ShmTransport) -> None:
     lying = dataclasses.replace(info, size_bytes=2 * SEGMENT_BYTES)
     before = _digest(segment)
     with pytest.raises(KVPoolError) as err:
         await shm.write(lying, _place(lying, SEGMENT_BYTES, 4096), [memoryview(bytes(4096))])
-    assert err.value.status == Status.INVALID_ARGUMENT
+    assert err.value.status == Status.PERMISSION_DENIED
     assert _digest(segment) == before
 
 
@@ -163,7 +173,7 @@ async def test_remount_under_another_name_remaps(segment: LocalSegment, info: Se
     other = LocalSegment.create(f"test-{uuid.uuid4().hex[:12]}", "owner", 0, SEGMENT_BYTES)
     try:
         other.buffer[:8] = b"remount!"
-        remounted = dataclasses.replace(info, shm_name=other.shm_name)
+        remounted = owned(other)
         await shm.read(remounted, _place(info, 0, 8), [memoryview(out)])
         assert bytes(out) == b"remount!"
         assert shm.num_mappings == 1
@@ -351,3 +361,24 @@ async def test_caller_copies_wait_for_started_helpers_when_a_later_one_cannot_st
         assert finished.is_set()
     finally:
         real.shutdown()
+
+
+async def test_a_descriptor_naming_another_owners_memory_is_never_mapped(
+        segment: LocalSegment, info: SegmentInfo, shm: ShmTransport) -> None:
+    # A segment mounted by someone else (its own key, so its own proof) but naming this
+    # segment's shared memory, or claiming another size: refused before any byte moves.
+    before = bytes(segment.buffer[:64])
+    impostor = dataclasses.replace(info, segment_id="fake-seg0", ownership_proof=ownership_proof(
+        b"i" * 32, "fake-seg0", info.shm_name, info.size_bytes))
+    unproven = dataclasses.replace(info, segment_id="bare-seg0", ownership_proof=b"")
+    larger = dataclasses.replace(info, segment_id="big-seg0", size_bytes=info.size_bytes + 4096)
+    for fake in (impostor, unproven, larger):
+        with pytest.raises(KVPoolError) as error:
+            await shm.write(fake, _place(fake, 0, 64), [memoryview(b"\xee" * 64)])
+        assert error.value.status == Status.PERMISSION_DENIED
+    assert bytes(segment.buffer[:64]) == before
+    # The owner's own descriptor maps, and its header page stays out of reach.
+    with pytest.raises(KVPoolError):
+        await shm.write(info, _place(info, info.size_bytes, 8), [memoryview(b"x" * 8)])
+    await shm.write(info, _place(info, 0, 64), [memoryview(b"\x01" * 64)])
+    assert bytes(segment.buffer[:64]) == b"\x01" * 64
