@@ -103,6 +103,7 @@ def serve() -> None:
 
     key = os.urandom(32)
     segment = LocalSegment.create("bench", f"server{os.getpid()}", 0, SEGMENT_BYTES)
+    segment.stamp_owner(key)  # as a client does with the key the master gave it
     server = DataServer({segment.segment_id: segment}, key)
     server.start()
     try:
@@ -333,7 +334,9 @@ def main() -> None:
         assert server.stdout is not None
         described = json.loads(server.stdout.readline())
         key = bytes.fromhex(described.pop("key"))
-        segment = SegmentInfo(**described)
+        # What GetSegments hands a mapper: the descriptor with the owner's proof.
+        segment = SegmentInfo(**described, ownership_proof=capability.ownership_proof(
+            key, described["segment_id"], described["shm_name"], described["size_bytes"]))
         results = uvloop.run(transfers(segment, key, args.rounds, args.round_seconds))
     finally:
         assert server.stdin is not None and server.stdout is not None

@@ -35,6 +35,7 @@ from kvpool_client.segments import LocalSegment, host_id
 from kvpool_client.transfer import DataServer
 segment = LocalSegment.create(sys.argv[1], "owner-a", 0, int(sys.argv[2]))
 key = os.urandom(32)
+segment.stamp_owner(key)  # as a client does with the key the master gave it
 server = DataServer({segment.segment_id: segment}, key)
 server.start()
 info = segment.describe(host_id(), server.endpoint)
@@ -84,7 +85,10 @@ def owner_process(cluster: str, host_override: str | None) -> Iterator[Owner]:
         assert proc.stdout is not None
         described = json.loads(proc.stdout.readline())
         key = bytes.fromhex(described.pop("key"))
-        yield Owner(proc, SegmentInfo(**described), key)
+        # What GetSegments hands a mapper: the descriptor with the owner's proof.
+        proof = capability.ownership_proof(key, described["segment_id"], described["shm_name"],
+                                           described["size_bytes"])
+        yield Owner(proc, SegmentInfo(**described, ownership_proof=proof), key)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
