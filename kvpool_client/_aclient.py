@@ -293,7 +293,8 @@ class AsyncKVPoolClient:
             return {}
         return {"refused": server.refused_total, "bad_frame": server.bad_frames_total,
                 "timeout": server.timeouts_total,
-                "too_many_connections": server.connections_rejected_total}
+                "too_many_connections": server.connections_rejected_total,
+                "unproven_connection_closed": server.connections_evicted_total}
 
     # -- plumbing ---------------------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ class MasterServer:
                                  status_document=self.metrics.status_json)
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
+        self._background: set[asyncio.Task[None]] = set()  # health updates in flight
         self._lean: LeanServer | None = None
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -297,6 +298,7 @@ class MasterServer:
             self._snapshot_retry_s = STATE_RETRY_MIN_S
             self._snapshot_retry_at_s = 0.0
             self.servicer.read_only = False
+            self._report_health(serving=True)
             return
         store.flush(self.core)  # the "batch" policy's bound on unsynced changes
         self._note_store_health()
@@ -322,6 +324,17 @@ class MasterServer:
             self.servicer.read_only = True
             self.metrics.state_write_failures.inc()
             self._snapshot_retry_at_s = time.monotonic() + self._snapshot_retry_s
+            self._report_health(serving=False)
+
+    def _report_health(self, *, serving: bool) -> None:
+        """gRPC health of the Master service follows /healthz: NOT_SERVING while read-only."""
+        if self._health is None:
+            return
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        task = asyncio.get_running_loop().create_task(self._health.set(SERVICE_NAME, status))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def request_stop(self) -> None:
         """Ask the server to shut down (what SIGTERM/SIGINT do)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
@@ -179,9 +180,15 @@ def test_read_only_ends_when_a_snapshot_succeeds(start_master: Any, tmp_path: Pa
         stub = pb_grpc.MasterStub(channel)
         removed, _ = fill_then_fail_a_removal(master, state, stub)
         assert http(master.metrics_url + "/healthz")[0] == 503
+        health = health_pb2_grpc.HealthStub(channel)
+        master_service = health_pb2.HealthCheckRequest(service="kvpool.v1.Master")
+        wait_for(lambda: health.Check(master_service).status
+                 == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=5)
         (state / (SNAPSHOT_NAME + ".tmp")).rmdir()   # a snapshot can be written again
         wait_for(lambda: http(master.metrics_url + "/healthz")[0] == 200, timeout_s=10)
         assert metric(master, "kvpool_state_read_only") == 0.0
+        wait_for(lambda: health.Check(master_service).status
+                 == health_pb2.HealthCheckResponse.SERVING, timeout_s=5)
         [(status, _)] = put(stub, [b"after"])
         assert status == pb.STATUS_OK
     master.kill()
