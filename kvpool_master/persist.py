@@ -12,7 +12,8 @@ API (server.py wires it; every call is synchronous and made from the event loop 
     store.compact(core)                  # a full snapshot; the way out of read-only mode
     store.close()
 
-Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp``. Both are sequences of records
+Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp`` (records and replay:
+``statefile.py``). Both are sequences of records
 ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``. The first record of each
 is a header ``{"format": ..., "version": 1, "generation": G}``. The snapshot holds clients,
 segments and READY objects (chunks of rows, see ``core/snapshot.py``) and an end record; the
@@ -77,34 +78,33 @@ import contextlib
 import gc
 import logging
 import os
-import struct
 import time
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import msgpack
-
 from kvpool_master.core import events as ev
 from kvpool_master.core.master import MasterCore
-from kvpool_master.core.snapshot import Snapshot, object_row, segment_row
+from kvpool_master.core.snapshot import Snapshot
+from kvpool_master.statefile import (
+    VERSION,
+    Corrupt,
+    Overlay,
+    event_row,
+    frame,
+    next_record,
+    read_snapshot_head,
+    read_snapshot_objects,
+)
 
 log = logging.getLogger("kvpool.master.persist")
 
 SNAPSHOT_NAME = "snapshot.kvp"
 LOG_NAME = "log.kvp"
-VERSION = 1
 FSYNC_POLICIES = ("always", "batch", "never")
-_FRAME = struct.Struct("<II")
-_MAX_RECORD_BYTES = 1 << 30
 _OBJECTS_PER_CHUNK = 4096
 
-# Event rows: [code, fields...]. Only events that change durable state are logged.
-_CLIENT_REGISTERED, _CLIENT_GONE, _SEGMENT_MOUNTED, _SEGMENT_UNMOUNTED = 1, 2, 3, 4
-_OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +184,8 @@ class StateStore:
         if snapshot_path.exists():
             snapshot_file = snapshot_path.open("rb")
             try:
-                generation, clients, segments = _read_snapshot_head(snapshot_file)
-            except _Corrupt as exc:
+                generation, clients, segments = read_snapshot_head(snapshot_file)
+            except Corrupt as exc:
                 snapshot_file.close()
                 snapshot_file = None
                 lost_snapshot = True
@@ -196,11 +196,11 @@ class StateStore:
         # them over and over (half the restore time at 100k objects) and there are no cycles.
         gc_was_enabled = gc.isenabled()
         gc.disable()
-        overlay = _Overlay(clients, segments)
+        overlay = Overlay(clients, segments)
         for record in log_records:
             overlay.apply(record)
         try:
-            snapshot_rows = (_read_snapshot_objects(snapshot_file, warnings)
+            snapshot_rows = (read_snapshot_objects(snapshot_file, warnings)
                              if snapshot_file is not None else iter(()))
             counts = core.restore(Snapshot(list(overlay.clients.values()),
                                            list(overlay.segments.values()),
@@ -236,7 +236,7 @@ class StateStore:
         data = path.read_bytes()
         records: list[list[Any]] = []
         offset = 0
-        header, offset, problem = _next_record(data, 0)
+        header, offset, problem = next_record(data, 0)
         if (problem or not isinstance(header, dict) or header.get("format") != "kvpool-log"
                 or header.get("version") != VERSION):
             warnings.append(f"{path}: unreadable log header ({problem or 'wrong header'}); "
@@ -252,7 +252,7 @@ class StateStore:
             return [], 0, generation
         good = offset
         while offset < len(data):
-            record, offset, problem = _next_record(data, offset)
+            record, offset, problem = next_record(data, offset)
             if problem or not isinstance(record, list):
                 warnings.append(f"{path}: {problem or 'malformed record'} at byte {good}; "
                                 f"truncating {len(data) - good} bytes")
@@ -303,10 +303,10 @@ class StateStore:
             raise RuntimeError("StateStore.append before load() or after close()")
         if self._failure:
             raise OSError(f"state log is read-only after a failed write: {self._failure}")
-        rows = [row for row in map(_event_row, events) if row is not None]
+        rows = [row for row in map(event_row, events) if row is not None]
         if not rows:
             return
-        record = _frame(rows)
+        record = frame(rows)
         try:
             written = os.write(self._fd, record)
             if written != len(record):
@@ -393,22 +393,22 @@ class StateStore:
     def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> None:
         snapshot = core.snapshot()
         with path.open("wb") as f:
-            f.write(_frame({"format": "kvpool-snapshot", "version": VERSION,
+            f.write(frame({"format": "kvpool-snapshot", "version": VERSION,
                             "generation": generation}))
-            f.write(_frame([list(c) for c in snapshot.clients]))
-            f.write(_frame([list(s) for s in snapshot.segments]))
+            f.write(frame([list(c) for c in snapshot.clients]))
+            f.write(frame([list(s) for s in snapshot.segments]))
             num_objects = 0
             chunk: list[Sequence[Any]] = []
             for row in snapshot.objects:
                 chunk.append(row)
                 if len(chunk) == _OBJECTS_PER_CHUNK:
-                    f.write(_frame(chunk))
+                    f.write(frame(chunk))
                     num_objects += len(chunk)
                     chunk = []
             if chunk:
-                f.write(_frame(chunk))
+                f.write(frame(chunk))
                 num_objects += len(chunk)
-            f.write(_frame({"end": True, "num_objects": num_objects}))
+            f.write(frame({"end": True, "num_objects": num_objects}))
             f.flush()
             os.fsync(f.fileno())
 
@@ -432,7 +432,7 @@ class StateStore:
         if fresh:
             tmp = self._dir / (LOG_NAME + ".tmp")
             with tmp.open("wb") as f:
-                f.write(_frame({"format": "kvpool-log", "version": VERSION,
+                f.write(frame({"format": "kvpool-log", "version": VERSION,
                                 "generation": self._generation}))
                 f.flush()
                 os.fsync(f.fileno())
@@ -449,170 +449,3 @@ class StateStore:
         finally:
             os.close(fd)
 
-
-# ---- records -------------------------------------------------------------------------------
-
-class _Corrupt(Exception):
-    """A snapshot that cannot be read."""
-
-
-def _frame(payload: Any) -> bytes:
-    body: bytes = msgpack.packb(payload, use_bin_type=True)
-    return _FRAME.pack(len(body), zlib.crc32(body)) + body
-
-
-def _unpack(body: bytes | memoryview) -> Any:
-    return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
-
-
-def _next_record(data: bytes, offset: int) -> tuple[Any, int, str]:
-    """Return (payload, offset after it, "") or (None, offset, what is wrong)."""
-    if len(data) - offset < _FRAME.size:
-        return None, offset, "torn record header"
-    length, crc = _FRAME.unpack_from(data, offset)
-    start = offset + _FRAME.size
-    if length > _MAX_RECORD_BYTES or start + length > len(data):
-        return None, offset, "torn record"
-    body = memoryview(data)[start:start + length]
-    if zlib.crc32(body) != crc:
-        return None, offset, "record checksum mismatch"
-    try:
-        return _unpack(body), start + length, ""
-    except Exception:  # msgpack raises several types on garbage; all mean "corrupt"
-        return None, offset, "undecodable record"
-
-
-def _read_frame(f: BinaryIO) -> Any:
-    head = f.read(_FRAME.size)
-    if len(head) < _FRAME.size:
-        raise _Corrupt("truncated snapshot")
-    length, crc = _FRAME.unpack(head)
-    if length > _MAX_RECORD_BYTES:
-        raise _Corrupt("impossible record length")
-    body = f.read(length)
-    if len(body) < length or zlib.crc32(body) != crc:
-        raise _Corrupt("snapshot record checksum mismatch")
-    try:
-        return _unpack(body)
-    except Exception as exc:  # any decoding failure means corruption
-        raise _Corrupt("undecodable snapshot record") from exc
-
-
-def _read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
-                                              dict[str, Sequence[Any]]]:
-    header = _read_frame(f)
-    if (not isinstance(header, dict) or header.get("format") != "kvpool-snapshot"
-            or header.get("version") != VERSION or type(header.get("generation")) is not int):
-        raise _Corrupt("not a kvpool snapshot")
-    clients, segments = _read_frame(f), _read_frame(f)
-    if not isinstance(clients, list) or not isinstance(segments, list):
-        raise _Corrupt("malformed snapshot")
-    return (header["generation"],
-            {row[0]: row for row in clients if isinstance(row, list) and row},
-            {row[0]: row for row in segments if isinstance(row, list) and row})
-
-
-def _read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence[Any]]:
-    while True:
-        try:
-            record = _read_frame(f)
-        except _Corrupt as exc:
-            warnings.append(f"snapshot: {exc}; objects after the damage are lost")
-            return
-        if isinstance(record, dict) and record.get("end"):
-            return
-        if not isinstance(record, list):
-            warnings.append("snapshot: malformed object chunk; objects after it are lost")
-            return
-        yield from record
-
-
-# ---- events -> rows -> state -----------------------------------------------------------------
-
-def _event_row(event: ev.Event) -> list[Any] | None:
-    if isinstance(event, ev.ObjectCommitted):
-        return [_OBJECT_COMMITTED, *object_row(event.key, event.size_bytes, event.placements,
-                                               event.checksum, event.pin, event.parent_key)]
-    if isinstance(event, ev.ObjectRemoved):
-        return [_OBJECT_REMOVED, event.key]
-    if isinstance(event, ev.ClientRegistered):
-        return [_CLIENT_REGISTERED, event.client_id, event.host_id, event.capability_key]
-    if isinstance(event, ev.ClientExpired | ev.ClientUnregistered):
-        return [_CLIENT_GONE, event.client_id]
-    if isinstance(event, ev.SegmentMounted):
-        return [_SEGMENT_MOUNTED, *segment_row(event.segment)]
-    if isinstance(event, ev.SegmentUnmounted):
-        return [_SEGMENT_UNMOUNTED, event.segment_id]
-    return None  # EvictionPass, PendingReclaimed: nothing durable changed
-
-
-class _Overlay:
-    """The log's effect on a snapshot: clients and segments in full, objects as changes.
-
-    Objects of the snapshot stream through ``objects()``: a key the log touched takes its
-    logged state; a replica on a segment the log unmounted is gone (even if the segment came
-    back later: a remount is fresh memory).
-    """
-
-    def __init__(self, clients: dict[str, Sequence[Any]],
-                 segments: dict[str, Sequence[Any]]) -> None:
-        self.clients = clients
-        self.segments = segments
-        self.unmounted: set[str] = set()
-        self.key_to_row: dict[bytes, list[Any] | None] = {}
-
-    def apply(self, record: list[Any]) -> None:
-        for row in record:
-            if not isinstance(row, list) or not row:
-                continue
-            code = row[0]
-            if code == _OBJECT_COMMITTED and len(row) == 7:
-                self.key_to_row.pop(row[1], None)   # recency: a commit moves to the end
-                self.key_to_row[row[1]] = row[1:]
-            elif code == _OBJECT_REMOVED and len(row) == 2:
-                self.key_to_row.pop(row[1], None)
-                self.key_to_row[row[1]] = None
-            elif code == _CLIENT_REGISTERED and len(row) == 4:
-                self.clients[row[1]] = row[1:]
-            elif code == _CLIENT_GONE and len(row) == 2:
-                self.clients.pop(row[1], None)
-            elif code == _SEGMENT_MOUNTED and len(row) == 9:
-                self.segments[row[1]] = row[1:]
-            elif code == _SEGMENT_UNMOUNTED and len(row) == 2:
-                self._unmount(row[1])
-
-    def _unmount(self, segment_id: str) -> None:
-        self.segments.pop(segment_id, None)
-        self.unmounted.add(segment_id)
-        for key, row in self.key_to_row.items():
-            if row is not None:
-                self.key_to_row[key] = _without_segments(row, {segment_id})
-
-    def objects(self, snapshot_rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any]]:
-        """Return the restored object rows: the snapshot's, then the log's, in LRU order."""
-        touched = self.key_to_row
-        unmounted = self.unmounted
-
-        def from_snapshot() -> Iterator[Sequence[Any]]:
-            for row in snapshot_rows:
-                if not isinstance(row, list) or len(row) != 6:
-                    yield row   # the core counts it as dropped
-                elif row[0] not in touched:
-                    kept = _without_segments(row, unmounted) if unmounted else row
-                    if kept is not None:
-                        yield kept
-        return chain(from_snapshot(), (row for row in touched.values() if row is not None))
-
-
-def _without_segments(row: Sequence[Any], segment_ids: set[str]) -> list[Any] | None:
-    """Return ``row`` without its replicas on ``segment_ids``, or None when none is left."""
-    flat = row[2]
-    if not isinstance(flat, list):
-        return list(row)
-    kept: list[Any] = []
-    for i in range(0, len(flat) - 2, 3):
-        if flat[i] not in segment_ids:
-            kept += flat[i:i + 3]
-    if not kept:
-        return None
-    return [row[0], row[1], kept, *row[3:]]

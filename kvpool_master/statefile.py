@@ -1,0 +1,199 @@
+"""The files of ``--state-dir`` (see ``persist.py``): their records, and replaying a log over a
+snapshot.
+
+Rules of this file:
+- A record is ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``; a torn or
+  corrupt one is reported (``next_record``) or raised as ``Corrupt`` (``read_frame``), never
+  half-used.
+- Only events that change durable state become log rows (``event_row``); ``Overlay`` applies
+  rows on top of a snapshot and streams the restored object rows in LRU order.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+from itertools import chain
+from typing import Any, BinaryIO
+
+import msgpack
+
+from kvpool_master.core import events as ev
+from kvpool_master.core.snapshot import object_row, segment_row
+
+VERSION = 1
+_FRAME = struct.Struct("<II")
+_MAX_RECORD_BYTES = 1 << 30
+
+# Event rows: [code, fields...]. Only events that change durable state are logged.
+_CLIENT_REGISTERED, _CLIENT_GONE, _SEGMENT_MOUNTED, _SEGMENT_UNMOUNTED = 1, 2, 3, 4
+_OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
+
+
+# ---- records -------------------------------------------------------------------------------
+
+class Corrupt(Exception):
+    """A snapshot that cannot be read."""
+
+
+def frame(payload: Any) -> bytes:
+    body: bytes = msgpack.packb(payload, use_bin_type=True)
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def _unpack(body: bytes | memoryview) -> Any:
+    return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+
+
+def next_record(data: bytes, offset: int) -> tuple[Any, int, str]:
+    """Return (payload, offset after it, "") or (None, offset, what is wrong)."""
+    if len(data) - offset < _FRAME.size:
+        return None, offset, "torn record header"
+    length, crc = _FRAME.unpack_from(data, offset)
+    start = offset + _FRAME.size
+    if length > _MAX_RECORD_BYTES or start + length > len(data):
+        return None, offset, "torn record"
+    body = memoryview(data)[start:start + length]
+    if zlib.crc32(body) != crc:
+        return None, offset, "record checksum mismatch"
+    try:
+        return _unpack(body), start + length, ""
+    except Exception:  # msgpack raises several types on garbage; all mean "corrupt"
+        return None, offset, "undecodable record"
+
+
+def read_frame(f: BinaryIO) -> Any:
+    head = f.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        raise Corrupt("truncated snapshot")
+    length, crc = _FRAME.unpack(head)
+    if length > _MAX_RECORD_BYTES:
+        raise Corrupt("impossible record length")
+    body = f.read(length)
+    if len(body) < length or zlib.crc32(body) != crc:
+        raise Corrupt("snapshot record checksum mismatch")
+    try:
+        return _unpack(body)
+    except Exception as exc:  # any decoding failure means corruption
+        raise Corrupt("undecodable snapshot record") from exc
+
+
+def read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
+                                              dict[str, Sequence[Any]]]:
+    header = read_frame(f)
+    if (not isinstance(header, dict) or header.get("format") != "kvpool-snapshot"
+            or header.get("version") != VERSION or type(header.get("generation")) is not int):
+        raise Corrupt("not a kvpool snapshot")
+    clients, segments = read_frame(f), read_frame(f)
+    if not isinstance(clients, list) or not isinstance(segments, list):
+        raise Corrupt("malformed snapshot")
+    return (header["generation"],
+            {row[0]: row for row in clients if isinstance(row, list) and row},
+            {row[0]: row for row in segments if isinstance(row, list) and row})
+
+
+def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence[Any]]:
+    while True:
+        try:
+            record = read_frame(f)
+        except Corrupt as exc:
+            warnings.append(f"snapshot: {exc}; objects after the damage are lost")
+            return
+        if isinstance(record, dict) and record.get("end"):
+            return
+        if not isinstance(record, list):
+            warnings.append("snapshot: malformed object chunk; objects after it are lost")
+            return
+        yield from record
+
+
+# ---- events -> rows -> state -----------------------------------------------------------------
+
+def event_row(event: ev.Event) -> list[Any] | None:
+    if isinstance(event, ev.ObjectCommitted):
+        return [_OBJECT_COMMITTED, *object_row(event.key, event.size_bytes, event.placements,
+                                               event.checksum, event.pin, event.parent_key)]
+    if isinstance(event, ev.ObjectRemoved):
+        return [_OBJECT_REMOVED, event.key]
+    if isinstance(event, ev.ClientRegistered):
+        return [_CLIENT_REGISTERED, event.client_id, event.host_id, event.capability_key]
+    if isinstance(event, ev.ClientExpired | ev.ClientUnregistered):
+        return [_CLIENT_GONE, event.client_id]
+    if isinstance(event, ev.SegmentMounted):
+        return [_SEGMENT_MOUNTED, *segment_row(event.segment)]
+    if isinstance(event, ev.SegmentUnmounted):
+        return [_SEGMENT_UNMOUNTED, event.segment_id]
+    return None  # EvictionPass, PendingReclaimed: nothing durable changed
+
+
+class Overlay:
+    """The log's effect on a snapshot: clients and segments in full, objects as changes.
+
+    Objects of the snapshot stream through ``objects()``: a key the log touched takes its
+    logged state; a replica on a segment the log unmounted is gone (even if the segment came
+    back later: a remount is fresh memory).
+    """
+
+    def __init__(self, clients: dict[str, Sequence[Any]],
+                 segments: dict[str, Sequence[Any]]) -> None:
+        self.clients = clients
+        self.segments = segments
+        self.unmounted: set[str] = set()
+        self.key_to_row: dict[bytes, list[Any] | None] = {}
+
+    def apply(self, record: list[Any]) -> None:
+        for row in record:
+            if not isinstance(row, list) or not row:
+                continue
+            code = row[0]
+            if code == _OBJECT_COMMITTED and len(row) == 7:
+                self.key_to_row.pop(row[1], None)   # recency: a commit moves to the end
+                self.key_to_row[row[1]] = row[1:]
+            elif code == _OBJECT_REMOVED and len(row) == 2:
+                self.key_to_row.pop(row[1], None)
+                self.key_to_row[row[1]] = None
+            elif code == _CLIENT_REGISTERED and len(row) == 4:
+                self.clients[row[1]] = row[1:]
+            elif code == _CLIENT_GONE and len(row) == 2:
+                self.clients.pop(row[1], None)
+            elif code == _SEGMENT_MOUNTED and len(row) == 9:
+                self.segments[row[1]] = row[1:]
+            elif code == _SEGMENT_UNMOUNTED and len(row) == 2:
+                self._unmount(row[1])
+
+    def _unmount(self, segment_id: str) -> None:
+        self.segments.pop(segment_id, None)
+        self.unmounted.add(segment_id)
+        for key, row in self.key_to_row.items():
+            if row is not None:
+                self.key_to_row[key] = _without_segments(row, {segment_id})
+
+    def objects(self, snapshot_rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any]]:
+        """Return the restored object rows: the snapshot's, then the log's, in LRU order."""
+        touched = self.key_to_row
+        unmounted = self.unmounted
+
+        def from_snapshot() -> Iterator[Sequence[Any]]:
+            for row in snapshot_rows:
+                if not isinstance(row, list) or len(row) != 6:
+                    yield row   # the core counts it as dropped
+                elif row[0] not in touched:
+                    kept = _without_segments(row, unmounted) if unmounted else row
+                    if kept is not None:
+                        yield kept
+        return chain(from_snapshot(), (row for row in touched.values() if row is not None))
+
+
+def _without_segments(row: Sequence[Any], segment_ids: set[str]) -> list[Any] | None:
+    """Return ``row`` without its replicas on ``segment_ids``, or None when none is left."""
+    flat = row[2]
+    if not isinstance(flat, list):
+        return list(row)
+    kept: list[Any] = []
+    for i in range(0, len(flat) - 2, 3):
+        if flat[i] not in segment_ids:
+            kept += flat[i:i + 3]
+    if not kept:
+        return None
+    return [row[0], row[1], kept, *row[3:]]
