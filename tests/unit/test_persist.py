@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpool_client.capability import client_token
 from kvpool_client.status import Status
-from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_client.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    Placement,
+    PutOptions,
+    SegmentId,
+    SegmentInfo,
+)
+from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
+from kvpool_master.statefile import Overlay, event_row
 
 A, B = ClientId("client-a"), ClientId("client-b")
 KEY_A, KEY_B = b"a" * 32, b"b" * 32
@@ -379,3 +390,26 @@ def test_a_failed_append_makes_the_store_read_only_until_a_snapshot(tmp_path: Pa
     StateStore(tmp_path).load(restored, 10.0)
     come_back(restored, 11.0, SEG_A, SEG_B)
     assert {ObjectKey(b"obj-0"), ObjectKey(b"obj-1")}.isdisjoint(readable(restored, 11.0))
+
+
+def test_log_replay_drops_replicas_unmounted_after_their_commit_only() -> None:
+    # "old" was committed on s before s was unmounted: gone. "new" was committed on s after it
+    # came back (fresh memory): kept. "both" keeps its replica on t. Replay is one pass.
+    seg_s = SegmentInfo(SegmentId("s"), A, 1 << 20)
+    seg_t = SegmentInfo(SegmentId("t"), A, 1 << 20)
+    overlay = Overlay({}, {})
+
+    def commit(key: bytes, *placements: Placement) -> list[Any]:
+        row = event_row(ObjectCommitted(ObjectKey(key), 64, placements, 0, Pin.NONE, None))
+        assert row is not None
+        return row
+
+    overlay.apply([event_row(SegmentMounted(seg_s)), event_row(SegmentMounted(seg_t)),
+                   commit(b"old", Placement(SegmentId("s"), 0, 64)),
+                   commit(b"both", Placement(SegmentId("s"), 64, 64),
+                          Placement(SegmentId("t"), 0, 64)),
+                   event_row(SegmentUnmounted(SegmentId("s"), A)),
+                   event_row(SegmentMounted(seg_s)),
+                   commit(b"new", Placement(SegmentId("s"), 0, 64))])
+    rows = {row[0]: row[2] for row in overlay.objects(iter([]))}
+    assert rows == {b"both": ["t", 0, 64], b"new": ["s", 0, 64]}
