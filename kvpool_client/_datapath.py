@@ -46,6 +46,11 @@ from kvpool_client.types import Placement, PutOptions, SegmentInfo
 
 logger = logging.getLogger(__name__)
 
+#: A transfer failing so drops what this client knows of the segment (descriptor, mapping):
+#: the next use asks the master again (PERMISSION_DENIED: a refused ownership proof, which an
+#: owner that re-registered under a new key has replaced).
+_FORGET_SEGMENT_ON = frozenset({Status.SEGMENT_NOT_FOUND, Status.TRANSFER_FAILED,
+                                Status.PERMISSION_DENIED})
 #: Writes stop this long before liveness or the write capability runs out.
 WRITE_MARGIN_S = 0.05
 #: Batches of at least twice this many bytes are cut into concurrent sub-batches (at most
@@ -148,7 +153,7 @@ class DataPath:
         for (_, _, part), part_statuses in zip(jobs, results, strict=True):
             for index, status in zip(part, part_statuses, strict=True):
                 statuses[index] = status
-                if status in (Status.SEGMENT_NOT_FOUND, Status.TRANSFER_FAILED):
+                if status in _FORGET_SEGMENT_ON:
                     self.forget(items[index][0].segment_id)
         return statuses
 
