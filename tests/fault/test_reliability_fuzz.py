@@ -1,12 +1,19 @@
 """Seeded fuzzing against live processes with real segments: 10,000 malformed master RPCs
 (lean frames and gRPC) and 10,000 garbage frames to a real client's data server. The master
 and the data server keep serving; no byte of the client's shared-memory segment changes (its
-xxh3-128 digest, read from /dev/shm, is the same before and after)."""
+xxh3-128 digest, read from /dev/shm, is the same before and after).
+
+A client id is not a credential: the RPCs name other clients, and about half of those naming
+"mallory" carry mallory's own valid token (mallory is a registered client), so they pass
+authentication and reach the handlers' ownership rules. The data-plane frames are of the current
+wire version, and many name the segment with a capability range covering the request, so they
+reach the capability check (a WRITE's payload is then read and dropped)."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import random
 import socket
@@ -18,10 +25,13 @@ import grpc
 import xxhash
 
 from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import RPC_METHODS
 from kvpool_client.segments import SHM_DIR
+from kvpool_client.transfer import tcp
+from kvpool_client.types import Pin, PutOptions
 
 SEED = 6_20261123
 REQUESTS = 10_000
@@ -48,23 +58,30 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(buf)
 
 
-def valid_request(rng: random.Random, segment_id: str) -> bytes:
-    """A plausible request to mutate: from a client that is not the owner (a client id is not
-    a credential)."""
+def valid_request(rng: random.Random, segment_id: str, mallory_token: bytes
+                  ) -> tuple[str, bytes]:
+    """A plausible request to mutate, and its method's name: from a client that is not the
+    owner (a client id is not a credential). Half of mallory's carry its valid token, so they
+    reach the ownership rules."""
     owner_id = rng.choice(["mallory", "ghost", ""])
+    token = mallory_token if owner_id == "mallory" and rng.random() < 0.5 else b""
     # Never the owner's keys: a payload of one message sent as another method's can be a
     # well-formed Remove of them, which is a valid command.
     keys = [b"fz-" + rng.randbytes(6) for _ in range(3)]
-    return rng.choice([
-        pb.PutStartRequest(client_id=owner_id, keys=keys, sizes_bytes=[4096] * 3),
-        pb.PutEndRequest(client_id=owner_id, keys=keys),
-        pb.PutRevokeRequest(client_id=owner_id, keys=keys),
-        pb.UnmountSegmentRequest(client_id=owner_id, segment_id=segment_id),
+    request = rng.choice([
+        pb.PutStartRequest(client_id=owner_id, keys=keys, sizes_bytes=[4096] * 3,
+                           client_token=token),
+        pb.PutEndRequest(client_id=owner_id, keys=keys, client_token=token),
+        pb.PutRevokeRequest(client_id=owner_id, keys=keys, client_token=token),
+        pb.UnmountSegmentRequest(client_id=owner_id, segment_id=segment_id, client_token=token),
         pb.GetReplicasRequest(client_id=owner_id, keys=keys),
         pb.RemoveRequest(keys=[rng.randbytes(8)]),
-        pb.MountSegmentRequest(client_id=owner_id, segment=pb.SegmentDescriptor(
-            segment_id=segment_id, client_id=owner_id, size_bytes=1 << 20)),
-    ]).SerializeToString()
+        pb.MountSegmentRequest(client_id=owner_id, client_token=token,
+                               segment=pb.SegmentDescriptor(segment_id=segment_id,
+                                                            client_id=owner_id,
+                                                            size_bytes=1 << 20)),
+    ])
+    return request.DESCRIPTOR.name.removesuffix("Request"), request.SerializeToString()
 
 
 class Lean:
@@ -98,25 +115,38 @@ class Lean:
 
 
 def test_malformed_rpcs_change_no_segment_byte(start_master: Any) -> None:
-    master = start_master()
+    # mallory never heartbeats: its client_ttl outlasts the loop's time bound.
+    master = start_master(client_ttl=240)
     cfg = ClientConfig.from_dict({"master_server_address": master.address,
                                   "global_segment_size": "4mb", "rpc_timeout_s": 5})
     with KVPoolClient(cfg) as owner:
         keys = [f"obj-{i}" for i in range(50)]
         values = [os.urandom(4096 + i) for i in range(50)]
-        owner.put_batch(keys, values)
+        # Pinned: mallory's authenticated puts may fill the segment, and eviction of the
+        # owner's objects would be the pool working as designed, not a changed byte.
+        owner.put_batch(keys, values, options=PutOptions(pin=Pin.HARD))
         before = segment_digest(owner.client_id)
         rng = random.Random(SEED)
         lean = Lean(master.fast_port)
         channel = grpc.insecure_channel(master.address)
+        stub = pb_grpc.MasterStub(channel)
+        registered = stub.RegisterClient(pb.RegisterClientRequest(client_id="mallory",
+                                                                  host_id="h"))
+        assert registered.status == pb.STATUS_OK and registered.client_token
+        mallory_token = registered.client_token
         segment_id = owner.segment_ids[0]
         started = time.monotonic()
         try:
             for _ in range(REQUESTS):
                 method = rng.choice(METHODS)
                 roll = rng.random()
-                payload = (rng.randbytes(rng.randint(0, 64)) if roll < 0.4 else
-                           mutate(rng, valid_request(rng, segment_id)))
+                if roll < 0.4:
+                    payload = rng.randbytes(rng.randint(0, 64))
+                else:
+                    name, request = valid_request(rng, segment_id, mallory_token)
+                    payload = mutate(rng, request)
+                    if rng.random() < 0.5:  # to its own method, else to any
+                        method = RPC_METHODS[name]
                 if rng.random() < 0.85:
                     method_id = method.method_id if roll < 0.8 else rng.choice(LEAN_IDS)
                     lean.send(struct.pack("<IBI", len(payload) + 5, method_id,
@@ -125,6 +155,17 @@ def test_malformed_rpcs_change_no_segment_byte(start_master: Any) -> None:
                     with contextlib.suppress(grpc.RpcError):
                         channel.unary_unary(method.path)(payload, timeout=5)
                 assert time.monotonic() - started < 120
+            # mallory's valid-token puts reached the core (placed on the owner's segment:
+            # bytes of it are only written through the owner's data server)...
+            totals = json.loads(stub.GetStats(pb.GetStatsRequest()).json)["totals"]
+            assert totals["put_started_total"] > len(keys), totals
+            # ...mallory is still authenticated, and its own valid token does not let it take
+            # the owner's segment.
+            assert stub.Heartbeat(pb.HeartbeatRequest(
+                client_id="mallory", client_token=mallory_token)).status == pb.STATUS_OK
+            assert stub.UnmountSegment(pb.UnmountSegmentRequest(
+                client_id="mallory", segment_id=segment_id, client_token=mallory_token)
+            ).status == pb.STATUS_PERMISSION_DENIED
         finally:
             lean.close()
             channel.close()
@@ -158,12 +199,15 @@ def test_garbage_frames_to_a_real_data_server_change_no_byte(start_master: Any) 
                 frame = rng.randbytes(rng.randrange(1, 200))
             else:
                 seg = segment_id if kind == 1 else rng.randbytes(rng.randrange(0, 40))
-                frame = struct.pack("<4sBBHQQQQQQ16s", b"KVPQ", rng.choice([1, 1, 0, 9]),
-                                    rng.choice([1, 2, rng.randrange(256)]), len(seg),
-                                    rng.getrandbits(64), rng.randrange(4 << 20),
-                                    rng.randrange(1, 8192), rng.randrange(4 << 20),
-                                    rng.randrange(1, 8192), rng.getrandbits(63),
-                                    rng.randbytes(16)) + seg + rng.randbytes(rng.randrange(64))
+                offset, length = rng.randrange(4 << 20), rng.randrange(1, 8192)
+                # Half cover the request with their capability range: those reach the MAC.
+                cap_range = ((offset, length) if rng.random() < 0.5 else
+                             (rng.randrange(4 << 20), rng.randrange(1, 8192)))
+                frame = tcp.REQUEST.pack(
+                    tcp.REQUEST_MAGIC, rng.choice([tcp.VERSION, tcp.VERSION, 1, 9]),
+                    rng.choice([1, 2, rng.randrange(256)]), len(seg), rng.getrandbits(64),
+                    offset, length, *cap_range, rng.getrandbits(63), rng.getrandbits(64),
+                    rng.randbytes(16)) + seg + rng.randbytes(rng.randrange(64))
                 frame = frame[:rng.randrange(1, len(frame) + 1)]
             with socket.create_connection((host, int(port)), timeout=2) as sock, \
                     contextlib.suppress(OSError):
@@ -180,3 +224,5 @@ def test_garbage_frames_to_a_real_data_server_change_no_byte(start_master: Any) 
               f"unchanged {before == after}; objects intact over tcp {intact}/{len(keys)}; "
               f"data server refusals {refusals}")
         assert before == after and intact == len(keys)
+        # Frames got past the header checks to the segment, bounds and capability checks.
+        assert refusals["refused"] > 0, refusals

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from token_stub import TokenStub
 
+from kvpool_client import capability
 from kvpool_client._pb import kvpool_pb2 as pb
 from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
 
@@ -54,7 +55,18 @@ def test_register_heartbeat_unregister(stub) -> None:
     assert reply.status == pb.STATUS_OK
     assert len(reply.capability_key) == 32 and reply.fast_port > 0 and reply.master_id
     assert reply.client_ttl_ms == 10_000 and reply.default_lease_ttl_ms == 5000
-    assert stub.Heartbeat(pb.HeartbeatRequest(client_id="a")).status == pb.STATUS_OK
+    assert reply.client_token == capability.client_token(reply.capability_key)
+    assert reply.capability_epoch > 0
+    # The id is taken: another caller (a wrong token) is told when its holder expires at the
+    # latest; the holder itself (the stub sends its token) re-registers and keeps its key.
+    taken = stub.RegisterClient(pb.RegisterClientRequest(client_id="a", host_id="h1",
+                                                         client_token=bytes(16)))
+    assert taken.status == pb.STATUS_CLIENT_ALREADY_EXISTS and not taken.capability_key
+    assert 0 < taken.retry_after_ms <= 10_000 and not taken.client_token
+    again = stub.RegisterClient(pb.RegisterClientRequest(client_id="a", host_id="h1"))
+    assert again.status == pb.STATUS_OK and again.capability_key == reply.capability_key
+    beat = stub.Heartbeat(pb.HeartbeatRequest(client_id="a"))
+    assert beat.status == pb.STATUS_OK and beat.master_clock_ms >= reply.master_clock_ms
     assert stub.Heartbeat(pb.HeartbeatRequest(client_id="b")).status == pb.STATUS_UNKNOWN_CLIENT
     assert stub.UnregisterClient(pb.UnregisterClientRequest(client_id="a")).status == \
         pb.STATUS_OK
@@ -141,6 +153,8 @@ def test_another_clients_put_is_refused(stub) -> None:
     _register(stub, "a")
     _register(stub, "b")
     stub.PutStart(pb.PutStartRequest(client_id="a", keys=[b"mine"], sizes_bytes=[64]))
+    # b sends its own valid token (the stub fills it in): what refuses it below is ownership.
+    assert stub.Heartbeat(pb.HeartbeatRequest(client_id="b")).status == pb.STATUS_OK
     assert list(stub.PutEnd(pb.PutEndRequest(client_id="b", keys=[b"mine"])).statuses) == \
         [pb.STATUS_PERMISSION_DENIED]
     assert list(stub.PutRevoke(pb.PutRevokeRequest(client_id="b", keys=[b"mine"])).statuses) == \

@@ -65,7 +65,14 @@ def test_restart_restores_remounted_segments_and_drops_the_rest(start_master,
         assert set(stub.Exist(pb.ExistRequest(keys=on_0)).statuses) == {pb.STATUS_NOT_FOUND}
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="c")).status == \
             pb.STATUS_UNKNOWN_CLIENT
+        # A restored id is still c's: without c's token it is refused, with it (the stub
+        # sends the token c's first registration returned) c gets its key back.
+        impostor = stub.RegisterClient(pb.RegisterClientRequest(client_id="c", host_id="h",
+                                                                client_token=bytes(16)))
+        assert impostor.status == pb.STATUS_CLIENT_ALREADY_EXISTS
+        assert not impostor.capability_key and impostor.retry_after_ms > 0
         reply = stub.RegisterClient(pb.RegisterClientRequest(client_id="c", host_id="h"))
+        assert reply.status == pb.STATUS_OK
         assert reply.capability_key == key  # data servers keep verifying with the same key
         assert reply.master_id == first.master_id
         assert stub.MountSegment(pb.MountSegmentRequest(client_id="c", segment=_segment("c", 0))
