@@ -12,7 +12,7 @@ Rules of this file:
   heartbeats and re-registrations present it. A registration refused with
   CLIENT_ALREADY_EXISTS (a process with the same fixed id that has not expired yet, e.g. this
   process's previous incarnation) waits until the master says the id is free
-  (``register_waiting``), once; a holder that keeps heartbeating is an error.
+  (``register_waiting``); a holder that keeps heartbeating is an error.
 - ``UNKNOWN_CLIENT`` (master restarted, or this client was expired after a pause) re-registers,
   installs the new capability key in the data server *before* remounting (so capabilities
   signed for the old incarnation are refused from then on), remounts every segment and bumps
@@ -73,23 +73,31 @@ class MasterAddress:
                          busy_poll_us=self.busy_poll_us, session=session)
 
 
-#: A refused registration waits at most this much longer than the master said.
-REGISTER_WAIT_SLACK_S = 1.0
+#: A refused registration waits this much past the time the master said the id is free, and
+#: gives up when the id is not free this long after the first answer said it would be.
+REGISTER_WAIT_SLACK_S = 0.5
+REGISTER_GIVE_UP_S = 3.0
 
 
 async def register_waiting(rpc: MasterRpc, client_id: str, host_id: str,
                            hostname: str) -> Registration:
-    """Register; when another client still holds the id, wait once until the master says it
-    is free (its holder silent for client_ttl) and try again. Raises ClientIdTaken when the
-    holder is still there then (another live process uses the same client id)."""
-    try:
-        return await rpc.register_client(client_id, host_id, hostname)
-    except ClientIdTaken as exc:
-        logger.warning("client id %r is still held by a live client (a previous incarnation "
-                       "of this process?); waiting %.1f s for the master to expire it",
-                       client_id, exc.retry_after_s)
-        await asyncio.sleep(exc.retry_after_s + REGISTER_WAIT_SLACK_S)
-    return await rpc.register_client(client_id, host_id, hostname)
+    """Register; when another client still holds the id, wait until the master says it is
+    free (its holder silent for client_ttl) and try again. Raises ClientIdTaken when the holder
+    outlives the first answer's estimate (it heartbeats: another live process uses the id)."""
+    give_up_at = 0.0
+    while True:
+        try:
+            return await rpc.register_client(client_id, host_id, hostname)
+        except ClientIdTaken as exc:
+            now = time.monotonic()
+            if not give_up_at:
+                give_up_at = now + exc.retry_after_s + REGISTER_GIVE_UP_S
+                logger.warning("client id %r is still held by a live client (a previous "
+                               "incarnation of this process?); waiting %.1f s for the master "
+                               "to expire it", client_id, exc.retry_after_s)
+            if now + exc.retry_after_s > give_up_at:
+                raise
+            await asyncio.sleep(exc.retry_after_s + REGISTER_WAIT_SLACK_S)
 
 
 class Liveness:

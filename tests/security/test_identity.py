@@ -138,6 +138,36 @@ def test_a_fixed_client_id_restarted_within_client_ttl_gets_a_working_pool(
         assert joined_s < 2 + 3.0     # waited for the predecessor to expire, no longer
 
 
+SECOND = textwrap.dedent("""
+    import sys
+    from kvpool_client.client import KVPoolClient
+    from kvpool_client.config import ClientConfig
+    from kvpool_client.status import KVPoolError
+    try:
+        KVPoolClient(ClientConfig.from_dict({
+            "master_server_address": sys.argv[1], "client_id": sys.argv[2],
+            "global_segment_size": "8mb", "rpc_timeout_s": 2})).close()
+        print("joined")
+    except KVPoolError as exc:
+        print(exc.status.name)
+""")
+
+
+def test_a_second_live_process_with_the_same_client_id_is_refused(start_master: Any) -> None:
+    master = start_master(client_ttl=2)
+    client_id = f"twice-{os.getpid()}"
+    with KVPoolClient(config(master.address, client_id=client_id)) as first:
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, "-c", SECOND, master.address, client_id],
+                                capture_output=True, text=True, timeout=60)
+        waited_s = time.monotonic() - started
+        outcome = second.stdout.strip().splitlines()[-1]
+        print(f"a second live process with the same client id: {outcome} after {waited_s:.1f} s")
+        assert outcome == "CLIENT_ALREADY_EXISTS"
+        first.put("still-mine", b"1")           # the holder was never disturbed
+        assert first.get("still-mine") == b"1"
+
+
 def test_a_revoked_puts_capability_never_writes_over_the_next_object(master: Any) -> None:
     payload = os.urandom(64 << 10)
     with KVPoolClient(config(master.address)), \
