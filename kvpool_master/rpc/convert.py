@@ -95,9 +95,9 @@ def decode_client_id(request: Any) -> ClientId:
     return ClientId(_name(request.client_id, "client_id"))
 
 
-def decode_client_token(request: Any) -> bytes:
-    """The client token of a client-scoped request (empty when absent)."""
-    return request.client_token  # type: ignore[no-any-return]
+def decode_caller(request: Any) -> tuple[ClientId, bytes]:
+    """(client_id, client_token) of a client-scoped request, as sent (the core judges them)."""
+    return ClientId(request.client_id), request.client_token
 
 
 def encode_heartbeat(status: Status, master_clock_ms: int) -> pb.HeartbeatResponse:
@@ -307,17 +307,17 @@ def method_by_id() -> dict[int, RpcMethod]:
     return {method.method_id: method for method in RPC_METHODS.values()}
 
 
-def unavailable_response(request: Message) -> Message:
-    """The answer to ``request`` with UNAVAILABLE for the call or for every item (one empty
+def refused_response(request: Message, status: Status) -> Message:
+    """The answer to ``request`` with ``status`` for the call or for every item (one empty
     replica set per key where the answer carries placements)."""
     response = response_type_of(request)()
     fields = response.DESCRIPTOR.fields_by_name
     if "statuses" in fields:
         num_items = len(request.keys)  # type: ignore[attr-defined]
-        response.statuses.extend([Status.UNAVAILABLE] * num_items)  # type: ignore[attr-defined]
+        response.statuses.extend([status] * num_items)  # type: ignore[attr-defined]
         if "replicas" in fields:
             for _ in range(num_items):
                 response.replicas.add()  # type: ignore[attr-defined]
     else:
-        response.status = Status.UNAVAILABLE  # type: ignore[attr-defined]
+        response.status = status  # type: ignore[attr-defined]
     return response

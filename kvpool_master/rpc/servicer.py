@@ -12,9 +12,9 @@ Rules of this file:
 - Expected outcomes travel in-band as ``Status`` values. A request that cannot be served at all
   raises :class:`BadRequest` (INVALID_ARGUMENT for the call); anything else escaping a handler is
   a bug and raises :class:`InternalError` after being logged.
-- Client-scoped calls (heartbeat, unregister, mount, unmount, put_start, put_end, put_revoke)
-  first prove the caller's ``client_token`` (``core.authenticate``); a refusal answers its
-  status for the whole call and changes nothing.
+- Calls in ``CLIENT_SCOPED`` first prove the caller's ``client_token`` (``core.authenticate``)
+  here, before any handler runs; a refusal answers its status for the call or every item and
+  changes nothing. Handlers only see proven callers.
 - Capabilities carry this master's ``capability_epoch`` (random at every start) and expire on
   its capability clock (monotonic ms since start), which every registration and heartbeat
   answer reports; a PutStart's WRITE capabilities name a fresh ``put_id``.
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from kvpool_client import capability
 from kvpool_client.rpc import RpcMethod
 from kvpool_client.status import Status
-from kvpool_client.types import ClientId, Op, Placement
+from kvpool_client.types import ClientId, Op, Placement, SegmentInfo
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.events import Event
 from kvpool_master.core.master import MasterCore
@@ -41,8 +41,12 @@ from kvpool_master.rpc.convert import BadRequest
 
 log = logging.getLogger("kvpool.master.rpc")
 
-__all__ = ["WRITE_METHODS", "BadRequest", "InternalError", "RpcObserver", "Servicer"]
+__all__ = ["CLIENT_SCOPED", "WRITE_METHODS", "BadRequest", "InternalError", "RpcObserver",
+           "Servicer"]
 
+#: Calls that act as their ``client_id``: the caller proves it with its client token.
+CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "UnmountSegment",
+                           "PutStart", "PutEnd", "PutRevoke"})
 #: Calls that can change durable state (clients, segments, objects): refused while read-only.
 WRITE_METHODS = frozenset({"RegisterClient", "UnregisterClient", "MountSegment",
                            "UnmountSegment", "PutStart", "PutEnd", "PutRevoke", "Remove",
@@ -105,13 +109,18 @@ class Servicer:
         failed = True
         try:
             request = convert.parse_request(method, payload)
-            if self.read_only and method.name in WRITE_METHODS:
-                response = convert.unavailable_response(request)
+            name = method.name
+            if self.read_only and name in WRITE_METHODS:
+                response = convert.refused_response(request, Status.UNAVAILABLE)
+            elif name in CLIENT_SCOPED and (
+                    caller := self._core.authenticate(*convert.decode_caller(request))
+            ) != Status.OK:
+                response = convert.refused_response(request, caller)
             else:
-                response = self._handlers[method.name](request)
+                response = self._handlers[name](request)
                 events = self._core.take_events()
                 if events and not self._on_events(events):
-                    response = convert.unavailable_response(request)
+                    response = convert.refused_response(request, Status.UNAVAILABLE)
             failed = False
             return convert.serialize(response)
         except BadRequest:
@@ -165,9 +174,6 @@ class Servicer:
 
     # -- clients and segments ---------------------------------------------------------------------
 
-    def _authenticate(self, client_id: str, request: Any) -> Status:
-        return self._core.authenticate(ClientId(client_id), convert.decode_client_token(request))
-
     def _register_client(self, request: Any) -> Any:
         client_id, host_id, _hostname, token = convert.decode_register_client(request)
         now = self._clock.now()
@@ -185,58 +191,46 @@ class Servicer:
             master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch)
 
     def _heartbeat(self, request: Any) -> Any:
-        client_id = convert.decode_client_id(request)
-        status = self._authenticate(client_id, request)
-        if status == Status.OK:
-            status = self._core.heartbeat(client_id, self._clock.now())
+        status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
         return convert.encode_heartbeat(status, self.capability_clock_ms())
 
     def _unregister_client(self, request: Any) -> Any:
-        client_id = convert.decode_client_id(request)
-        status = self._authenticate(client_id, request)
-        if status == Status.OK:
-            status = self._core.unregister_client(client_id, self._clock.now())
+        status = self._core.unregister_client(convert.decode_client_id(request),
+                                              self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _mount_segment(self, request: Any) -> Any:
         client_id, segment = convert.decode_mount_segment(request)
-        status = self._authenticate(client_id, request)
-        if status == Status.OK and segment.client_id != client_id:
+        if segment.client_id != client_id:
             status = Status.PERMISSION_DENIED  # a client mounts only its own segments
-        if status == Status.OK:
+        else:
             status = self._core.mount_segment(segment, self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _unmount_segment(self, request: Any) -> Any:
         client_id, segment_id = convert.decode_unmount_segment(request)
-        status = self._authenticate(client_id, request)
-        if status == Status.OK:
-            status = self._core.unmount_segment(client_id, segment_id, self._clock.now())
+        status = self._core.unmount_segment(client_id, segment_id, self._clock.now())
         return convert.status_response(_response_of(request), status)
 
     def _get_segments(self, request: Any) -> Any:
         segment_ids = convert.decode_get_segments(request)
         self._check_batch(segment_ids)
         infos = self._core.get_segments(segment_ids)
-        segment_key = self._core.segment_key
-        proofs = []
-        for info in infos:
-            key = segment_key(info.segment_id) if info is not None else None
-            proofs.append(capability.ownership_proof(key, info.segment_id, info.shm_name,
-                                                     info.size_bytes)
-                          if key and info is not None else b"")
-        return convert.encode_get_segments(infos, proofs)
+        return convert.encode_get_segments(infos, [self._ownership_proof(i) for i in infos])
+
+    def _ownership_proof(self, info: SegmentInfo | None) -> bytes:
+        """What the owner of ``info`` stamped into its segment (``capability.ownership_proof``)."""
+        key = self._core.segment_key(info.segment_id) if info is not None else None
+        if info is None or not key:
+            return b""
+        return capability.ownership_proof(key, info.segment_id, info.shm_name, info.size_bytes)
 
     # -- writes -----------------------------------------------------------------------------------
 
     def _put_start(self, request: Any) -> Any:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
-        status = self._authenticate(client_id, request)
-        if status != Status.OK:
-            results = [(status, ())] * len(keys)
-        else:
-            results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
-                                           self._clock.now(), parent_keys)
+        results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
+                                       self._clock.now(), parent_keys)
         expiry_ms = (self.capability_clock_ms()
                      + int(self._core.config.write_capability_ttl_s * 1000))
         self._last_put_id += 1
@@ -246,20 +240,12 @@ class Servicer:
 
     def _put_end(self, request: Any) -> Any:
         client_id, keys, checksums = convert.decode_put_end(request)
-        status = self._authenticate(client_id, request)
-        if status != Status.OK:
-            statuses = [status] * len(keys)
-        else:
-            statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
+        statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
         return convert.encode_statuses(_response_of(request), statuses)
 
     def _put_revoke(self, request: Any) -> Any:
         client_id, keys = convert.decode_keys(request)
-        status = self._authenticate(client_id, request)
-        if status != Status.OK:
-            statuses = [status] * len(keys)
-        else:
-            statuses = self._core.put_revoke(ClientId(client_id), keys, self._clock.now())
+        statuses = self._core.put_revoke(ClientId(client_id), keys, self._clock.now())
         return convert.encode_statuses(_response_of(request), statuses)
 
     # -- reads ------------------------------------------------------------------------------------
