@@ -15,7 +15,7 @@ $(BIN)/kvpool-master: pyproject.toml setup.py kvpool_client/transfer/_ntcopy.c
 # Regenerate the committed protobuf/gRPC modules from proto/ (tests/unit/test_proto_fresh.py
 # fails when they are stale).
 proto:
-	$(BIN)/python -m kvpool_client._pb.generate
+	$(BIN)/python -m kvpool_wire._pb.generate
 
 # A second environment with LMCache 0.5.6 and its pins (numpy<=2.2.6, grpcio 1.78, protobuf 6):
 # the LMCache engine test runs its scenario there, in a subprocess, when it exists.
@@ -38,7 +38,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check kvpool_master kvpool_client tests benchmarks
-	$(BIN)/mypy --strict kvpool_master/core kvpool_client/client.py kvpool_client/status.py kvpool_client/types.py
+	$(BIN)/mypy --strict kvpool_master/core kvpool_client/client.py kvpool_wire
 
 run: install
 	$(BIN)/kvpool-master --port 50051 --metrics-port 9003

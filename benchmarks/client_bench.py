@@ -45,7 +45,7 @@ import time
 import traceback
 from typing import Any
 
-from kvpool_client.status import KVPoolError
+from kvpool_wire.status import KVPoolError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -145,7 +145,7 @@ class ClientWorker:
         self.client.register_buffer(self.dst)
 
     def _options(self, preferred: str | None) -> Any:
-        from kvpool_client.types import PutOptions
+        from kvpool_wire.types import PutOptions
 
         return PutOptions(preferred_segment=preferred) if preferred else None
 

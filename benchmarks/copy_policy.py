@@ -86,7 +86,7 @@ def main() -> int:
 
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.types import PutOptions
+    from kvpool_wire.types import PutOptions
 
     size = args.size_mib * MiB
     total_bytes = args.calls * BATCH * size

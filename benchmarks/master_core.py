@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvpool_client.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.persist import StateStore

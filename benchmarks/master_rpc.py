@@ -27,8 +27,8 @@ from typing import Any
 import uvloop
 
 from kvpool_client.rpc import MasterRpc
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
 BATCH_KEYS = 1000
 TARGET_KEYS_PER_S = 1_000_000

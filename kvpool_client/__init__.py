@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 __all__ = ["AsyncKVPoolClient", "KVPoolClient", "KVPoolError", "Status"]
 

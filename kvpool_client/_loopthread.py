@@ -32,7 +32,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, TypeVar, cast
 
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 T = TypeVar("T")
 

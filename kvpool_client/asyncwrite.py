@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from kvpool_client._loopthread import wait_for
 from kvpool_client.buffers import Regions, total_bytes
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 logger = logging.getLogger(__name__)
 

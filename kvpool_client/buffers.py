@@ -19,8 +19,8 @@ from typing import Any
 
 import xxhash
 
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import MAX_KEY_BYTES
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import MAX_KEY_BYTES
 
 Regions = list[memoryview]
 KeyLike = str | bytes | bytearray | memoryview

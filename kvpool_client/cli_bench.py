@@ -22,8 +22,8 @@ import numpy as np
 
 from kvpool_client.cli_status import add_master_arguments, client_config_from_args
 from kvpool_client.config import ConfigError
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import parse_size_bytes
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import parse_size_bytes
 
 APIS = ("single", "batch", "zc", "batch_zc")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool_client.config import ClientConfig, ConfigError
 from kvpool_client.liveness import MasterAddress
-from kvpool_client.status import KVPoolError
+from kvpool_wire.status import KVPoolError
 
 DEFAULT_MASTER = "127.0.0.1:50051"
 

@@ -19,8 +19,8 @@ from kvpool_client._loopthread import CallerLoop
 from kvpool_client.buffers import KeyLike
 from kvpool_client.config import ClientConfig
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 __all__ = ["AsyncKVPoolClient", "ClientConfig", "KVPoolClient"]
 

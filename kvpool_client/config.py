@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import parse_size_bytes
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import select
 import socket
 import time
 
-from kvpool_client.framing import (
+from kvpool_wire.framing import (
     ERROR_METHOD_ID,
     FRAME_HEADER,
     FRAME_LENGTH,
@@ -37,8 +37,8 @@ from kvpool_client.framing import (
     encode_frame,
     error_reason,
 )
-from kvpool_client.polling import PollBackoff
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.polling import PollBackoff
+from kvpool_wire.status import KVPoolError, Status
 
 _BUFFER_BYTES = 64 << 10
 

@@ -35,8 +35,8 @@ from kvpool_client._loopthread import LoopThread, wait_for
 from kvpool_client.config import ClientConfig
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import ClientIdTaken, MasterRpc, MasterSession, Registration, TlsConfig
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import SegmentInfo
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import SegmentInfo
 
 logger = logging.getLogger(__name__)
 

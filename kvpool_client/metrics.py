@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 
 LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                      12.8e-3, 25.6e-3, 51.2e-3, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)

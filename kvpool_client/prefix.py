@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpool_client.hashing import BlockHash, BlockHasher
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 
 class PrefixLookup(Protocol):

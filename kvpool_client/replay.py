@@ -46,7 +46,7 @@ from kvpool_client.replay_sim import (
     route,
     simulate,
 )
-from kvpool_client.types import parse_size_bytes
+from kvpool_wire.types import parse_size_bytes
 
 STAMP_BYTES = 8
 READY_TIMEOUT_S = 60.0

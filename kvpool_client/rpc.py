@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 import ssl
 import struct
@@ -35,12 +34,19 @@ from typing import Any, cast
 import grpc
 
 from kvpool_client._loopthread import wait_for
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client.capability import MasterClock
-from kvpool_client.framing import FrameDecoder, FrameError, encode_frame, error_reason
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.methods import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    METHOD_AUTH,
+    METHOD_ERROR,
+    RPC_METHODS,
+    RpcMethod,
+)
+from kvpool_wire.capability import MasterClock
+from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_client.lean_blocking import BlockingLeanConnection
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import (
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import (
     ClientId,
     Placement,
     PutOptions,
@@ -49,47 +55,6 @@ from kvpool_client.types import (
     SegmentInfo,
     Tier,
 )
-
-# --- wire vocabulary shared with the master ------------------------------------------------------
-
-METHOD_AUTH = int(pb.METHOD_AUTH)
-METHOD_ERROR = int(pb.METHOD_ERROR)
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
-
-#: Calls whose repetition changes nothing more than the first one did.
-_IDEMPOTENT = frozenset({"RegisterClient", "Heartbeat", "MountSegment", "GetSegments",
-                         "PutStart", "GetReplicas", "Exist", "QueryPrefix", "GetStats"})
-
-
-@dataclass(frozen=True, slots=True)
-class RpcMethod:
-    """One Master RPC: its gRPC path, lean-framing id and message types."""
-
-    name: str
-    method_id: int
-    path: str
-    request_type: Any
-    response_type: Any
-    idempotent: bool
-
-
-def _rpc_methods() -> dict[str, RpcMethod]:
-    service = pb.DESCRIPTOR.services_by_name["Master"]
-    methods = {}
-    for m in service.methods:
-        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", m.name).upper()
-        methods[m.name] = RpcMethod(
-            name=m.name, method_id=int(pb.Method.Value(f"METHOD_{snake}")),
-            path=f"/{service.full_name}/{m.name}",
-            request_type=getattr(pb, m.input_type.name),
-            response_type=getattr(pb, m.output_type.name),
-            idempotent=m.name in _IDEMPOTENT)
-    return methods
-
-
-#: gRPC method name -> method, derived from the proto so the two transports cannot drift.
-RPC_METHODS: dict[str, RpcMethod] = _rpc_methods()
-
 
 # --- domain results ------------------------------------------------------------------------------
 
@@ -109,7 +74,7 @@ class Registration:
 class MasterSession:
     """One client's standing with the master, shared by all of its stubs: the token of its
     latest registration and the best known sample of the master's capability clock (see
-    ``kvpool_client.capability``). Attributes are replaced whole, never mutated."""
+    ``kvpool_wire.capability``). Attributes are replaced whole, never mutated."""
 
     __slots__ = ("token", "clock")
 

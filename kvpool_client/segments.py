@@ -38,9 +38,9 @@ import threading
 
 import numpy as np
 
-from kvpool_client.capability import PROOF_BYTES, ownership_proof
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import ClientId, SegmentId, SegmentInfo, Tier
+from kvpool_wire.capability import PROOF_BYTES, ownership_proof
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import ClientId, SegmentId, SegmentInfo, Tier
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "kvpool"

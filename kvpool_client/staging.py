@@ -20,7 +20,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.tensors import (
     PagedKVCache,
     RegisteringPool,

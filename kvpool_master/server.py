@@ -35,8 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client.rpc import RPC_METHODS, RpcMethod
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.methods import RPC_METHODS, RpcMethod
 from kvpool_master.clock import ServingClock
 from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 
 #: client id -> the token its latest registration returned (shared by default).
 TOKENS: dict[str, bytes] = {}

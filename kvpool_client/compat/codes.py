@@ -11,7 +11,7 @@ Rules of this file:
 
 from __future__ import annotations
 
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 OK = 0
 INTERNAL_ERROR = int(Status.INTERNAL_ERROR)  # -1

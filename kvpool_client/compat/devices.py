@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 
 class DeviceRuntime(Protocol):

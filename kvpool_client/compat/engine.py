@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from kvpool_client.compat import codes
 from kvpool_client.compat.memory import RegionRegistry
 from kvpool_client.compat.setup_args import host_of
-from kvpool_client.status import KVPoolError
+from kvpool_wire.status import KVPoolError
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from kvpool_client.compat.devices import (
     default_runtimes,
     locate_device,
 )
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 #: a transfer region as Mooncake passes it: (address, size in bytes)
 PointerRange = tuple[int, int]

@@ -28,7 +28,7 @@ from kvpool_client.compat.engine import EngineHandle, TransferEngine
 from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.compat.replicate import ReplicateConfig, put_options
 from kvpool_client.compat.setup_args import parse_setup
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine"]
 

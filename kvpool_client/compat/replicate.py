@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Pin, PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Pin, PutOptions
 
 
 class ReplicateConfig:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpool_client.compat.memory import PointerRange
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 
 def pointer_range(tensor: Any) -> PointerRange:

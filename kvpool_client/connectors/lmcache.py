@@ -32,7 +32,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvpool_client.config import ClientConfig, ConfigError
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

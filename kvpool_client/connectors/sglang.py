@@ -32,7 +32,7 @@ from typing import Any
 from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.config import ClientConfig, ConfigError
 from kvpool_client.connectors._tensors import pointer_range
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 logger = logging.getLogger(__name__)
 

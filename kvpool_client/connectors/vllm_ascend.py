@@ -30,8 +30,8 @@ from typing import Any
 
 from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.config import ENV_OVERRIDES, ClientConfig, ConfigError
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 logger = logging.getLogger(__name__)
 

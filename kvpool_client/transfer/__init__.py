@@ -14,7 +14,7 @@ from kvpool_client.transfer.base import Item, Regions, Transport
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_client.transfer.tcp import DataServer
 from kvpool_client.transfer.tcp_client import TcpTransport
-from kvpool_client.types import SegmentInfo
+from kvpool_wire.types import SegmentInfo
 
 __all__ = ["DataServer", "Item", "Regions", "ShmTransport", "TcpTransport", "Transport",
            "choose", "close_shared_transports", "uses_shm"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Placement, SegmentInfo
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Placement, SegmentInfo
 
 Regions = Sequence[memoryview]  # an object is the concatenation of its regions, in order
 Item = tuple[SegmentInfo, Placement, Regions]

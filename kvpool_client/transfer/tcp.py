@@ -8,7 +8,7 @@ Request = header (80 bytes) + segment id (UTF-8) + payload (WRITE only, ``length
     off  size  field
       0     4  magic          b"KVPQ"
       4     1  version        1
-      5     1  op             1 READ, 2 WRITE (kvpool_client.types.Op)
+      5     1  op             1 READ, 2 WRITE (kvpool_wire.types.Op)
       6     2  seg_id_len     1..255, bytes of the segment id that follows the header
       8     8  request_id     chosen by the client, echoed by the response
      16     8  offset         first byte of the request in the segment
@@ -27,7 +27,7 @@ Response = header (28 bytes) + message (UTF-8, ``msg_len`` bytes) + payload::
       4     1  version        1
       5     1  reserved       0
       6     2  msg_len        0..1024, a human-readable reason when status is not OK
-      8     4  status         int32, a kvpool_client.status.Status value
+      8     4  status         int32, a kvpool_wire.status.Status value
      12     8  request_id     of the request answered (0 when the frame was unreadable)
      20     8  length         payload bytes after the message: the request's length for a
                               READ answered OK, 0 otherwise
@@ -86,11 +86,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvpool_client import capability
-from kvpool_client.capability import MasterClock
+from kvpool_wire import capability
+from kvpool_wire.capability import MasterClock
 from kvpool_client.segments import LocalSegment
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Op
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Op
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class DataServer:
     ``segments`` is read at every request, so segments added to or removed from the mapping
     later are served or refused accordingly. ``capability_key`` may be replaced (e.g. after
     re-registration). ``clock`` returns the owner's current sample of the master's capability
-    clock (epoch and time; see ``kvpool_client.capability.MasterClock``): a client always
+    clock (epoch and time; see ``kvpool_wire.capability.MasterClock``): a client always
     passes it. Without one (a data server on its own), ``clock_ms`` is the time base and the
     epoch is 0. Counters are plain ints, read by the
     client's metrics.

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hmac
 
-from kvpool_client.capability import client_token
-from kvpool_client.types import ClientId
+from kvpool_wire.capability import client_token
+from kvpool_wire.types import ClientId
 
 #: Longest client id and host id accepted.
 MAX_ID_CHARS = 256

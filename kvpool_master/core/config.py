@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool_client.types import MAX_KEY_BYTES
+from kvpool_wire.types import MAX_KEY_BYTES
 from kvpool_master.core.eviction import POLICIES
 
 

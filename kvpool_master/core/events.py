@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvpool_client.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo
 
 RemoveReason = Literal["remove", "evict", "segment_lost", "revoke", "reclaim"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 
-from kvpool_client.types import ObjectKey, Pin, Tier
+from kvpool_wire.types import ObjectKey, Pin, Tier
 from kvpool_master.core.allocator import ALIGN_BYTES, aligned
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentTable

@@ -19,8 +19,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from kvpool_client.status import Status
-from kvpool_client.types import (
+from kvpool_wire.status import Status
+from kvpool_wire.types import (
     ClientId,
     ObjectKey,
     ReadResult,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvpool_client.types import ClientId, ObjectKey, Pin, Placement
+from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement
 
 
 class ObjectEntry:

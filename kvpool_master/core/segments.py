@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvpool_client.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import (
     ALIGN_BYTES,
     MAX_SEGMENT_BYTES,

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import ObjectEntry, ObjectTable

@@ -11,7 +11,7 @@ After a loop iteration that served lean frames, one callback polls that set, wit
 for at most ``budget_us``, and yields the core between polls (``sched_yield``) so that a process
 waiting for this core is not held back. It returns as soon as any connection has bytes; the
 event loop then reads them without sleeping. A linger that ends empty backs off: the next 1,
-2, 4 ... 64 chances to linger are skipped (``kvpool_client.polling.PollBackoff``, which the
+2, 4 ... 64 chances to linger are skipped (``kvpool_wire.polling.PollBackoff``, which the
 client's calls use too), so a master whose clients call now and then spends at most
 ``budget_us`` per 64 calls, while a busy master keeps polling.
 
@@ -28,7 +28,7 @@ import os
 import select
 import time
 
-from kvpool_client.polling import PollBackoff
+from kvpool_wire.polling import PollBackoff
 
 
 class BusyPoller:

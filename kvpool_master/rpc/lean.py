@@ -41,16 +41,16 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
-from kvpool_client.framing import (
+from kvpool_wire.framing import (
     FRAME_HEADER,
     FRAME_OVERHEAD_BYTES,
     FrameDecoder,
     FrameError,
     encode_frame,
 )
-from kvpool_client.rpc import METHOD_AUTH, METHOD_ERROR
-from kvpool_client.status import Status
-from kvpool_master.rpc import convert
+from kvpool_wire.methods import METHOD_AUTH, METHOD_ERROR, METHODS_BY_ID
+from kvpool_wire.status import Status
+from kvpool_wire import convert
 from kvpool_master.rpc.busypoll import BusyPoller
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
 
@@ -88,7 +88,7 @@ class LeanServer:
                                       if self._auth_token else max_frame_bytes)
         self._ssl_context = ssl_context
         self._on_refusal = on_refusal
-        self._method_by_id = convert.method_by_id()
+        self._method_by_id = METHODS_BY_ID
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.AbstractServer | None = None
         self.connections: set[_LeanProtocol] = set()
@@ -111,7 +111,7 @@ class LeanServer:
         Why: a round trip over a Unix socket costs a third to half less than over loopback TCP
         here, and clients on the master's host make every call on it. The name is random and
         only reachable from the master's network namespace; clients also check the peer's pid
-        (see kvpool_client.rpc). Raises OSError where abstract sockets do not exist.
+        (the client connects to it). Raises OSError where abstract sockets do not exist.
         """
         name = f"kvpool-master-{secrets.token_hex(8)}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

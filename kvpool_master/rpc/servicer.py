@@ -29,15 +29,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvpool_client import capability
-from kvpool_client.rpc import RpcMethod
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, Op, Placement, SegmentInfo
+from kvpool_wire import capability
+from kvpool_wire.methods import RpcMethod
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.events import Event
 from kvpool_master.core.master import MasterCore
-from kvpool_master.rpc import convert
-from kvpool_master.rpc.convert import BadRequest
+from kvpool_wire import convert
+from kvpool_wire.convert import BadRequest
 
 log = logging.getLogger("kvpool.master.rpc")
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from token_stub import TokenStub
 
-from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2 as pb
 
 SCRIPT = Path(sys.executable).parent / "kvpool-master"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason=f"{SCRIPT} is not installed "

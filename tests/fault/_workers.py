@@ -35,7 +35,7 @@ def soak(config: dict[str, Any], duration_s: float, seed: int, worker: int,
     """Mixed puts, gets (own and other workers' keys) and removes until ``duration_s``."""
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.status import KVPoolError, Status
+    from kvpool_wire.status import KVPoolError, Status
 
     rng = random.Random(seed)
     counts = {"puts": 0, "put_failed": 0, "gets": 0, "hits": 0, "misses": 0, "mismatches": 0,
@@ -91,7 +91,7 @@ def put_loop(config: dict[str, Any], prefix: str, size_bytes: int, batch: int,
     ``batch`` objects into ``segment`` until killed, printing ``{"batch": n}`` after each."""
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.types import PutOptions
+    from kvpool_wire.types import PutOptions
 
     client = KVPoolClient(ClientConfig.from_dict(config))
     own = client.segment_ids[0]

@@ -21,8 +21,8 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.liveness import MasterAddress
 from kvpool_client.segments import SHM_DIR
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 
 def _load_worker() -> Any:

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import grpc
 from token_stub import TokenStub
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
-from kvpool_client.rpc import RPC_METHODS
-from kvpool_client.status import Status
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire.methods import RPC_METHODS
+from kvpool_wire.status import Status
 
 SEED = 20240611
 MIN_REQUESTS = 10_000

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 NUM_OBJECTS = 200
 SIZE_BYTES = 16 << 10

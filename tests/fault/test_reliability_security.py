@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvpool_client import capability
+from kvpool_wire import capability
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import TcpTransport
-from kvpool_client.types import Op, Placement, SegmentInfo
+from kvpool_wire.types import Op, Placement, SegmentInfo
 
 TOKEN = "reliability-test-token"
 SEGMENT_BYTES = 16 << 20

@@ -114,8 +114,8 @@ class Worker:
 def _serve(config_json: str) -> None:
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.status import KVPoolError, Status
-    from kvpool_client.types import PutOptions
+    from kvpool_wire.status import KVPoolError, Status
+    from kvpool_wire.types import PutOptions
 
     client = KVPoolClient(ClientConfig.from_dict(json.loads(config_json)))
     _reply({"ready": True, "client_id": client.client_id, "segment_ids": client.segment_ids,

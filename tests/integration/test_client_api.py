@@ -14,8 +14,8 @@ import pytest
 from kvpool_client.buffers import alloc_bytes
 from kvpool_client.client import AsyncKVPoolClient, KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 
 def make_config(master: Any, **changes: Any) -> ClientConfig:

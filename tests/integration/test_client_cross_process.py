@@ -11,8 +11,8 @@ import pytest
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import Status
-from kvpool_client.types import PutOptions
+from kvpool_wire.status import Status
+from kvpool_wire.types import PutOptions
 
 
 def _load_worker() -> Any:

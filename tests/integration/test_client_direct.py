@@ -20,7 +20,7 @@ import pytest
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 
 SIZES = [1, 4096, 3 << 20, 100_003]
 

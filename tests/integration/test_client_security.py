@@ -11,8 +11,8 @@ import pytest
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Placement, SegmentId
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Placement, SegmentId
 
 
 def test_client_over_mutual_tls_with_a_token(start_master: Any, pki: dict[str, str]) -> None:

@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from token_stub import TokenStub
 
-from kvpool_client import capability
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire import capability
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 
 MAX_BATCH = 64
 SEGMENT_BYTES = 1 << 20

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from kvpool_client.rpc import MasterRpc
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
 SEGMENT_BYTES = 1 << 20
 

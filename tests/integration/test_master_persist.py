@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 from token_stub import TokenStub
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 
 GRACE_S = 2.0
 

@@ -8,9 +8,9 @@ import urllib.request
 
 import pytest
 
-from kvpool_client._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.rpc import MasterRpc, TlsConfig
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -11,8 +11,8 @@ import urllib.request
 import grpc
 from token_stub import TokenStub
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 
 CLIENT_TTL_S = 1.0
 

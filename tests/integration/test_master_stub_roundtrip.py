@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvpool_client import capability
+from kvpool_wire import capability
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 
 SEGMENT_BYTES = 1 << 20
 

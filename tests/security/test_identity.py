@@ -31,9 +31,9 @@ import pytest
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 from kvpool_client.transfer.tcp import RESPONSE, encode_request
-from kvpool_client.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 
 
 def config(address: str, **changes: Any) -> ClientConfig:
@@ -142,7 +142,7 @@ SECOND = textwrap.dedent("""
     import sys
     from kvpool_client.client import KVPoolClient
     from kvpool_client.config import ClientConfig
-    from kvpool_client.status import KVPoolError
+    from kvpool_wire.status import KVPoolError
     try:
         KVPoolClient(ClientConfig.from_dict({
             "master_server_address": sys.argv[1], "client_id": sys.argv[2],

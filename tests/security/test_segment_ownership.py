@@ -27,8 +27,8 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import MasterRpc
 from kvpool_client.segments import SHM_DIR, cleanup_stale_segments
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import ClientId, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
 
 def config(address: str, **changes: Any) -> ClientConfig:

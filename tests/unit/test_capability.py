@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from kvpool_client import capability
-from kvpool_client.types import Op
+from kvpool_wire import capability
+from kvpool_wire.types import Op
 
 
 def test_a_reused_keyed_state_signs_like_a_fresh_key() -> None:

@@ -11,8 +11,8 @@ import pytest
 from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import Regions
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Pin, PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Pin, PutOptions
 
 
 class FakePool:

@@ -20,7 +20,7 @@ from kvpool_client.buffers import (
     trim_regions,
 )
 from kvpool_client.metrics import ClientMetrics, Histogram
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 
 def test_keys() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_client._loopthread import CallerLoop, wait_for
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 WAIT_S = 10.0
 

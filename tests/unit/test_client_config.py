@@ -10,7 +10,7 @@ import pytest
 
 from kvpool_client import config as config_module
 from kvpool_client.config import ClientConfig, ConfigError
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 MINDIE_JSON = {
     "local_hostname": "localhost",

@@ -13,7 +13,7 @@ from kvpool_client.config import ConfigError
 from kvpool_client.connectors._tensors import flatten, pointer_range, pointer_ranges
 from kvpool_client.connectors.sglang import client_config as sglang_config
 from kvpool_client.connectors.vllm_ascend import backend_config
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 
 def test_pointer_ranges_of_tensors_and_arrays() -> None:

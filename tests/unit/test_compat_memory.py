@@ -16,7 +16,7 @@ import pytest
 
 from kvpool_client.compat.devices import DeviceMemory, locate_device
 from kvpool_client.compat.memory import ProcessMaps, RegionRegistry
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 MAPS = """\
 00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3

@@ -11,8 +11,8 @@ from kvpool_client.compat import codes
 from kvpool_client.compat.replicate import ReplicateConfig, put_options
 from kvpool_client.compat.setup_args import host_of, parse_setup
 from kvpool_client.config import ConfigError
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Pin, PutOptions
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Pin, PutOptions
 
 NO_ENV: dict[str, str] = {}
 

@@ -3,8 +3,8 @@ when nothing is evictable."""
 
 from __future__ import annotations
 
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.events import EvictionPass, ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore
 

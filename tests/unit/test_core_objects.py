@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.allocator import aligned
 from kvpool_master.core.events import ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore

@@ -24,7 +24,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _project_file(module: str) -> Path | None:
-    if not module.startswith(("kvpool_master", "kvpool_client")):
+    if not module.startswith(("kvpool_master", "kvpool_client", "kvpool_wire")):
         return None
     spec = importlib.util.find_spec(module.rsplit(".", 1)[0]) if "." in module else None
     with contextlib.suppress(ModuleNotFoundError, ValueError):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_client.capability import client_token
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.capability import client_token
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.core.snapshot import Snapshot
 

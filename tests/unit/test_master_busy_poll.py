@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_client.polling import MAX_SKIPS
+from kvpool_wire.polling import MAX_SKIPS
 from kvpool_master.rpc.busypoll import BusyPoller
 
 

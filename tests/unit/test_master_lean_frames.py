@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_client._pb import kvpool_pb2
-from kvpool_client.framing import (
+from kvpool_wire._pb import kvpool_pb2
+from kvpool_wire.framing import (
     ERROR_METHOD_ID,
     FrameDecoder,
     FrameError,
     encode_frame,
     error_reason,
 )
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 
 
 def test_frames_survive_every_split_point() -> None:

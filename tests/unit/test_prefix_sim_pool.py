@@ -23,8 +23,8 @@ from kvpool_client.replay_sim import (
     route,
     simulate,
 )
-from kvpool_client.status import Status
-from kvpool_client.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.master import CoreConfig, MasterCore
 
 OBJECT_BYTES = 4096

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool_client.hashing import BlockHash, BlockHasher, HashNamespace
 from kvpool_client.prefix import RegionBlockIO, TieredPrefixCache
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 
 BLOCK_BYTES = 32
 

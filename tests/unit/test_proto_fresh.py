@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool_client._pb import generate
+from kvpool_wire._pb import generate
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from kvpool_client.segments import (
     host_id,
     shm_name_for,
 )
-from kvpool_client.status import KVPoolError, Status
-from kvpool_client.types import Tier
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import Tier
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client.status import RETRYABLE, KVPoolError, Status
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.status import RETRYABLE, KVPoolError, Status
 
 
 def test_status_enum_matches_proto() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 
 torch = pytest.importorskip("torch", reason="tensors tests need torch (pip install torch==2.13.0)")
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_client import capability
-from kvpool_client.capability import MasterClock
+from kvpool_wire import capability
+from kvpool_wire.capability import MasterClock
 from kvpool_client.segments import LocalSegment
-from kvpool_client.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer.tcp import (
     REQUEST,
     RESPONSE,
@@ -22,7 +22,7 @@ from kvpool_client.transfer.tcp import (
     encode_response,
 )
 from kvpool_client.transfer.tcp_client import _chunks, parse_endpoint
-from kvpool_client.types import Op, Placement
+from kvpool_wire.types import Op, Placement
 
 NOW_MS = 1_700_000_000_000
 KEY = bytes(range(32))

@@ -25,7 +25,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from kvpool_client.types import Op
+from kvpool_wire.types import Op
 
 CAPABILITY_BYTES = 16
 KEY_BYTES = 32

@@ -18,10 +18,10 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
-from kvpool_client._pb import kvpool_pb2 as pb
-from kvpool_client.rpc import RPC_METHODS, RpcMethod
-from kvpool_client.status import Status
-from kvpool_client.types import (
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.methods import RPC_METHODS, RpcMethod
+from kvpool_wire.status import Status
+from kvpool_wire.types import (
     ClientId,
     ObjectKey,
     Pin,
@@ -300,11 +300,6 @@ _RESPONSE_BY_REQUEST: dict[Any, Any] = {m.request_type: m.response_type
 def response_type_of(request: Message) -> type[Message]:
     """The answer message type of a request message."""
     return _RESPONSE_BY_REQUEST[type(request)]  # type: ignore[no-any-return]
-
-
-def method_by_id() -> dict[int, RpcMethod]:
-    """Lean-framing method id -> method."""
-    return {method.method_id: method for method in RPC_METHODS.values()}
 
 
 def refused_response(request: Message, status: Status) -> Message:

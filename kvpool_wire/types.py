@@ -1,6 +1,6 @@
 """Domain vocabulary shared by the master and the client (no protobuf here).
 
-Only ``kvpool_master/rpc/convert.py`` and ``kvpool_client/rpc.py`` translate between these
+Only ``kvpool_wire/convert.py`` translates between these
 types and protobuf messages.
 """
 
@@ -117,7 +117,7 @@ def parse_size_bytes(value: int | str) -> int:
 class ReadResult:
     """The master's answer for one key of a read: where its bytes are, or why not."""
 
-    status: int  # a kvpool_client.status.Status value
+    status: int  # a kvpool_wire.status.Status value
     size_bytes: int = 0
     placements: tuple[Placement, ...] = ()
     checksum: int = 0  # xxh3_64 of the bytes as committed, 0 when none was given

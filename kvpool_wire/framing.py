@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from kvpool_client.status import Status
+from kvpool_wire.status import Status
 
 #: ``u32 length of what follows | u8 method | u32 request id``, little-endian.
 FRAME_HEADER = struct.Struct("<IBI")
