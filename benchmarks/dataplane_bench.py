@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import uvloop
 
-from kvpool_wire import capability
 from kvpool_client.segments import cleanup_stale_segments
 from kvpool_client.transfer import ShmTransport, TcpTransport
+from kvpool_wire import capability
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
 MiB = 1 << 20

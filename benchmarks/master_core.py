@@ -23,10 +23,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.persist import StateStore
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 
 OBJECT_BYTES = 64 << 10
 CLIENT = ClientId("bench-client")

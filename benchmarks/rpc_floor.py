@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 
 from kvpool_client._loopthread import LoopThread
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import _connect_local
+from kvpool_wire._pb import kvpool_pb2 as pb
 
 
 def per_op_us(fn: Callable[[], None], ops: int, reps: int) -> float:

@@ -44,9 +44,9 @@ from kvpool_client.liveness import Liveness, MasterAddress, register_waiting
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, MasterSession
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
 from kvpool_client.transfer.copy import ParallelCopier
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions, SegmentInfo
 
 logger = logging.getLogger(__name__)

@@ -39,9 +39,9 @@ from kvpool_client._direct import (
 from kvpool_client.buffers import Regions, checksum
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import ShmTransport, TcpTransport, uses_shm
 from kvpool_client.transfer.base import Item
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, PutOptions, SegmentInfo
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpool_client.buffers import checksum
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer.base import Item
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions
 
 if TYPE_CHECKING:

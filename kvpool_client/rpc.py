@@ -34,7 +34,10 @@ from typing import Any, cast
 import grpc
 
 from kvpool_client._loopthread import wait_for
+from kvpool_client.lean_blocking import BlockingLeanConnection
 from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.capability import MasterClock
+from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_wire.methods import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METHOD_AUTH,
@@ -42,9 +45,6 @@ from kvpool_wire.methods import (
     RPC_METHODS,
     RpcMethod,
 )
-from kvpool_wire.capability import MasterClock
-from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
-from kvpool_client.lean_blocking import BlockingLeanConnection
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import (
     ClientId,

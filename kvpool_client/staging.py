@@ -20,7 +20,6 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.tensors import (
     PagedKVCache,
     RegisteringPool,
@@ -28,6 +27,7 @@ from kvpool_client.tensors import (
     host_view,
     import_torch,
 )
+from kvpool_wire.status import KVPoolError, Status
 
 #: Bytes of blocks a staged transfer moves per pool call, by default. Each of the two host
 #: staging buffers and the device staging buffer is this large. On an H100 host, 2 MiB blocks

@@ -25,10 +25,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from kvpool_wire.types import Tier
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.stats import CoreStats
+from kvpool_wire.types import Tier
 
 log = logging.getLogger("kvpool.master.metrics")
 

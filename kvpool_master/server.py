@@ -35,8 +35,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.methods import RPC_METHODS, RpcMethod
 from kvpool_master.clock import ServingClock
 from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev
@@ -45,6 +43,8 @@ from kvpool_master.metrics import HttpEndpoint, MasterMetrics
 from kvpool_master.persist import StateStore
 from kvpool_master.rpc.lean import LeanServer
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.methods import RPC_METHODS, RpcMethod
 
 log = logging.getLogger("kvpool.master")
 

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from kvpool_client.segments import HEADER_BYTES, SHM_DIR, LocalSegment, read_owner_proof
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer.base import (
     Item,
     Regions,
@@ -43,6 +42,7 @@ from kvpool_client.transfer.base import (
     status_of,
 )
 from kvpool_client.transfer.copy import Copy, ParallelCopier
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, SegmentInfo
 
 logger = logging.getLogger(__name__)

@@ -86,9 +86,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvpool_client.segments import LocalSegment
 from kvpool_wire import capability
 from kvpool_wire.capability import MasterClock
-from kvpool_client.segments import LocalSegment
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op
 

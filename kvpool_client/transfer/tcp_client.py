@@ -28,7 +28,6 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvpool_client._loopthread import wait_for
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer.base import Item, Regions, byte_views, check_item, status_of
 from kvpool_client.transfer.tcp import (
     MAX_MESSAGE_BYTES,
@@ -37,6 +36,7 @@ from kvpool_client.transfer.tcp import (
     VERSION,
     encode_request,
 )
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
 _KNOWN_STATUSES = frozenset(int(status) for status in Status)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool_wire.types import MAX_KEY_BYTES
 from kvpool_master.core.eviction import POLICIES
+from kvpool_wire.types import MAX_KEY_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import heapq
 
-from kvpool_wire.types import ObjectKey, Pin, Tier
 from kvpool_master.core.allocator import ALIGN_BYTES, aligned
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentTable
+from kvpool_wire.types import ObjectKey, Pin, Tier
 
 POLICIES = ("lru", "prefix-lru")
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kvpool_wire.status import Status
-from kvpool_wire.types import ObjectKey, Placement, ReadResult
 from kvpool_master.core.allocator import OFFSET_BITS, aligned
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_wire.status import Status
+from kvpool_wire.types import ObjectKey, Placement, ReadResult
 
 OK = Status.OK
 NOT_FOUND = Status.NOT_FOUND

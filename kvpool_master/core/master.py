@@ -19,15 +19,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from kvpool_wire.status import Status
-from kvpool_wire.types import (
-    ClientId,
-    ObjectKey,
-    ReadResult,
-    SegmentId,
-    SegmentInfo,
-    Tier,
-)
 from kvpool_master.core import leases
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.config import CoreConfig
@@ -43,6 +34,15 @@ from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
+from kvpool_wire.status import Status
+from kvpool_wire.types import (
+    ClientId,
+    ObjectKey,
+    ReadResult,
+    SegmentId,
+    SegmentInfo,
+    Tier,
+)
 
 __all__ = ["CoreConfig", "MasterCore"]
 

@@ -31,16 +31,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvpool_wire.status import Status
-from kvpool_wire.types import (
-    ClientId,
-    ObjectKey,
-    Pin,
-    Placement,
-    PutOptions,
-    SegmentInfo,
-    Tier,
-)
 from kvpool_master.core.allocator import Allocator, aligned
 from kvpool_master.core.clients import ClientTable
 from kvpool_master.core.config import CoreConfig
@@ -61,6 +51,16 @@ from kvpool_master.core.leases import DeferredFrees, LeaseCounters
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
+from kvpool_wire.status import Status
+from kvpool_wire.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    Placement,
+    PutOptions,
+    SegmentInfo,
+    Tier,
+)
 
 #: Most replicas one object may ask for.
 MAX_REPLICAS = 16

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvpool_wire.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import (
     ALIGN_BYTES,
     MAX_SEGMENT_BYTES,
@@ -28,6 +27,7 @@ from kvpool_master.core.allocator import (
     Allocator,
     aligned,
 )
+from kvpool_wire.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
 
 #: Longest segment id accepted (segment ids travel in every placement).
 MAX_SEGMENT_ID_BYTES = 256

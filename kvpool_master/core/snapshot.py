@@ -24,11 +24,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
 from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
+from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
 
 #: (client_id, host_id, capability_key)
 ClientRow = tuple[str, str, bytes]

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvpool_wire.types import ClientId, SegmentId, Tier
 from kvpool_master.core.clients import ClientTable
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable
+from kvpool_wire.types import ClientId, SegmentId, Tier
 
 
 class Counters:

@@ -41,6 +41,9 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
+from kvpool_master.rpc.busypoll import BusyPoller
+from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
+from kvpool_wire import convert
 from kvpool_wire.framing import (
     FRAME_HEADER,
     FRAME_OVERHEAD_BYTES,
@@ -50,9 +53,6 @@ from kvpool_wire.framing import (
 )
 from kvpool_wire.methods import METHOD_AUTH, METHOD_ERROR, METHODS_BY_ID
 from kvpool_wire.status import Status
-from kvpool_wire import convert
-from kvpool_master.rpc.busypoll import BusyPoller
-from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
 
 log = logging.getLogger("kvpool.master.lean")
 

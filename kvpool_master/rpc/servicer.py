@@ -29,15 +29,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvpool_wire import capability
-from kvpool_wire.methods import RpcMethod
-from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.events import Event
 from kvpool_master.core.master import MasterCore
-from kvpool_wire import convert
+from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
+from kvpool_wire.methods import RpcMethod
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
 
 log = logging.getLogger("kvpool.master.rpc")
 

@@ -21,10 +21,10 @@ import pytest
 import uvloop
 import xxhash
 
-from kvpool_wire import capability
 from kvpool_client.segments import SHM_DIR, cleanup_stale_segments, host_id
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import ShmTransport, TcpTransport, choose
+from kvpool_wire import capability
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
 SEGMENT_BYTES = 32 << 20

@@ -26,11 +26,11 @@ import pytest
 import uvloop
 import xxhash
 
-from kvpool_wire import capability
 from kvpool_client.segments import LocalSegment
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, TcpTransport
 from kvpool_client.transfer.tcp import REQUEST, RESPONSE, encode_request
+from kvpool_wire import capability
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
 SEGMENT_BYTES = 4 << 20

@@ -24,13 +24,13 @@ from typing import Any
 import grpc
 import xxhash
 
-from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_wire.methods import RPC_METHODS
 from kvpool_client.segments import SHM_DIR
 from kvpool_client.transfer import tcp
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire.methods import RPC_METHODS
 from kvpool_wire.types import Pin, PutOptions
 
 SEED = 6_20261123

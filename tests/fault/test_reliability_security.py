@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvpool_wire import capability
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import TcpTransport
+from kvpool_wire import capability
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
 TOKEN = "reliability-test-token"

@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool_master.core.events import ObjectCommitted
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 from kvpool_wire.capability import client_token
 from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
-from kvpool_master.core.events import ObjectCommitted
-from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
 
 SEGMENT_BYTES = 1 << 20
 OBJECT_BYTES = 4096

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from token_stub import TokenStub
 
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.rpc import MasterRpc
+from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import MasterRpc, TlsConfig, _connect_local
+from kvpool_wire._pb import kvpool_pb2 as pb
 
 
 def _register(lean_socket: Any, master: Any) -> Any:

@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.rpc import MasterRpc, TlsConfig
+from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.status import KVPoolError, Status
 
 TOKEN = "s3cret-token-for-tests"

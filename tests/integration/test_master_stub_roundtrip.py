@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kvpool_wire import capability
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
+from kvpool_wire import capability
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 

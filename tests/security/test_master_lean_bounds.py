@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
+from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.framing import encode_frame, error_reason
 from kvpool_wire.methods import METHOD_AUTH, METHOD_ERROR, RPC_METHODS
 from kvpool_wire.status import Status

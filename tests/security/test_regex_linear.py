@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
+from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.methods import RPC_METHODS
 
 LONG_KEY = "a" * 32

@@ -3,10 +3,10 @@ when nothing is evictable."""
 
 from __future__ import annotations
 
-from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.events import EvictionPass, ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 
 BLOCK = 4096
 A = ClientId("writer")

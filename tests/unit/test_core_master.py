@@ -4,16 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_wire.capability import client_token
-from kvpool_wire.status import Status
-from kvpool_wire.types import (
-    ClientId,
-    ObjectKey,
-    Pin,
-    PutOptions,
-    SegmentId,
-    SegmentInfo,
-)
 from kvpool_master.core.events import (
     ClientExpired,
     ClientRegistered,
@@ -25,6 +15,16 @@ from kvpool_master.core.events import (
     SegmentUnmounted,
 )
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_wire.capability import client_token
+from kvpool_wire.status import Status
+from kvpool_wire.types import (
+    ClientId,
+    ObjectKey,
+    Pin,
+    PutOptions,
+    SegmentId,
+    SegmentInfo,
+)
 
 KEY = b"k" * 32
 A, B = ClientId("client-a"), ClientId("client-b")

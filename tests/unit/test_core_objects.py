@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 from kvpool_master.core.allocator import aligned
 from kvpool_master.core.events import ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
 
 CLIENTS = [ClientId("a"), ClientId("b")]
 KEYS = [ObjectKey(b"k%d" % i) for i in range(6)]

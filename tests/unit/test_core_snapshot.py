@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.snapshot import Snapshot
 from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
-from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.core.snapshot import Snapshot
 
 A = ClientId("a")
 SEG = SegmentInfo(SegmentId("s"), A, 1 << 16, host_id="h")

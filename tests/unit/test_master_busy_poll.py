@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_wire.polling import MAX_SKIPS
 from kvpool_master.rpc.busypoll import BusyPoller
+from kvpool_wire.polling import MAX_SKIPS
 
 
 @pytest.fixture

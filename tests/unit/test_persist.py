@@ -8,6 +8,10 @@ from typing import Any
 
 import pytest
 
+from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
+from kvpool_master.statefile import Overlay, event_row
 from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
@@ -19,10 +23,6 @@ from kvpool_wire.types import (
     SegmentId,
     SegmentInfo,
 )
-from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
-from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
-from kvpool_master.statefile import Overlay, event_row
 
 A, B = ClientId("client-a"), ClientId("client-b")
 KEY_A, KEY_B = b"a" * 32, b"b" * 32

@@ -23,9 +23,9 @@ from kvpool_client.replay_sim import (
     route,
     simulate,
 )
+from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
-from kvpool_master.core.master import CoreConfig, MasterCore
 
 OBJECT_BYTES = 4096
 

@@ -10,10 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_wire import capability
-from kvpool_wire.capability import MasterClock
 from kvpool_client.segments import LocalSegment
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer.tcp import (
     REQUEST,
     RESPONSE,
@@ -22,6 +19,9 @@ from kvpool_client.transfer.tcp import (
     encode_response,
 )
 from kvpool_client.transfer.tcp_client import _chunks, parse_endpoint
+from kvpool_wire import capability
+from kvpool_wire.capability import MasterClock
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement
 
 NOW_MS = 1_700_000_000_000

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import xxhash
 
-from kvpool_wire.capability import ownership_proof
 from kvpool_client.segments import SHM_DIR, LocalSegment
-from kvpool_wire.status import KVPoolError, Status
 from kvpool_client.transfer import ShmTransport, choose
 from kvpool_client.transfer.copy import ParallelCopier, split_by_bytes
+from kvpool_wire.capability import ownership_proof
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, SegmentInfo
 
 SEGMENT_BYTES = 8 << 20
