@@ -10,13 +10,12 @@ zero-copy, alternating three policies round by round in one run:
            pieces of STREAM_MIN_BYTES or more are copied with streaming stores (``_ntcopy``,
            where it was built)
   numpy    the same, every piece copied with numpy.copyto
-  previous one thread copies inline with numpy.copyto, and a batch of 16 MiB or more is cut
-           into two concurrent sub-batches (which moves the call onto the client's event loop)
+  previous one thread copies inline with numpy.copyto
 
 Each round measures single-thread memcpy (numpy, 256 MiB) first; ratios are medians of
 per-round ratios. It also prints where a call's time goes: the master calls and the copy, per
 call, as the client times them. The other policies are emulated on the current code (streaming
-switched off; one copy thread and the sub-batch split forced); nothing else differs.
+switched off; one copy thread); nothing else differs.
 
 Usage:  python benchmarks/copy_policy.py [--size-mib 1] [--calls 32] [--rounds 6]
 """
@@ -46,26 +45,18 @@ POLICIES = ("previous", "numpy", "caller")
 
 def use_policy(client: Any, policy: str) -> None:
     """Switch ``client`` (a KVPoolClient) between the copy policies."""
-    from kvpool_client import _datapath
-
     copy_module.STREAM_MIN_BYTES = STREAM_MIN_BYTES if policy == "caller" else 1 << 62
-    datapath = client.async_client._datapath
-    previous = policy == "previous"
-    datapath.shm._copier.num_threads = 1 if previous else 2
-    if previous:
-        datapath._spans = _datapath.pipeline_spans  # instance attribute: always cut
-    else:
-        datapath.__dict__.pop("_spans", None)
+    client._path.parts.shm._copier.num_threads = 1 if policy == "previous" else 2
 
 
 def timed(timers: dict[str, float], obj: Any, name: str) -> None:
-    """Accumulate the seconds spent in coroutine method ``obj.name`` under ``timers[name]``."""
+    """Accumulate the seconds spent in method ``obj.name`` under ``timers[name]``."""
     original: Callable[..., Any] = getattr(obj, name)
 
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
-            return await original(*args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             timers[name] += time.perf_counter() - started
 
@@ -123,7 +114,7 @@ def main() -> int:
         offsets = [j * size for j in range(BATCH)]
         sizes = [size] * BATCH
         options = PutOptions(preferred_segment=a_segment)
-        datapath = client.async_client._datapath
+        datapath = client._path  # the blocking driver, which runs the sync client's calls
         timers: dict[str, float] = collections.defaultdict(float)
         for name in ("get_replicas", "put_start", "put_end"):
             timed(timers, datapath.rpc, name)

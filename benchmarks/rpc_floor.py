@@ -36,10 +36,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvpool_client._loopthread import LoopThread
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.rpc import _connect_local
+from kvpool_client.loops import LoopThread
+from kvpool_client.rpc.endpoints import connect_local
 from kvpool_wire._pb import kvpool_pb2 as pb
 
 
@@ -188,7 +188,7 @@ def raw_exist_rows(ports: dict[str, int], ops: int, reps: int,
     tcp.sendall(struct.pack("<IBI", len(body) + 5, pb.METHOD_REGISTER_CLIENT, 1) + body)
     reply = pb.RegisterClientResponse.FromString(tcp.recv(65536)[9:])
     rows = [(f"raw lean Exist, loopback TCP, {what}", lean_exist_us(tcp, ops, reps))]
-    local = _connect_local(reply.fast_socket, reply.master_pid)
+    local = connect_local(reply.fast_socket, reply.master_pid)
     if local is not None:
         local.setblocking(True)
         rows.append((f"raw lean Exist, Unix socket, {what}", lean_exist_us(local, ops, reps)))

@@ -1,10 +1,10 @@
-"""AsyncKVPoolClient: the one implementation of the client API (the sync client runs it on the
-calling thread; see ``_loopthread.CallerLoop``).
+"""AsyncKVPoolClient: the client on an event loop, and the owner of a client's lifecycle (the
+sync client runs its start, close and async writes on a loop thread of its own).
 
 Rules of this file:
-- Every public call is normalised into (key bytes, regions) by ``buffers`` and handed to the
-  batch-shaped engines of ``_datapath``; single-key forms are thin wrappers that raise
-  KVPoolError, batch forms return one Status (or int) per key.
+- Every public call is normalised into one batch of distinct keys (``api``, ``core.keys``) and
+  handed to the asyncio driver (``drivers.aio``); single-key forms are thin wrappers that
+  raise KVPoolError, batch forms return one Status (or int) per key.
 - Start: remove shared memory left by dead processes, create the segments, serve them
   (data server refusing everything until the master's key is known), register, mount, start
   heartbeating. Close undoes it in reverse and reports async writes that failed.
@@ -23,29 +23,30 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client._datapath import DataPath, split_sizes
-from kvpool_client._direct import Consumer, Done, Filler
-from kvpool_client._loopthread import wait_for
+from kvpool_client.api import ReadRequest, SizedRequest, WriteRequest, attempt, same_length, slices
 from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import (
     BufferRegistry,
     KeyLike,
     Regions,
-    alloc_bytes,
     byte_view,
     regions_of,
     slice_view,
     to_key,
-    total_bytes,
-    trim_regions,
 )
 from kvpool_client.config import ClientConfig
+from kvpool_client.drivers.aio import AsyncDataPath
+from kvpool_client.drivers.blocking import BlockingDataPath
+from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
 from kvpool_client.liveness import Liveness, MasterAddress, register_waiting
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, MasterSession
-from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id
-from kvpool_client.transfer import DataServer, ShmTransport, TcpTransport
+from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id, split_sizes
 from kvpool_client.transfer.copy import ParallelCopier
+from kvpool_client.transfer.shm import ShmTransport
+from kvpool_client.transfer.tcp import DataServer
+from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
+from kvpool_client.transfer.tcp_client import TcpTransport
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions, SegmentInfo
 
@@ -82,7 +83,8 @@ class AsyncKVPoolClient:
         self._server: DataServer | None = None
         self._rpc: MasterRpc | None = None
         self._liveness: Liveness | None = None
-        self._datapath: DataPath | None = None
+        self.parts: Parts | None = None
+        self._datapath: AsyncDataPath | None = None
         self._writer: AsyncWriter | None = None
         self._metrics_server: Any = None
         self._default_options = PutOptions(replica_num=config.replica_num,
@@ -158,17 +160,6 @@ class AsyncKVPoolClient:
                 raise KVPoolError(status, f"mounting segment {descriptor.segment_id} failed")
         self._writer = AsyncWriter(self._write_normalised, config.async_write_queue_size,
                                    self.metrics)
-        self._datapath = DataPath(
-            rpc=rpc, client_id=self.client_id, local_host_id=self.host_id,
-            transport=config.transport,
-            shm=ShmTransport(self._segments, copier=ParallelCopier(
-                config.copy_threads or copy_threads())),
-            tcp=TcpTransport(timeout_s=config.transfer_timeout_s),
-            checksum_max_bytes=checksum_max_bytes(config.checksum),
-            commit_nowait=config.commit_nowait,
-            metrics=self.metrics, reregistered=self._reregistered)
-        self._datapath.remember(descriptors)
-        self._datapath.commits = self._writer
         self._liveness = Liveness(
             master=self._master, session=self._session, client_id=self.client_id,
             host_id=self.host_id, hostname=self.hostname, registration=registration,
@@ -176,7 +167,17 @@ class AsyncKVPoolClient:
             segments=self._descriptors, set_serving_key=self._set_serving_key,
             stamp_segments=self._stamp_segments,
             interval_s=config.heartbeat_interval_s, metrics=self.metrics)
-        self._datapath.liveness = self._liveness
+        self.parts = Parts(
+            client_id=self.client_id, local_host_id=self.host_id, transport=config.transport,
+            shm=ShmTransport(self._segments, copier=ParallelCopier(
+                config.copy_threads or copy_threads())),
+            checksum_max_bytes=checksum_max_bytes(config.checksum), metrics=self.metrics,
+            liveness=self._liveness, session=self._session)
+        self.parts.remember(descriptors)
+        self._datapath = AsyncDataPath(
+            self.parts, rpc, TcpTransport(timeout_s=config.transfer_timeout_s),
+            reregistered=self._reregistered,
+            commits=self._writer if config.commit_nowait else None)
         self._liveness.start()
         if config.metrics_port >= 0:
             self._start_metrics_server(config.metrics_port, config.metrics_host)
@@ -212,7 +213,7 @@ class AsyncKVPoolClient:
         if self._server is not None:
             await asyncio.to_thread(self._server.close)
         if self._datapath is not None:
-            await self._datapath.shm.close()
+            await self._datapath.parts.shm.close()
             await self._datapath.tcp.close()
         if self._rpc is not None:
             await self._rpc.close()
@@ -257,22 +258,17 @@ class AsyncKVPoolClient:
         """Ids of the segments this client contributes."""
         return list(self._segments)
 
-    def set_direct(self, on: bool) -> None:
-        """Let master calls and large copies block the calling thread while the sync client
-        runs a call synchronously on it (see ``_loopthread.CallerLoop``). Master calls never
-        with pipelined commits: those travel on the loop's connection and later calls must
-        stay behind them."""
-        rpc = self._rpc
-        if rpc is not None and not self.config.commit_nowait:
-            rpc.direct = on
-        if self._datapath is not None:
-            self._datapath.shm.caller_copies = on
-
-    def background_busy(self) -> bool:
-        """True while work that no call waits for is left on the loop: queued async writes,
-        unanswered pipelined commits, background tasks."""
-        writer = self._writer
-        return bool(self._background) or (writer is not None and writer.pending > 0)
+    def blocking_path(self) -> BlockingDataPath:
+        """A blocking driver over this started client's parts, for the sync client (its own
+        master stub and TCP connections; the same segments, mappings and liveness)."""
+        parts, liveness = self.parts, self._liveness
+        if parts is None or liveness is None:
+            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
+        return BlockingDataPath(
+            parts, self._master.blocking_stub(self._session),
+            BlockingTcpTransport(timeout_s=self.config.transfer_timeout_s),
+            membership=liveness, host_id=self.host_id, hostname=self.hostname,
+            reregister_timeout_s=self.config.rpc_timeout_s * 2)
 
     def _descriptors(self) -> list[SegmentInfo]:
         endpoint = self._server.endpoint if self._server is not None else ""
@@ -298,7 +294,7 @@ class AsyncKVPoolClient:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _path(self) -> DataPath:
+    def _path(self) -> AsyncDataPath:
         datapath = self._datapath
         if datapath is None or self._closed:
             raise KVPoolError(Status.UNAVAILABLE, "the client is closed" if self._closed
@@ -335,13 +331,14 @@ class AsyncKVPoolClient:
             raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client")
         timeout_s = self.config.rpc_timeout_s * 2
         try:
-            await wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
+            await asyncio.wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
         except TimeoutError:
             raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client and "
                               f"re-registration did not finish within {timeout_s:g} s") from None
         await self._refresh_rpc()
 
-    def _options(self, options: PutOptions | None) -> PutOptions:
+    def options(self, options: PutOptions | None) -> PutOptions:
+        """``options``, or the configured defaults when None."""
         return self._default_options if options is None else options
 
     async def _write_normalised(self, keys: list[bytes], regions: list[Regions],
@@ -351,58 +348,29 @@ class AsyncKVPoolClient:
         datapath = self._datapath
         if datapath is None:
             raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
-        return await datapath.write(keys, regions, [total_bytes(r) for r in regions], options)
+        return await datapath.write(keys, regions, [sum(v.nbytes for v in r) for r in regions],
+                                    options)
 
     async def _put_many(self, op: str, keys: Sequence[KeyLike], regions: list[Regions | None],
                         options: PutOptions | None, async_write: bool) -> list[Status]:
-        """Validate, dedupe and write; ``regions[i] is None`` marks an item already refused with
-        the status preset in the result. Returns one Status per key."""
+        """Write a batch (``regions[i]`` None: unusable); one Status per key."""
         started = time.perf_counter()
-        statuses = [Status.OK] * len(keys)
-        send_keys: list[bytes] = []
-        send_regions: list[Regions] = []
-        send_sizes: list[int] = []
-        send_index: list[int] = []
-        key_to_first: dict[bytes, int] = {}
-        duplicates: list[tuple[int, int]] = []
-        for index, (key, parts) in enumerate(zip(keys, regions, strict=True)):
-            try:
-                raw = to_key(key)
-            except KVPoolError as exc:
-                statuses[index] = exc.status
-                continue
-            if parts is None:
-                statuses[index] = Status.INVALID_ARGUMENT
-                continue
-            size_bytes = total_bytes(parts)
-            if size_bytes == 0:
-                statuses[index] = Status.INVALID_ARGUMENT  # objects are never empty
-                continue
-            first = key_to_first.setdefault(raw, len(send_keys))
-            if first != len(send_keys):
-                duplicates.append((index, first))  # put once; the first value wins
-                continue
-            send_keys.append(raw)
-            send_regions.append(parts)
-            send_sizes.append(size_bytes)
-            send_index.append(index)
+        request = WriteRequest(keys, regions)
+        batch = request.batch
         datapath = self._path()
-        resolved = self._options(options)
-        if send_keys:
+        resolved = self.options(options)
+        sent: list[Status] = []
+        if batch.keys:
             if async_write:
                 assert self._writer is not None
-                await self._writer.submit(send_keys, send_regions, resolved)
-                sent_statuses = [Status.OK] * len(send_keys)
+                await self._writer.submit(batch.keys, batch.values, resolved)
+                sent = [Status.OK] * len(batch.keys)
             else:
                 try:
-                    sent_statuses = await datapath.write(send_keys, send_regions, send_sizes,
-                                                         resolved)
+                    sent = await datapath.write(batch.keys, batch.values, request.sizes, resolved)
                 except KVPoolError as exc:
-                    sent_statuses = [exc.status] * len(send_keys)
-            for index, status in zip(send_index, sent_statuses, strict=True):
-                statuses[index] = status
-        for index, first in duplicates:
-            statuses[index] = statuses[send_index[first]]
+                    sent = [exc.status] * len(batch.keys)
+        statuses = request.finish(sent)
         self.metrics.observe_op(op, time.perf_counter() - started)
         self.metrics.count_failures(op, statuses)
         return statuses
@@ -410,102 +378,38 @@ class AsyncKVPoolClient:
     async def _put_one(self, op: str, key: KeyLike, parts: Regions, options: PutOptions | None,
                        async_write: bool) -> None:
         """Single-key put; raises KVPoolError with the reason."""
-        started = time.perf_counter()
-        raw = to_key(key)
-        if total_bytes(parts) == 0:
-            raise KVPoolError(Status.INVALID_ARGUMENT, "an object has at least one byte")
-        datapath = self._path()
-        resolved = self._options(options)
-        if async_write:
-            assert self._writer is not None
-            await self._writer.submit([raw], [parts], resolved)
-            return
-        try:
-            (status,) = await datapath.write([raw], [parts], [total_bytes(parts)], resolved)
-        except KVPoolError:
-            self.metrics.count_failures(op, [Status.RPC_FAILED])
-            raise
-        self.metrics.observe_op(op, time.perf_counter() - started)
+        (status,) = await self._put_many(op, [key], [parts], options, async_write)
         if status not in _OK_STATUSES:
-            self.metrics.count_failures(op, [status])
-            raise KVPoolError(status, f"{op} of key {raw[:64]!r} failed")
+            raise KVPoolError(status, f"{op} of key {key!r:.80} failed")
 
     async def _read_many(self, op: str, keys: Sequence[KeyLike],
-                         dsts: list[Regions | Status] | None) -> tuple[list[int], list[bytes]]:
+                         dsts: Sequence[Regions | Status] | None) -> tuple[list[int], ReadRequest]:
         """Read keys into ``dsts`` (or fresh bytes when None). Returns (per key bytes read or a
-        negative Status, the fresh bytes objects by key index when ``dsts`` is None)."""
+        negative Status, the request, which holds the fresh bytes)."""
         started = time.perf_counter()
-        out = [0] * len(keys)
-        raws: list[bytes] = []
-        index_of: list[int] = []
-        for index, key in enumerate(keys):
+        request = ReadRequest(keys, dsts)
+        results: list[int] = []
+        if request.batch.keys:
+            datapath = self._path()
             try:
-                raws.append(to_key(key))
-                index_of.append(index)
+                results = await datapath.read(request.batch.keys, request.dst_for,
+                                              request.dst_sizes)
             except KVPoolError as exc:
-                out[index] = int(exc.status)
-        fresh: dict[int, bytes] = {}
-
-        def dst_for(position: int, size_bytes: int) -> Regions | Status:
-            index = index_of[position]
-            if dsts is None:
-                obj, view = alloc_bytes(size_bytes)
-                fresh[index] = obj
-                return [view]
-            dst = dsts[index]
-            if isinstance(dst, Status):
-                return dst
-            have_bytes = dst_sizes[position]
-            if have_bytes < size_bytes:
-                return Status.BUFFER_OVERFLOW
-            return dst if have_bytes == size_bytes and len(dst) == 1 else \
-                trim_regions(dst, size_bytes)
-
-        datapath = self._path()
-        dst_sizes: list[int] = []
-        if dsts is not None:
-            dst_sizes = [0 if isinstance(d, Status) else total_bytes(d)
-                         for d in (dsts[i] for i in index_of)]
-        if raws:
-            try:
-                results = await datapath.read(raws, dst_for,
-                                              dst_sizes if dsts is not None else None)
-            except KVPoolError as exc:
-                results = [int(exc.status)] * len(raws)
-            for position, result in enumerate(results):
-                out[index_of[position]] = result
+                results = [int(exc.status)] * len(request.batch.keys)
+        out = request.finish(results)
         self.metrics.observe_op(op, time.perf_counter() - started)
-        hits = sum(1 for r in out if r >= 0)
-        self.metrics.count_lookups(len(keys), hits)
+        self.metrics.count_lookups(len(keys), sum(1 for r in out if r >= 0))
         self.metrics.count_failures(op, [Status(r) for r in out if r < 0])
-        objects = [fresh.get(i, b"") if out[i] >= 0 else b"" for i in range(len(keys))] \
-            if dsts is None else []
-        return out, objects
+        return out, request
 
     async def _read_one(self, op: str, key: KeyLike, dst: Regions | None) -> tuple[int, bytes]:
         """Single-key read; returns (bytes read, fresh bytes when ``dst`` is None). Raises
         KVPoolError (NOT_FOUND, LEASE_EXPIRED, BUFFER_OVERFLOW, ...)."""
-        raw = to_key(key)
-        datapath = self._path()
-        started = time.perf_counter()
-        holder: list[bytes] = []
-
-        def dst_for(_: int, size_bytes: int) -> Regions | Status:
-            if dst is None:
-                obj, view = alloc_bytes(size_bytes)
-                holder.append(obj)
-                return [view]
-            if total_bytes(dst) < size_bytes:
-                return Status.BUFFER_OVERFLOW
-            return trim_regions(dst, size_bytes)
-
-        (result,) = await datapath.read([raw], dst_for)
-        self.metrics.observe_op(op, time.perf_counter() - started)
-        self.metrics.count_lookups(1, 1 if result >= 0 else 0)
+        to_key(key)  # a bad key raises rather than failing in the batch
+        (result,), request = await self._read_many(op, [key], None if dst is None else [dst])
         if result < 0:
-            self.metrics.count_failures(op, [Status(result)])
-            raise KVPoolError(Status(result), f"{op} of key {raw[:64]!r} failed")
-        return result, holder[0] if holder else b""
+            raise KVPoolError(Status(result), f"{op} of key {key!r:.80} failed")
+        return result, request.fresh.get(0, b"")
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -531,8 +435,8 @@ class AsyncKVPoolClient:
                         async_write: bool = False) -> list[Status]:
         """Store each ``datas[i]`` under ``keys[i]``; one Status per key (OK when stored or
         already there)."""
-        _same_length(keys, datas)
-        return await self._put_many("put_batch", keys, [_try(byte_view, d) for d in datas],
+        same_length(keys, datas)
+        return await self._put_many("put_batch", keys, [attempt(byte_view, d) for d in datas],
                                     options, async_write)
 
     async def batch_put_from(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
@@ -540,7 +444,7 @@ class AsyncKVPoolClient:
                              async_write: bool = False) -> list[Status]:
         """Store ``buf[offsets[i]:offsets[i]+sizes[i]]`` under ``keys[i]``, where ``bufs`` is one
         buffer for every key or a list with one buffer per key. One Status per key."""
-        views = self._slices(keys, bufs, offsets, sizes, writable=False)
+        views = slices(self.buffers, keys, bufs, offsets, sizes, writable=False)
         return await self._put_many("batch_put_from", keys, views, options, async_write)
 
     async def batch_put_regions(self, keys: Sequence[KeyLike], regions: Sequence[Sequence[Any]],
@@ -548,9 +452,10 @@ class AsyncKVPoolClient:
                                 async_write: bool = False) -> list[Status]:
         """Store, per key, the concatenation of its regions (scatter-gather, zero-copy).
         One Status per key."""
-        _same_length(keys, regions)
+        same_length(keys, regions)
         return await self._put_many("batch_put_regions", keys,
-                                    [_try(regions_of, r) for r in regions], options, async_write)
+                                    [attempt(regions_of, r) for r in regions], options,
+                                    async_write)
 
     async def batch_put_with(self, keys: Sequence[KeyLike], sizes: Sequence[int],
                              fill: Filler, options: PutOptions | None = None,
@@ -561,22 +466,13 @@ class AsyncKVPoolClient:
         when ``done()`` is given, which is called once after every fill and before anything is
         committed or sent. One Status per key; a key whose ``fill`` raised fails alone
         (TRANSFER_FAILED; every filled key when ``done`` raised) and is never committed; a
-        repeated key or a size that is not a positive int is INVALID_ARGUMENT."""
-        _same_length(keys, sizes)
-        statuses, raws, positions = self._distinct_keys(keys)
-        send_raws, send_positions = [], []
-        for raw, position in zip(raws, positions, strict=True):
-            size = sizes[position]
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                statuses[position] = Status.INVALID_ARGUMENT
-            else:
-                send_raws.append(raw)
-                send_positions.append(position)
-        return await self._with("batch_put_with", statuses, send_positions,
-                                self._path().write_with(
-                                    send_raws, [sizes[p] for p in send_positions],
-                                    self._options(options),
-                                    lambda i, view: fill(send_positions[i], view), done))
+        size that is not a positive int is INVALID_ARGUMENT; a repeated key is filled once
+        (its first position) and reports that key's status."""
+        request = SizedRequest(keys, sizes)
+        batch = request.batch
+        return await self._with("batch_put_with", batch, self._path().write_with(
+            batch.keys, batch.values, self.options(options),
+            lambda i, view: fill(request.position_of(i), view), done) if batch.keys else None)
 
     async def batch_get_with(self, keys: Sequence[KeyLike], consume: Consumer,
                              done: Done | None = None) -> list[int]:
@@ -585,11 +481,19 @@ class AsyncKVPoolClient:
         may leave its copy in flight until ``done()``, called once after every consume. Per key
         the object's size, or a negative Status; LEASE_EXPIRED when the read lease ran out
         before ``consume`` (and ``done``) returned: what it took may have been overwritten and
-        must be discarded."""
-        statuses, raws, positions = self._distinct_keys(keys)
+        must be discarded. A repeated key is consumed for each of its positions."""
+        batch = SizedRequest(keys, [1] * len(keys)).batch
+        repeats: dict[int, list[int]] = {}
+        for position, first in batch.repeats:
+            repeats.setdefault(first, []).append(position)
+
+        def consume_all(index: int, view: memoryview) -> None:
+            consume(batch.positions[index], view)
+            for position in repeats.get(index, ()):
+                consume(position, view)
         out = [int(s) for s in await self._with(
-            "batch_get_with", statuses, positions, self._path().read_with(
-                raws, lambda i, view: consume(positions[i], view), done))]
+            "batch_get_with", batch,
+            self._path().read_with(batch.keys, consume_all, done) if batch.keys else None)]
         self.metrics.count_lookups(len(out), sum(1 for n in out if n >= 0))
         return out
 
@@ -597,42 +501,18 @@ class AsyncKVPoolClient:
         """Run ``pin(view)`` on every shared-memory segment this client maps (its own too),
         now and later, and ``unpin(view)`` before one is unmapped: e.g. registering them with
         a device runtime so that ``batch_put_with`` / ``batch_get_with`` copies are DMA."""
-        self._path().shm.pin_mappings(pin, unpin)
+        self._path().parts.shm.pin_mappings(pin, unpin)
 
-    def _distinct_keys(self, keys: Sequence[KeyLike]) -> tuple[list[Any], list[bytes], list[int]]:
-        """(per-key statuses so far, the valid distinct raw keys, their positions); an invalid
-        or repeated key gets its status (INVALID_KEY, INVALID_ARGUMENT)."""
-        statuses: list[Any] = [Status.OK] * len(keys)
-        raws: list[bytes] = []
-        positions: list[int] = []
-        seen: set[bytes] = set()
-        for index, key in enumerate(keys):
-            try:
-                raw = to_key(key)
-            except KVPoolError as exc:
-                statuses[index] = exc.status
-                continue
-            if raw in seen:
-                statuses[index] = Status.INVALID_ARGUMENT
-                continue
-            seen.add(raw)
-            raws.append(raw)
-            positions.append(index)
-        return statuses, raws, positions
-
-    async def _with(self, op: str, statuses: list[Any], positions: list[int],
-                    call: Any) -> list[Any]:
-        """Await ``call`` (skipped when no key is left) and merge its per-key results."""
+    async def _with(self, op: str, batch: Any, call: Any) -> list[Any]:
+        """Await ``call`` (None when no key is left) and spread its per-key results."""
         started = time.perf_counter()
-        if not positions:
-            call.close()
-        else:
+        results: list[Any] = []
+        if call is not None:
             try:
                 results = await call
             except KVPoolError as exc:
-                results = [exc.status] * len(positions)
-            for position, result in zip(positions, results, strict=True):
-                statuses[position] = result
+                results = [exc.status] * len(batch.keys)
+        statuses: list[Any] = batch.spread(results)
         self.metrics.observe_op(op, time.perf_counter() - started)
         self.metrics.count_failures(op, [int(s) for s in statuses])
         return statuses
@@ -661,15 +541,15 @@ class AsyncKVPoolClient:
     async def get_batch(self, keys: Sequence[KeyLike]) -> list[bytes | None]:
         """Return each object's bytes, None where the key is missing or its read failed (the
         failures are counted in metrics by status)."""
-        out, objects = await self._read_many("get_batch", keys, None)
-        return [objects[i] if out[i] >= 0 else None for i in range(len(keys))]
+        out, request = await self._read_many("get_batch", keys, None)
+        return request.objects(out)
 
     async def batch_get_into(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
                              sizes: Sequence[int]) -> list[int]:
         """Read ``keys[i]`` into ``buf[offsets[i]:offsets[i]+sizes[i]]`` (``bufs`` as in
         batch_put_from); per key the bytes read, or a negative Status (NOT_FOUND,
         BUFFER_OVERFLOW, LEASE_EXPIRED, ...)."""
-        views = self._slices(keys, bufs, offsets, sizes, writable=True)
+        views = slices(self.buffers, keys, bufs, offsets, sizes, writable=True)
         dsts: list[Regions | Status] = [v if v is not None else Status.INVALID_ARGUMENT
                                         for v in views]
         return (await self._read_many("batch_get_into", keys, dsts))[0]
@@ -678,10 +558,10 @@ class AsyncKVPoolClient:
                                 regions: Sequence[Sequence[Any]]) -> list[int]:
         """Read each object into its regions, in order; per key the object's size in bytes, or
         a negative Status (BUFFER_OVERFLOW when the regions hold less than the object)."""
-        _same_length(keys, regions)
+        same_length(keys, regions)
         dsts: list[Regions | Status] = []
         for parts in regions:
-            views = _try(regions_of, parts, writable=True)
+            views = attempt(regions_of, parts, writable=True)
             dsts.append(views if views is not None else Status.INVALID_ARGUMENT)
         return (await self._read_many("batch_get_regions", keys, dsts))[0]
 
@@ -718,20 +598,11 @@ class AsyncKVPoolClient:
 
     async def batch_remove(self, keys: Sequence[KeyLike], force: bool = False) -> list[Status]:
         """Remove keys; per key OK, NOT_FOUND, HAS_LEASE (read lease live; unless ``force``)."""
-        statuses: list[Status] = [Status.OK] * len(keys)
-        raws: list[bytes] = []
-        index_of: list[int] = []
-        for index, key in enumerate(keys):
-            try:
-                raws.append(to_key(key))
-                index_of.append(index)
-            except KVPoolError as exc:
-                statuses[index] = exc.status
-        if raws:
-            answers = await self._path().rpc.remove(self.client_id, raws, force)
-            for index, status in zip(index_of, answers, strict=True):
-                statuses[index] = status
-        return statuses
+        batch = SizedRequest(keys, [1] * len(keys)).batch
+        answers: list[Status] = []
+        if batch.keys:
+            answers = await self._path().rpc.remove(self.client_id, batch.keys, force)
+        return batch.spread(answers)
 
     async def remove(self, key: KeyLike, force: bool = False) -> None:
         """Remove ``key``. Raises KVPoolError NOT_FOUND, HAS_LEASE (unless ``force``), ..."""
@@ -778,54 +649,13 @@ class AsyncKVPoolClient:
         self._metrics_server = server
         return int(server.server_port)
 
-    # -- helpers ----------------------------------------------------------------------------------
-
-    def _slices(self, keys: Sequence[KeyLike], bufs: Any, offsets: Sequence[int],
-                sizes: Sequence[int], *, writable: bool) -> list[Regions | None]:
-        """One single-region list per key, None where its range or buffer is bad."""
-        per_key = isinstance(bufs, list | tuple)
-        if per_key:
-            _same_length(keys, bufs)
-        _same_length(keys, offsets)
-        _same_length(keys, sizes)
-        shared = None if per_key else self.buffers.view(bufs, writable=writable)
-        out: list[Regions | None] = []
-        for index in range(len(keys)):
-            try:
-                base = shared if shared is not None else \
-                    self.buffers.view(bufs[index], writable=writable)
-                out.append([slice_view(base, offsets[index], sizes[index])])
-            except KVPoolError:
-                out.append(None)
-        return out
-
 
 def copy_threads() -> int:
     """Threads that copy one large shared-memory batch (the caller counted, when it takes
     part), for config ``copy_threads: 0``: one per four cores this process may run on, at
-    least two and at most four. On 2 cores with a master and a peer process beside the client,
-    32 × 16 MiB batches ran at 71 % / 83 % of single-thread memcpy (get / put) on one thread
-    and at 109 % / 116 % on two (``benchmarks/copy_policy.py``). On a 16-core host, device KV
-    blocks saved / loaded in 32 MiB batches (``benchmarks/gpu_kv_bench.py``) moved at 6–8 / 6
-    GB/s on two threads, 12 / 10 on four and 10 / 10 on eight."""
+    least two and at most four (README, "Data plane", has the measurements behind it)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         cpus = os.cpu_count() or 1
     return 1 if cpus < 2 else min(4, max(2, cpus // 4))
-
-
-def _same_length(keys: Sequence[Any], values: Sequence[Any]) -> None:
-    if len(keys) != len(values):
-        raise KVPoolError(Status.INVALID_ARGUMENT,
-                          f"{len(keys)} keys but {len(values)} values")
-
-
-def _try(make: Any, value: Any, **kwargs: Any) -> Any:
-    """``make(value)``, or None when the value is unusable (its key then fails alone)."""
-    try:
-        result = make(value, **kwargs)
-    except KVPoolError:
-        return None
-    return [result] if isinstance(result, memoryview) else result
-

@@ -17,8 +17,7 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvpool_client._loopthread import wait_for
-from kvpool_client.buffers import Regions, total_bytes
+from kvpool_client.core.regions import Regions, total_bytes
 from kvpool_client.metrics import ClientMetrics
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions
@@ -120,7 +119,7 @@ class AsyncWriter:
         """
         if not self._idle.is_set():
             try:
-                await wait_for(self._idle.wait(), timeout_s)
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
             except TimeoutError:
                 raise KVPoolError(Status.TIMEOUT,
                                   f"{self._pending + self._pending_commits} async writes or "

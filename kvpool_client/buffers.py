@@ -17,12 +17,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
+from kvpool_client.core.regions import Regions
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import MAX_KEY_BYTES
 
-Regions = list[memoryview]
 KeyLike = str | bytes | bytearray | memoryview
 
 
@@ -85,40 +83,6 @@ def regions_of(parts: Sequence[Any], *, writable: bool = False) -> Regions:
     if isinstance(parts, str | bytes | bytearray | memoryview) or not isinstance(parts, Sequence):
         raise KVPoolError(Status.INVALID_ARGUMENT, "the regions of a key are a list of buffers")
     return [byte_view(part, writable=writable) for part in parts]
-
-
-def total_bytes(regions: Regions) -> int:
-    """Return the size of the object the regions hold."""
-    return sum(r.nbytes for r in regions)
-
-
-def trim_regions(regions: Regions, size_bytes: int) -> Regions:
-    """Return views covering exactly the first ``size_bytes`` of ``regions`` (drops empty ones).
-
-    Callers check that the regions hold at least ``size_bytes``.
-    """
-    out: Regions = []
-    left = size_bytes
-    for region in regions:
-        if left <= 0:
-            break
-        take = min(left, region.nbytes)
-        if take:
-            out.append(region if take == region.nbytes else region[:take])
-        left -= take
-    return out
-
-
-def checksum(regions: Sequence[memoryview]) -> int:
-    """Return the xxh3_64 of the concatenated regions (0 is reserved for 'none', so mapped to 1)."""
-    if len(regions) == 1:
-        value = xxhash.xxh3_64_intdigest(regions[0])
-    else:
-        hasher = xxhash.xxh3_64()
-        for region in regions:
-            hasher.update(region)
-        value = hasher.intdigest()
-    return value or 1
 
 
 # --- fresh bytes filled in place ---

@@ -31,10 +31,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool_client._loopthread import LoopThread, wait_for
 from kvpool_client.config import ClientConfig
+from kvpool_client.loops import LoopThread
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.rpc import ClientIdTaken, MasterRpc, MasterSession, Registration, TlsConfig
+from kvpool_client.rpc import (
+    BlockingMasterRpc,
+    ClientIdTaken,
+    MasterRpc,
+    MasterSession,
+    Registration,
+    TlsConfig,
+)
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import SegmentInfo
 
@@ -67,10 +74,16 @@ class MasterAddress:
 
     def stub(self, timeout_s: float | None = None,
              session: MasterSession | None = None) -> MasterRpc:
-        """A new stub for the calling loop (acting for ``session``'s client, if given)."""
+        """A new asyncio stub for the calling loop (acting for ``session``'s client, if given)."""
         return MasterRpc(self.address, timeout_s=timeout_s or self.timeout_s, tls=self.tls,
                          auth_token=self.auth_token, use_fast_path=self.use_fast_path,
-                         busy_poll_us=self.busy_poll_us, session=session)
+                         session=session)
+
+    def blocking_stub(self, session: MasterSession | None = None) -> BlockingMasterRpc:
+        """A new blocking stub (any thread may call it)."""
+        return BlockingMasterRpc(self.address, timeout_s=self.timeout_s, tls=self.tls,
+                                 auth_token=self.auth_token, use_fast_path=self.use_fast_path,
+                                 busy_poll_us=self.busy_poll_us, session=session)
 
 
 #: A refused registration waits this much past the time the master said the id is free, and
@@ -209,7 +222,7 @@ class Liveness:
                 # Wake for the next beat, or exactly when liveness lapses, or when poked.
                 wait_s = min(next_beat, self.alive_until if not self._suspended else next_beat)
                 with contextlib.suppress(TimeoutError):
-                    await wait_for(self._wake.wait(), max(wait_s - now, 0.0))
+                    await asyncio.wait_for(self._wake.wait(), max(wait_s - now, 0.0))
                 self._wake.clear()
                 if self._stopping:
                     break

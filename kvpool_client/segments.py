@@ -316,3 +316,13 @@ def read_owner_proof(fd: int, size_bytes: int) -> bytes | None:
     if len(header) != _PROOF_AT + PROOF_BYTES or header[:_PROOF_AT] != HEADER_MAGIC:
         return None
     return header[_PROOF_AT:]
+
+
+def split_sizes(total_bytes: int, max_bytes: int) -> list[int]:
+    """Sizes of the segments that make up ``total_bytes`` (none for 0)."""
+    if total_bytes <= 0:
+        return []
+    if max_bytes <= 0 or max_bytes >= total_bytes:
+        return [total_bytes]
+    full, rest = divmod(total_bytes, max_bytes)
+    return [max_bytes] * full + ([rest] if rest else [])

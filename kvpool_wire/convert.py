@@ -148,7 +148,8 @@ def decode_get_segments(request: Any) -> list[str]:
     return list(request.segment_ids)
 
 
-def _descriptor(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.SegmentDescriptor:
+def descriptor_of(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.SegmentDescriptor:
+    """The protobuf descriptor of a segment (both directions use it)."""
     return pb.SegmentDescriptor(
         segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
         tier=int(info.tier), host_id=info.host_id, shm_name=info.shm_name,
@@ -163,7 +164,7 @@ def encode_get_segments(infos: Sequence[SegmentInfo | None],
     empty = pb.SegmentDescriptor()
     return pb.GetSegmentsResponse(
         statuses=[Status.OK if info else Status.SEGMENT_NOT_FOUND for info in infos],
-        segments=[_descriptor(info, proof) if info else empty
+        segments=[descriptor_of(info, proof) if info else empty
                   for info, proof in zip(infos, proofs, strict=True)])
 
 

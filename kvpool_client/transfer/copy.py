@@ -1,30 +1,23 @@
 """Fast memory copies between caller buffers and mapped segments.
 
-Measured here: one thread copies 4 KiB pieces issued one by one from Python at about 10 GB/s
-with memoryview slice assignment (the cheapest call, but it holds the GIL), and large pieces
-with the GIL released, so that two threads overlap their copies: with streaming stores
-(``_ntcopy``, see ``STREAM_MIN_BYTES``) where the extension was built, else ``numpy.copyto``
-(a few microseconds per call). So small pieces, and batches too small to be worth a thread
-hand-off, are copied at once on the caller's thread; the large pieces of a larger batch are
-cut into parts of equal byte count, one per copy thread.
+Small pieces are copied with memoryview slice assignment (the cheapest call, but it holds the
+GIL), and large pieces with the GIL released, so that two threads overlap their copies: with
+streaming stores (``_ntcopy``, see ``STREAM_MIN_BYTES``) where the extension was built, else
+``numpy.copyto`` (a few microseconds per call). So small pieces, and batches too small to be
+worth a thread hand-off, are copied at once on the caller's thread; the large pieces of a
+larger batch are cut into parts of equal byte count, one per copy thread.
 
-Who copies those parts depends on whether the calling thread may block:
-- On an event loop (the async client, or the sync client once a call waits on its loop), worker
-  threads copy every part while the loop stays free.
-- In the synchronous stretch of a sync client call (``caller_copies``, set by the client while
-  no loop runs on this thread), the calling thread copies one part itself while the workers
-  copy the rest, and waits for them without leaving the stretch. Nobody waits on a loop
-  wake-up, and the call stays synchronous to its end (its later master calls still poll
-  instead of sleeping). ``benchmarks/copy_policy.py`` compares this with the previous policy
-  (one thread copying inline, the batch cut in two) on 2 cores, two client processes and a
-  master: 32 × 1 MiB batches rose from 70–74 % / 69–71 % of single-thread memcpy (get / put)
-  to 83–92 % / 75–85 %, 32 × 16 MiB batches from 71 % / 83 % to 109 % / 116 %.
+Who copies those parts depends on the caller: ``copy`` (the blocking driver) copies one part
+on the calling thread while the workers copy the rest, and returns when every byte is copied;
+``start`` (an event loop) has the workers copy every part while the loop stays free.
+``benchmarks/copy_policy.py`` measures both against single-thread memcpy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,9 +31,7 @@ except ImportError:  # pragma: no cover - built wherever a C compiler is at hand
 Copy = tuple[memoryview, memoryview]  # (destination, source), flat byte views of equal size
 
 #: Pieces at least this large are copied with streaming (non-temporal) stores: they bypass the
-#: caches, which the destination would only pollute (see ``_ntcopy.c``). Measured on the
-#: 2-core AMD host, 1 MiB pieces between a mapped segment and a process's own memory: 16.7–17.2
-#: GB/s on one thread and 22–23 on two, against 11.9–12.3 and 15.8–16.0 with numpy.copyto.
+#: caches, which the destination would only pollute (see ``_ntcopy.c``; README, "Data plane").
 STREAM_MIN_BYTES = 256 << 10
 
 #: Total size below which a batch is copied at once on the calling thread: a thread hand-off
@@ -96,33 +87,37 @@ class ParallelCopier:
     def __init__(self, num_threads: int = 2, inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
         self.num_threads = max(1, num_threads)
         self.inline_max_bytes = inline_max_bytes
-        #: True while the calling thread may block: it then copies a part of a large batch
-        #: itself and ``start`` returns only when every byte has been copied.
-        self.caller_copies = False
+        self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def start(self, copies: Sequence[Copy]) -> asyncio.Future[list[None]]:
-        """Start copying; return a future that completes when every byte has been copied
-        (already completed when the copies were made on the calling thread).
-
-        The future completes only after the worker threads are done, even if the task awaiting
-        it is cancelled, so callers can tie the lifetime of mappings to it (await it through
-        ``asyncio.shield``). Must be called on a running event loop (or in the synchronous
-        stretch of a call, which has one set). Raises what a copy raised when the calling
-        thread took part.
-        """
-        loop = asyncio.get_running_loop()
+    def _split(self, copies: Sequence[Copy]) -> list[Copy]:
+        """Copy the pieces to make on this thread now; return the large ones to spread."""
         large = [pair for pair in copies if pair[0].nbytes >= MIN_SPLIT_BYTES]
         if self.num_threads == 1 or sum(dst.nbytes for dst, _ in large) <= self.inline_max_bytes:
             large = []
         copy_now([pair for pair in copies if pair[0].nbytes < MIN_SPLIT_BYTES] if large
                  else copies)
-        done: asyncio.Future[list[None]]
-        if large and self.caller_copies:
+        return large
+
+    def copy(self, copies: Sequence[Copy]) -> None:
+        """Copy everything, the calling thread taking part; return when every byte has been
+        copied. Raises what a copy raised (no copy is left running then)."""
+        large = self._split(copies)
+        if large:
             self._copy_with_caller(large)
-            large = []
+
+    def start(self, copies: Sequence[Copy]) -> asyncio.Future[list[None]]:
+        """Start copying on the running event loop; return a future that completes when every
+        byte has been copied (already completed when the copies were made on this thread).
+
+        The future completes only after the worker threads are done, even if the task awaiting
+        it is cancelled, so callers can tie the lifetime of mappings to it (await it through
+        ``asyncio.shield``).
+        """
+        loop = asyncio.get_running_loop()
+        large = self._split(copies)
         if not large:
-            done = loop.create_future()
+            done: asyncio.Future[list[None]] = loop.create_future()
             done.set_result([])
             return done
         executor = self._workers()
@@ -145,13 +140,15 @@ class ParallelCopier:
             helper.result()
 
     def _workers(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.num_threads, thread_name_prefix="kvpool-copy")
-        return self._executor
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.num_threads, thread_name_prefix="kvpool-copy")
+            return self._executor
 
     def close(self) -> None:
         """Stop the worker threads once their current copies are done (idempotent)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)

@@ -14,6 +14,9 @@ Rules of this file:
   process of the same user could map the file anyway; the mode 0600 keeps every other user
   out. Only the segment's bytes are reachable through a mapping, never its header.
 - Every placement is bounds-checked against the mapping before any byte moves.
+- Any thread may use one transport: the mapping table and the copy counts are locked;
+  ``copy_batch`` copies on the calling thread (taking part in large copies), ``write_batch``
+  and ``read_batch`` on an event loop (worker threads copy).
 - ``borrow`` lends a placement's bytes in the mapping to the caller (which moves them itself,
   e.g. by device DMA) and keeps the mapping alive meanwhile. ``pin_mappings`` installs a
   pin / unpin pair (page-locking for DMA) run on every mapping, present and future; a pinned
@@ -29,6 +32,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -93,6 +97,7 @@ class ShmTransport:
         self._copier = copier if copier is not None else ParallelCopier()
         self._recheck_interval_s = recheck_interval_s
         self._segment_id_to_mapping: dict[str, _Mapping] = {}
+        self._lock = threading.RLock()
         self._closed = False
         self._pin: tuple[Callable[[memoryview], None], Callable[[memoryview], None]] | None = None
 
@@ -117,6 +122,20 @@ class ShmTransport:
         """Read every item (copies of the whole batch run together); one Status per item."""
         return [status_of(error) for error in await self._run(items, writing=False)]
 
+    def copy_batch(self, items: Sequence[Item], *, writing: bool) -> list[Status]:
+        """Copy every item on the calling thread (the copy workers help with large batches);
+        one Status per item."""
+        errors, copies, used = self._prepare_batch(items, writing)
+        try:
+            if copies:
+                self._copier.copy(copies)
+        except Exception as exc:
+            failure = KVPoolError(Status.TRANSFER_FAILED, f"copy failed: {exc}")
+            errors = [error if error is not None else failure for error in errors]
+        finally:
+            self._release(used)
+        return [status_of(error) for error in errors]
+
     @contextlib.contextmanager
     def borrow(self, segment: SegmentInfo, placement: Placement) -> Iterator[memoryview]:
         """The placement's bytes in the mapping, mapped until the block ends. Raises
@@ -125,9 +144,10 @@ class ShmTransport:
             raise KVPoolError(Status.UNAVAILABLE, "shm transport is closed")
         if placement.segment_id != segment.segment_id:
             raise KVPoolError(Status.INVALID_ARGUMENT, "the placement names another segment")
-        mapping = self._mapping(segment)
-        check_range(placement.offset, placement.length, mapping.size_bytes)
-        mapping.busy += 1
+        with self._lock:
+            mapping = self._mapping(segment)
+            check_range(placement.offset, placement.length, mapping.size_bytes)
+            mapping.busy += 1
         try:
             yield mapping.view[placement.offset:placement.offset + placement.length]
         finally:
@@ -140,9 +160,10 @@ class ShmTransport:
         transport; a mapping that ``pin`` fails on stays in use unpinned."""
         if self._pin is not None:
             raise KVPoolError(Status.INVALID_ARGUMENT, "mappings are already pinned")
-        self._pin = (pin, unpin)
-        for mapping in self._segment_id_to_mapping.values():
-            self._pin_one(mapping)
+        with self._lock:
+            self._pin = (pin, unpin)
+            for mapping in self._segment_id_to_mapping.values():
+                self._pin_one(mapping)
 
     def _pin_one(self, mapping: _Mapping) -> None:
         if self._pin is None or mapping.unpin is not None:
@@ -157,19 +178,10 @@ class ShmTransport:
 
     def forget(self, segment_id: str) -> None:
         """Drop the mapping of ``segment_id`` (e.g. it was unmounted); unmapped once idle."""
-        mapping = self._segment_id_to_mapping.pop(segment_id, None)
-        if mapping is not None:
-            self._retire(mapping)
-
-    @property
-    def caller_copies(self) -> bool:
-        """True while the calling thread may block and so takes part in large copies (see
-        ``copy.ParallelCopier``); set by the sync client around its synchronous stretches."""
-        return self._copier.caller_copies
-
-    @caller_copies.setter
-    def caller_copies(self, on: bool) -> None:
-        self._copier.caller_copies = on
+        with self._lock:
+            mapping = self._segment_id_to_mapping.pop(segment_id, None)
+            if mapping is not None:
+                self._retire(mapping)
 
     @property
     def closed(self) -> bool:
@@ -188,19 +200,27 @@ class ShmTransport:
             self.forget(segment_id)
         self._copier.close()
 
-    async def _run(self, items: Sequence[Item], *, writing: bool) -> list[KVPoolError | None]:
+    def _prepare_batch(self, items: Sequence[Item], writing: bool
+                       ) -> tuple[list[KVPoolError | None], list[Copy], list[_Mapping]]:
+        """(per item its error, the copies to make, the mappings they hold busy)."""
         errors: list[KVPoolError | None] = [None] * len(items)
         copies: list[Copy] = []
         used: list[_Mapping] = []
         mappings: dict[str, _Mapping] = {}  # looked up once per segment and batch
-        for index, (segment, placement, regions) in enumerate(items):
-            try:
-                mapping = self._prepare(segment, placement, regions, writing, copies, mappings)
-            except KVPoolError as exc:
-                errors[index] = exc
-                continue
-            mapping.busy += 1
-            used.append(mapping)
+        with self._lock:
+            for index, (segment, placement, regions) in enumerate(items):
+                try:
+                    mapping = self._prepare(segment, placement, regions, writing, copies,
+                                            mappings)
+                except KVPoolError as exc:
+                    errors[index] = exc
+                    continue
+                mapping.busy += 1
+                used.append(mapping)
+        return errors, copies, used
+
+    async def _run(self, items: Sequence[Item], *, writing: bool) -> list[KVPoolError | None]:
+        errors, copies, used = self._prepare_batch(items, writing)
         if not copies:
             self._release(used)
             return errors
@@ -313,7 +333,8 @@ class ShmTransport:
             mapping.unmap()
 
     def _release(self, used: list[_Mapping]) -> None:
-        for mapping in used:
-            mapping.busy -= 1
-            if mapping.retired and mapping.busy == 0:
-                mapping.unmap()
+        with self._lock:
+            for mapping in used:
+                mapping.busy -= 1
+                if mapping.retired and mapping.busy == 0:
+                    mapping.unmap()

@@ -27,7 +27,6 @@ import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvpool_client._loopthread import wait_for
 from kvpool_client.transfer.base import Item, Regions, byte_views, check_item, status_of
 from kvpool_client.transfer.tcp import (
     MAX_MESSAGE_BYTES,
@@ -241,13 +240,13 @@ class _Peer:
                 return await self._open(remaining_s)
             self._slot_freed.clear()
             with contextlib.suppress(TimeoutError):
-                await wait_for(self._slot_freed.wait(), remaining_s)
+                await asyncio.wait_for(self._slot_freed.wait(), remaining_s)
 
     async def _open(self, timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
         self._connecting += 1
         try:
-            _, connection = await wait_for(
+            _, connection = await asyncio.wait_for(
                 loop.create_connection(lambda: _Connection(self), self.host, self.port),
                 timeout_s)
         except TimeoutError:

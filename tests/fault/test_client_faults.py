@@ -275,7 +275,7 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
                                                              monkeypatch: Any) -> None:
     with KVPoolClient(config(master.address, heartbeat_interval_s=30)) as c:
         liveness = c.async_client._liveness
-        path = c.async_client._datapath
+        path = c._path  # the blocking driver runs the sync client's puts
         assert liveness is not None and path is not None
         liveness.alive_until = time.monotonic() - 1  # as if the process had been paused
         with pytest.raises(KVPoolError) as info:
@@ -288,9 +288,9 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
 
         original = type(path).resolve
 
-        async def resolve_then_reregister(self: Any, segment_ids: Any) -> Any:
+        def resolve_then_reregister(self: Any, segment_ids: Any) -> Any:
             liveness._epoch += 1  # a re-registration lands between put_start and the copy
-            return await original(self, segment_ids)
+            return original(self, segment_ids)
 
         monkeypatch.setattr(type(path), "resolve", resolve_then_reregister)
         with pytest.raises(KVPoolError) as info:

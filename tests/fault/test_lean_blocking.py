@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_client.lean_blocking import BlockingLeanConnection
+from kvpool_client.rpc.lean_blocking import BlockingLeanConnection
 from kvpool_wire.framing import FRAME_HEADER, encode_frame
 from kvpool_wire.status import KVPoolError, Status
 

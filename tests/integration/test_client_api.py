@@ -339,7 +339,8 @@ def _large_batch_round_trip(put: Any, get: Any, seed: int) -> None:
 @pytest.fixture
 def copy_record(monkeypatch: Any) -> tuple[list[int], list[str]]:
     """(ids of the threads that ran large copies, the batch calls the data path made)."""
-    from kvpool_client import _datapath
+    from kvpool_client.drivers.aio import AsyncDataPath
+    from kvpool_client.drivers.blocking import BlockingDataPath
     from kvpool_client.transfer import copy
 
     threads: list[int] = []
@@ -351,28 +352,36 @@ def copy_record(monkeypatch: Any) -> tuple[list[int], list[str]]:
         copy_nogil(copies)
 
     monkeypatch.setattr(copy, "copy_nogil", recording_copy)
-    for name in ("_write_batch", "_read_batch"):
-        original = getattr(_datapath.DataPath, name)
+    for name in ("_write", "_read"):  # one call per (sub-)batch on a loop
+        original = getattr(AsyncDataPath, name)
 
         async def recording_batch(self: Any, *args: Any, _original: Any = original,
                                   _name: str = name) -> Any:
             batches.append(_name)
             return await _original(self, *args)
 
-        monkeypatch.setattr(_datapath.DataPath, name, recording_batch)
+        monkeypatch.setattr(AsyncDataPath, name, recording_batch)
+    for name in ("write", "read"):  # one call per batch on the caller's thread
+        blocking = getattr(BlockingDataPath, name)
+
+        def recording_call(self: Any, *args: Any, _original: Any = blocking,
+                           _name: str = name) -> Any:
+            batches.append(f"_{_name}")
+            return _original(self, *args)
+
+        monkeypatch.setattr(BlockingDataPath, name, recording_call)
     return threads, batches
 
 
 def test_large_batches_are_copied_by_the_calling_thread_and_a_helper(
         client: KVPoolClient, copy_record: tuple[list[int], list[str]]) -> None:
-    """The sync client runs a large batch synchronously: one master call per phase (not cut
-    into sub-batches, which would move it onto the loop), its copies shared between the
-    calling thread and a helper."""
+    """The sync client runs a large batch on the calling thread: one master call per phase
+    (not cut into sub-batches), its copies shared between the calling thread and a helper."""
     from kvpool_client._aclient import copy_threads
 
     threads, batches = copy_record
     _large_batch_round_trip(client.batch_put_from, client.batch_get_into, 42)
-    assert batches == ["_write_batch", "_read_batch", "_read_batch"]
+    assert batches == ["_write", "_read", "_read"]
     if copy_threads() > 1:
         assert threading.get_ident() in threads
         assert 2 <= len(set(threads)) <= copy_threads()
@@ -405,7 +414,7 @@ async def test_async_client_cuts_large_batches_into_concurrent_sub_batches(
         dst = np.zeros(8 * size, dtype=np.uint8)
         assert await c.batch_get_into(keys, dst, offsets, [size] * 8) == [size] * 8
         assert np.array_equal(dst, src)
-    assert batches == ["_write_batch"] * 2 + ["_read_batch"] * 2
+    assert batches == ["_write"] * 2 + ["_read"] * 2
     assert threads and threading.get_ident() not in threads
 
 
@@ -432,29 +441,32 @@ def test_read_falls_back_to_another_replica(master: Any, monkeypatch: Any) -> No
         assert len(c.segment_ids) == 2
         value = pattern(9, 100_000).tobytes()
         c.put("two-replicas", value)
-        path = c.async_client._datapath
+        path = c._path
         assert path is not None
-        results, _ = c._thread.run(path.rpc.get_replicas(c.client_id, [b"two-replicas"]))
+        results, _ = path.rpc.get_replicas(c.client_id, [b"two-replicas"])
         placements = results[0].placements
         assert len({p.segment_id for p in placements}) == 2
         broken = placements[0].segment_id  # the replica tried first fails
-        original = type(path.shm).read_batch
+        shm = type(path.parts.shm)
+        original = shm.copy_batch
         tried: list[str] = []
 
-        async def failing_read_batch(self: Any, items: Any) -> list[Status]:
+        def failing_copy_batch(self: Any, items: Any, *, writing: bool) -> list[Status]:
+            if writing:
+                return original(self, items, writing=writing)
             tried.extend(item[1].segment_id for item in items)
             if any(item[1].segment_id == broken for item in items):
                 return [Status.TRANSFER_FAILED] * len(items)
-            return await original(self, items)
+            return original(self, items, writing=writing)
 
-        monkeypatch.setattr(type(path.shm), "read_batch", failing_read_batch)
+        monkeypatch.setattr(shm, "copy_batch", failing_copy_batch)
         assert c.get("two-replicas") == value
         assert tried == [broken, placements[1].segment_id]
 
 
 def test_grpc_only_client_from_several_threads(master: Any) -> None:
-    """Every call over gRPC (no lean framing), made from the main thread and from workers, so
-    the loop that grpc.aio is bound to is borrowed by different threads in turn."""
+    """Every call over gRPC (no lean framing), made from the main thread and from workers at
+    the same time."""
     with KVPoolClient(make_config(master, use_fast_path=False)) as client:
         assert client.async_client._rpc.fast_port == 0
         client.put("grpc-main", b"from main")
@@ -475,15 +487,28 @@ def test_grpc_only_client_from_several_threads(master: Any) -> None:
         assert client.batch_exists([f"grpc-{i}-19" for i in range(3)]) == [True] * 3
 
 
-def test_single_ops_run_on_the_calling_thread_over_a_blocking_connection(master: Any) -> None:
+def test_single_ops_run_on_the_calling_thread_over_a_blocking_connection(
+        master: Any, monkeypatch: Any) -> None:
+    from kvpool_client.rpc.lean_blocking import BlockingLeanConnection
+
+    callers: list[int] = []
+    original = BlockingLeanConnection.call
+
+    def recording_call(self: Any, *args: Any) -> Any:
+        callers.append(threading.get_ident())
+        return original(self, *args)
+
+    monkeypatch.setattr(BlockingLeanConnection, "call", recording_call)
     with KVPoolClient(make_config(master)) as client:
+        callers.clear()
         client.put("direct", b"bytes")
         assert client.get("direct") == b"bytes" and client.exists("direct")
-        blocking = client.async_client._rpc._blocking
-        assert blocking is not None and not blocking.closed
-        print(f"blocking lean connection peer: {blocking._sock.getpeername()!r}")
+        # PutStart, PutEnd, GetReplicas, Exist: each on this thread's blocking connection
+        assert callers == [threading.get_ident()] * 4
+        assert client._path is not None and client._path.rpc._idle
     # Pipelined commits travel on the loop's connection: later calls must queue behind them.
     with KVPoolClient(make_config(master, commit_nowait=True)) as client:
+        callers.clear()
         client.put("nowait", b"bytes")
         assert client.get("nowait") == b"bytes"
-        assert client.async_client._rpc._blocking is None
+        assert client._path is None and callers == []

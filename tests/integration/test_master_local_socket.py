@@ -13,7 +13,8 @@ import pytest
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.rpc import MasterRpc, TlsConfig, _connect_local
+from kvpool_client.rpc import MasterRpc, TlsConfig
+from kvpool_client.rpc.endpoints import connect_local as _connect_local
 from kvpool_wire._pb import kvpool_pb2 as pb
 
 

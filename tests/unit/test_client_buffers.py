@@ -7,19 +7,19 @@ import pytest
 import xxhash
 from prometheus_client import generate_latest
 
-from kvpool_client._datapath import PIPELINE_MIN_BYTES, pipeline_spans, split_sizes
 from kvpool_client.buffers import (
     BufferRegistry,
     address_of,
     alloc_bytes,
     byte_view,
-    checksum,
     regions_of,
     slice_view,
     to_key,
-    trim_regions,
 )
+from kvpool_client.core.regions import checksum, trim_regions
+from kvpool_client.drivers.aio import PIPELINE_MIN_BYTES, pipeline_spans
 from kvpool_client.metrics import ClientMetrics, Histogram
+from kvpool_client.segments import split_sizes
 from kvpool_wire.status import KVPoolError, Status
 
 

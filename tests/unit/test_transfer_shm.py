@@ -263,13 +263,12 @@ def test_split_by_bytes_balances_and_preserves_bytes() -> None:
     assert split_by_bytes([], 2) == []
 
 
-async def test_caller_copies_a_share_and_returns_a_completed_future() -> None:
+def test_copy_makes_a_share_on_the_calling_thread() -> None:
     import threading
 
     from kvpool_client.transfer import copy as copy_module
 
     copier = ParallelCopier(num_threads=2, inline_max_bytes=64 << 10)
-    copier.caller_copies = True
     src = os.urandom(3 << 20)
     dst = bytearray(len(src))
     s, d = memoryview(src), memoryview(dst)
@@ -283,17 +282,16 @@ async def test_caller_copies_a_share_and_returns_a_completed_future() -> None:
 
     copy_module.copy_nogil = recording
     try:
-        done = copier.start(copies)
+        copier.copy(copies)
     finally:
         copy_module.copy_nogil = original
         copier.close()
-    assert done.done() and bytes(dst) == src
+    assert bytes(dst) == src
     assert threading.get_ident() in threads and len(set(threads)) == 2
 
 
-async def test_caller_copies_raise_a_helpers_failure_after_every_part_ended() -> None:
+def test_copy_raises_a_helpers_failure_after_every_part_ended() -> None:
     copier = ParallelCopier(num_threads=2, inline_max_bytes=64 << 10)
-    copier.caller_copies = True
     src = os.urandom(2 << 20)
     dst = bytearray(1 << 20)
     read_only = bytes(1 << 20)  # the helper's destination: the copy refuses to write it
@@ -301,31 +299,33 @@ async def test_caller_copies_raise_a_helpers_failure_after_every_part_ended() ->
               (memoryview(read_only), memoryview(src)[1 << 20:])]
     try:
         with pytest.raises((ValueError, TypeError)):
-            copier.start(copies)
+            copier.copy(copies)
     finally:
         copier.close()
     assert bytes(dst) == src[:1 << 20]  # the caller's own share was copied in full
     assert read_only == bytes(1 << 20)
 
 
-async def test_shm_transport_with_caller_copies_stays_byte_exact(segment: LocalSegment,
-                                                                 info: SegmentInfo) -> None:
+async def test_shm_transport_copy_batch_on_the_calling_thread_stays_byte_exact(
+        segment: LocalSegment, info: SegmentInfo) -> None:
     transport = ShmTransport(copier=ParallelCopier(num_threads=2, inline_max_bytes=64 << 10))
-    transport.caller_copies = True
     try:
         data = os.urandom(5 << 20)
-        assert await transport.write_batch([(info, _place(info, 4096, len(data)),
-                                             [memoryview(data)])]) == [Status.OK]
+        assert transport.copy_batch([(info, _place(info, 4096, len(data)), [memoryview(data)])],
+                                    writing=True) == [Status.OK]
         assert bytes(segment.buffer[4096:4096 + len(data)]) == data
         out = bytearray(len(data))
-        assert await transport.read_batch([(info, _place(info, 4096, len(data)),
-                                            [memoryview(out)])]) == [Status.OK]
+        assert transport.copy_batch([(info, _place(info, 4096, len(data)), [memoryview(out)])],
+                                    writing=False) == [Status.OK]
         assert bytes(out) == data
+        bad = _place(info, info.size_bytes - 10, 4096)  # out of bounds: refused alone
+        assert transport.copy_batch([(info, bad, [memoryview(bytearray(4096))])],
+                                    writing=True) == [Status.INVALID_ARGUMENT]
     finally:
         await transport.close()
 
 
-async def test_caller_copies_wait_for_started_helpers_when_a_later_one_cannot_start() -> None:
+def test_copy_waits_for_started_helpers_when_a_later_one_cannot_start() -> None:
     """A helper that could not be started fails the copy, but only once the helpers already
     running have finished: nobody copies into a mapping after the caller let it go."""
     import concurrent.futures
@@ -351,13 +351,12 @@ async def test_caller_copies_wait_for_started_helpers_when_a_later_one_cannot_st
             return real.submit(slow_copy, part)
 
     copier = ParallelCopier(num_threads=3, inline_max_bytes=64 << 10)
-    copier.caller_copies = True
     copier._executor = OneHelperOnly()  # type: ignore[assignment]
     src = os.urandom(3 << 20)
     dst = bytearray(len(src))
     try:
         with pytest.raises(RuntimeError):
-            copier.start([(memoryview(dst), memoryview(src))])
+            copier.copy([(memoryview(dst), memoryview(src))])
         assert finished.is_set()
     finally:
         real.shutdown()

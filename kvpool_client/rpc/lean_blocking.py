@@ -1,9 +1,8 @@
 """A lean-framing connection driven by blocking socket calls on the calling thread.
 
-Why: the sync client runs a single put or get synchronously on the caller's thread when its
-loop is free (see ``_loopthread.CallerLoop``); its master calls then cost one ``sendall`` and
-one or two ``recv_into`` instead of an event-loop run. The messages, the framing and the
-master's handlers are the same as on the asyncio lean connection (``rpc._LeanConnection``).
+Why: the blocking driver runs a put or get on the caller's thread; its master calls then cost
+one ``sendall`` and one or two ``recv_into`` instead of an event-loop run. The messages, the
+framing and the master's handlers are the same as on the asyncio lean connection (``rpc.aio``).
 
 Waiting: after sending, the thread polls the socket for up to ``busy_poll_us`` before it
 sleeps in ``poll(2)``. A master answers a small call in tens of microseconds, and waking a
@@ -14,7 +13,8 @@ within the budget makes the next 1, 2, 4 ... 64 calls sleep at once (``polling.P
 so a slow or distant master costs little polling. ``busy_poll_us`` 0: sleep at once.
 
 Rules of this file:
-- One caller at a time (the thread that holds the client's loop); nothing here is locked.
+- One caller at a time (``rpc.blocking`` checks a connection out per call); nothing here
+  is locked.
 - The socket is non-blocking; every wait is a bounded poll, so the deadline holds throughout.
 - Any failure closes the connection: a late answer must never be read as the next call's.
   A timeout raises ``TIMEOUT``, anything else ``RPC_FAILED`` (the master's reason when it sent
