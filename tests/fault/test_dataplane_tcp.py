@@ -30,7 +30,7 @@ from kvpool_client import capability
 from kvpool_client.segments import LocalSegment
 from kvpool_client.status import KVPoolError, Status
 from kvpool_client.transfer import DataServer, TcpTransport
-from kvpool_client.transfer.tcp import REQUEST, RESPONSE, encode_request
+from kvpool_client.transfer.tcp_frames import REQUEST, RESPONSE, encode_request
 from kvpool_client.types import Op, Placement, SegmentInfo
 
 SEGMENT_BYTES = 4 << 20

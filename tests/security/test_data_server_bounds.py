@@ -23,7 +23,8 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.segments import LocalSegment
 from kvpool_client.status import Status
-from kvpool_client.transfer.tcp import RESPONSE, DataServer, encode_request
+from kvpool_client.transfer.tcp import DataServer
+from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
 from kvpool_client.types import Op
 
 SEGMENT_BYTES = 1 << 20

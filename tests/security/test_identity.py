@@ -32,7 +32,7 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
 from kvpool_client.status import Status
-from kvpool_client.transfer.tcp import RESPONSE, encode_request
+from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
 from kvpool_client.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 
 
