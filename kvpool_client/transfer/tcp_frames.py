@@ -57,7 +57,7 @@ RESPONSE = struct.Struct("<4sBxHiQQ")
 MAX_SEGMENT_ID_BYTES = 255
 MAX_MESSAGE_BYTES = 1024
 
-_KNOWN_STATUSES = frozenset(int(status) for status in Status)
+_STATUS_OF_CODE = {int(status): status for status in Status}
 
 
 def encode_request(op: Op, request_id: int, segment_id: str, offset: int, length: int,
@@ -87,17 +87,18 @@ def parse_response(header: bytes | bytearray | memoryview, request_id: int, op: 
     message length, unknown status), answers another request, or announces another payload
     length; the connection's stream position is then lost.
     """
-    magic, version, msg_len, status, answered_id, answered_length = RESPONSE.unpack(header)
+    magic, version, msg_len, code, answered_id, answered_length = RESPONSE.unpack(header)
+    status = _STATUS_OF_CODE.get(code)
     connection_error = answered_id == 0 and status != Status.OK
     if (magic != RESPONSE_MAGIC or version != VERSION or msg_len > MAX_MESSAGE_BYTES
-            or status not in _KNOWN_STATUSES
+            or status is None
             or not (connection_error or (request_id != 0 and answered_id == request_id))):
         raise KVPoolError(Status.TRANSFER_FAILED, "malformed answer from data server")
     expected = length if request_id != 0 and status == Status.OK and op == Op.READ else 0
     if answered_length != expected:
         raise KVPoolError(Status.TRANSFER_FAILED,
                           f"data server answered {answered_length} bytes, expected {expected}")
-    return Status(status), msg_len, connection_error
+    return status, msg_len, connection_error
 
 
 def refusal(status: Status, message: bytes | bytearray) -> KVPoolError:
