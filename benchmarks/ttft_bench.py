@@ -31,7 +31,8 @@ from kvpool_client.config import ClientConfig
 from kvpool_client.hashing import BlockHasher, HashNamespace
 from kvpool_client.prefix import TieredPrefixCache
 from kvpool_client.replay import spawned_master
-from kvpool_client.tensors import PagedKVCache, make_block_io, prefill
+from kvpool_client.staging import make_block_io
+from kvpool_client.tensors import PagedKVCache, prefill
 
 BLOCK_SIZE = 16
 

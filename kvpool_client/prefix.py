@@ -12,7 +12,7 @@ Rules of this file:
 - Only blocks this request computed are written to the pool; blocks found on the device or
   loaded from the pool are not written again.
 - The cache does no I/O itself: ``BlockIO`` moves blocks between device memory and pool objects
-  (``RegionBlockIO`` for memory Python can view; ``kvpool_client.tensors`` for device caches).
+  (``RegionBlockIO`` for memory Python can view; ``kvpool_client.staging`` for device caches).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Device KV blocks <-> pool objects: ``StagedBlockIO`` (see ``tensors`` for the cache).
+"""KV blocks <-> pool objects: ``StagedBlockIO`` for device caches, and ``make_block_io``, which
+picks the ``BlockIO`` of a cache (see ``tensors`` for the cache).
 
 Rules of this file:
 - torch is imported on first use (``tensors.import_torch``), never at import time.
@@ -20,6 +21,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool_client.prefix import RegionBlockIO
 from kvpool_client.tensors import (
     PagedKVCache,
     RegisteringPool,
@@ -296,6 +298,20 @@ class StagedBlockIO:
         if self.module is not None:
             self.module.current_stream(self.cache.device).wait_stream(self.stream)
         return ok
+
+
+def make_block_io(cache: PagedKVCache, pool: RegisteringPool, *,
+                  chunk_blocks: int | None = None) -> RegionBlockIO | StagedBlockIO:
+    """The ``BlockIO`` for ``cache``: in place for a CPU cache, staged for a device cache.
+
+    A CPU cache's tensors are registered with the pool as they are; a device cache gets
+    pinned staging buffers, registered likewise.
+    """
+    if cache.device.type == "cpu":
+        for view in cache.storage_views():
+            pool.register_buffer(view)
+        return RegionBlockIO(pool, cache.block_regions)
+    return StagedBlockIO(cache, pool, chunk_blocks=chunk_blocks)
 
 
 def _pin_segments_for_cuda(pool: Any) -> None:

@@ -12,7 +12,8 @@ Rules of this file:
   onto the tensor's own storage. A device cache (``cuda``, ``npu``) moves through
   ``staging.StagedBlockIO``: a chunk of blocks is gathered or scattered on the device in a few
   kernels and crosses by DMA straight to the segments (CUDA over a kvpool client) or through
-  pinned host staging buffers.
+  pinned host staging buffers. ``staging.make_block_io`` picks the one for a cache; this
+  module does not import ``staging`` (which builds on it).
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool_client.prefix import PrefixPool, RegionBlockIO
+from kvpool_client.prefix import PrefixPool
 
 if TYPE_CHECKING:
     import torch
-
-    from kvpool_client.staging import StagedBlockIO
 
 LAYOUTS = ("separate", "fused")
 
@@ -203,22 +202,6 @@ class RegisteringPool(PrefixPool, Protocol):
     def register_buffer(self, buf: Any) -> None:
         """Register host memory that later transfers read from or write into."""
         ...
-
-
-def make_block_io(cache: PagedKVCache, pool: RegisteringPool, *,
-                  chunk_blocks: int | None = None) -> RegionBlockIO | StagedBlockIO:
-    """The ``BlockIO`` for ``cache``: in place for a CPU cache, staged for a device cache.
-
-    A CPU cache's tensors are registered with the pool as they are; a device cache gets
-    pinned staging buffers, registered likewise.
-    """
-    from kvpool_client.staging import StagedBlockIO
-
-    if cache.device.type == "cpu":
-        for view in cache.storage_views():
-            pool.register_buffer(view)
-        return RegionBlockIO(pool, cache.block_regions)
-    return StagedBlockIO(cache, pool, chunk_blocks=chunk_blocks)
 
 
 # --- transformers glue: a contiguous-KV engine over the paged cache -----------------------

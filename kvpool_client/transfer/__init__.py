@@ -2,7 +2,8 @@
 
 Transport per placement: ``shm`` when the segment's host id is this host's (any process; map
 once, copy directly), ``tcp`` otherwise or when forced (the owner's data server). ``uses_shm``
-is that rule and ``choose`` returns the transport it picks.
+is that rule and ``choose`` returns the transport it picks. ``BlockingTcpTransport`` is the tcp
+transport for a caller that moves bytes on its own thread, without an event loop.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import weakref
 from kvpool_client.transfer.base import Item, Regions, Transport
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_client.transfer.tcp import DataServer
+from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
 from kvpool_client.transfer.tcp_client import TcpTransport
 from kvpool_wire.types import SegmentInfo
 
-__all__ = ["DataServer", "Item", "Regions", "ShmTransport", "TcpTransport", "Transport",
-           "choose", "close_shared_transports", "uses_shm"]
+__all__ = ["BlockingTcpTransport", "DataServer", "Item", "Regions", "ShmTransport", "TcpTransport",
+           "Transport", "choose", "close_shared_transports", "uses_shm"]
 
 _loop_to_shared: weakref.WeakKeyDictionary[
     asyncio.AbstractEventLoop, tuple[ShmTransport, TcpTransport]] = weakref.WeakKeyDictionary()

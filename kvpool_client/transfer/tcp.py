@@ -1,36 +1,5 @@
-"""TCP data plane: the wire format, and the data server every client runs for its own segments.
-
-Wire format, version 2 (integers little-endian). One TCP connection carries a sequence of
-requests; the server answers them one at a time, in order, so a client may pipeline.
-
-Request = header (80 bytes) + segment id (UTF-8) + payload (WRITE only, ``length`` bytes)::
-
-    off  size  field
-      0     4  magic          b"KVPQ"
-      4     1  version        1
-      5     1  op             1 READ, 2 WRITE (kvpool_wire.types.Op)
-      6     2  seg_id_len     1..255, bytes of the segment id that follows the header
-      8     8  request_id     chosen by the client, echoed by the response
-     16     8  offset         first byte of the request in the segment
-     24     8  length         bytes to move, >= 1
-     32     8  cap_offset     the range the capability covers: the request must lie inside
-     40     8  cap_length       [cap_offset, cap_offset + cap_length)
-     48     8  cap_expiry_ms  the master's capability clock (ms) after which it is refused
-     56     8  put_id         WRITE: the put the capability belongs to (0 for READ)
-     64    16  capability     capability.sign(owner key, segment id, cap_offset, cap_length,
-                              op, cap_expiry_ms, epoch, put_id): the master's signature
-
-Response = header (28 bytes) + message (UTF-8, ``msg_len`` bytes) + payload::
-
-    off  size  field
-      0     4  magic          b"KVPR"
-      4     1  version        1
-      5     1  reserved       0
-      6     2  msg_len        0..1024, a human-readable reason when status is not OK
-      8     4  status         int32, a kvpool_wire.status.Status value
-     12     8  request_id     of the request answered (0 when the frame was unreadable)
-     20     8  length         payload bytes after the message: the request's length for a
-                              READ answered OK, 0 otherwise
+"""TCP data plane: the data server every client runs for its own segments (the wire format is
+in ``tcp_frames``).
 
 Server rules:
 - A request is checked completely before any byte of any segment is touched: magic, version,
@@ -65,14 +34,11 @@ Server rules:
   has one request in service, so at most ``max_connections`` requests are in service, and
   pipelined requests wait in the kernel's socket buffers under TCP flow control.
 
-The server runs threads with blocking sockets: one accepts, one serves each connection.
-``benchmarks/dataplane_bench.py --io-models`` compares that with a uvloop BufferedProtocol
-server on the same 16 MiB frames; here they tie within the machine's noise (three runs: threads
-3.5-4.0 GB/s writes and 3.7-4.2 reads, uvloop 3.6-4.1 and 3.8-4.5, loopback TCP 3.6-4.5), and
-the threaded DataServer reaches loopback speed end to end (95-101 % in the main benchmark).
-Threads were kept because they keep serving while the owner's event loop is busy and make
-every time limit a plain socket option; the GIL is released during the large ``recv_into``
-(one MSG_WAITALL call per payload) and ``sendmsg`` calls that dominate.
+The server runs threads with blocking sockets: one accepts, one serves each connection
+(``benchmarks/dataplane_bench.py --io-models`` compares that with a uvloop server). Threads
+keep serving while the owner's event loop is busy and make every time limit a plain
+socket option; the GIL is released during the large ``recv_into`` (one MSG_WAITALL call per
+payload) and ``sendmsg`` calls that dominate.
 """
 
 from __future__ import annotations
@@ -87,6 +53,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool_client.segments import LocalSegment
+from kvpool_client.transfer.tcp_frames import (
+    MAX_SEGMENT_ID_BYTES,
+    REQUEST,
+    REQUEST_MAGIC,
+    VERSION,
+    encode_response,
+)
 from kvpool_wire import capability
 from kvpool_wire.capability import MasterClock
 from kvpool_wire.status import KVPoolError, Status
@@ -94,33 +67,10 @@ from kvpool_wire.types import Op
 
 log = logging.getLogger(__name__)
 
-REQUEST_MAGIC = b"KVPQ"
-RESPONSE_MAGIC = b"KVPR"
-VERSION = 2
-REQUEST = struct.Struct("<4sBBHQQQQQQQ16s")
-RESPONSE = struct.Struct("<4sBxHiQQ")
-MAX_SEGMENT_ID_BYTES = 255
-MAX_MESSAGE_BYTES = 1024
 MAX_DRAIN_BYTES = 64 << 20  # payload of a refused WRITE read and dropped to keep the stream
 _DRAIN_CHUNK_BYTES = 256 << 10
 _OPS = frozenset(int(op) for op in Op)
 _TIMEVAL = struct.Struct("@ll")
-
-
-def encode_request(op: Op, request_id: int, segment_id: str, offset: int, length: int,
-                   cap_offset: int, cap_length: int, cap_expiry_ms: int,
-                   cap: bytes, put_id: int = 0) -> bytes:
-    """Return a request header followed by the segment id (the payload is sent separately)."""
-    seg = segment_id.encode()
-    return REQUEST.pack(REQUEST_MAGIC, VERSION, int(op), len(seg), request_id, offset, length,
-                        cap_offset, cap_length, cap_expiry_ms, put_id, cap) + seg
-
-
-def encode_response(status: Status, request_id: int, length: int = 0, message: str = "") -> bytes:
-    """Return a response header followed by its message (the payload is sent separately)."""
-    text = message.encode()[:MAX_MESSAGE_BYTES]
-    return RESPONSE.pack(RESPONSE_MAGIC, VERSION, len(text), int(status), request_id,
-                         length) + text
 
 
 def _wall_ms() -> int:
@@ -504,13 +454,3 @@ def _set_timeout(sock: socket.socket, option: int, timeout_s: float) -> None:
     if whole_s == 0 and micros == 0:
         micros = 1  # an all-zero timeval would mean "wait forever"
     sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole_s, micros))
-
-
-def __getattr__(name: str) -> Any:
-    # TcpTransport, the client side of this protocol, lives in tcp_client.py (which imports
-    # the format from here); it is reachable from here too without a circular import.
-    if name == "TcpTransport":
-        from kvpool_client.transfer.tcp_client import TcpTransport
-
-        return TcpTransport
-    raise AttributeError(name)

@@ -1,6 +1,6 @@
 """TCP transport: reach a segment on another host through its owner's data server.
 
-Rules of this file (the wire format is in ``tcp.py``):
+Rules of this file (the wire format is in ``tcp_frames.py``):
 - Per peer (``host:port``) up to ``connections_per_peer`` connections, opened on demand; each
   carries up to ``max_inflight_per_connection`` pipelined requests. A placement larger than
   ``chunk_bytes`` is sent as several requests (sub-ranges under the same capability) spread
@@ -28,17 +28,16 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvpool_client.transfer.base import Item, Regions, byte_views, check_item, status_of
-from kvpool_client.transfer.tcp import (
-    MAX_MESSAGE_BYTES,
+from kvpool_client.transfer.tcp_frames import (
     RESPONSE,
-    RESPONSE_MAGIC,
-    VERSION,
+    chunks,
     encode_request,
+    parse_endpoint,
+    parse_response,
+    refusal,
 )
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Op, Placement, SegmentInfo
-
-_KNOWN_STATUSES = frozenset(int(status) for status in Status)
 
 
 class _Request:
@@ -149,21 +148,12 @@ class _Connection(asyncio.BufferedProtocol):
         """The current buffer is full: move to the next stage."""
         request = self.pending[0] if self.pending else None
         if self._stage == "header":
-            magic, version, msg_len, status, request_id, length = RESPONSE.unpack(self._header)
-            # Request id 0 with an error: the server refused the connection or a frame it could
-            # not read (too many connections, malformed frame); the connection ends.
-            connection_error = request_id == 0 and status != Status.OK
-            if (magic != RESPONSE_MAGIC or version != VERSION or msg_len > MAX_MESSAGE_BYTES
-                    or status not in _KNOWN_STATUSES or not (connection_error or (
-                        request is not None and request_id == request.request_id))):
-                raise KVPoolError(Status.TRANSFER_FAILED, "malformed answer from data server")
-            expected = 0
-            if request is not None and status == Status.OK and request.op == Op.READ:
-                expected = request.length
-            if length != expected:
-                raise KVPoolError(Status.TRANSFER_FAILED,
-                                  f"data server answered {length} bytes, expected {expected}")
-            self._status = Status(status)
+            if request is None:
+                status, msg_len, connection_error = parse_response(self._header, 0, Op.READ, 0)
+            else:
+                status, msg_len, connection_error = parse_response(
+                    self._header, request.request_id, request.op, request.length)
+            self._status = status
             self._connection_error = connection_error
             if msg_len:
                 self._message = bytearray(msg_len)
@@ -180,16 +170,13 @@ class _Connection(asyncio.BufferedProtocol):
             return
         # header or message done
         if self._connection_error:
-            raise KVPoolError(self._status, self._reason())
+            raise refusal(self._status, self._message)
         assert request is not None
         if self._status == Status.OK and request.op == Op.READ:
             self._region_index = 0
             self._start("payload", request.regions[0])
         else:
             self._complete(request)
-
-    def _reason(self) -> str:
-        return self._message.decode(errors="replace") or "refused by the data server"
 
     def _start(self, stage: str, buffer: memoryview) -> None:
         self._stage = stage
@@ -198,7 +185,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _complete(self, request: _Request) -> None:
         self.pending.popleft()
-        error = None if self._status == Status.OK else KVPoolError(self._status, self._reason())
+        error = None if self._status == Status.OK else refusal(self._status, self._message)
         self._finish(request, error)
         self._start("header", memoryview(self._header))
 
@@ -298,15 +285,6 @@ def _abort_unfinished(used: list[_Connection], futures: list[asyncio.Future[None
         future.exception()  # retrieved: no "exception never retrieved" warning
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``host:port`` (or ``[v6]:port``). Raises KVPoolError INVALID_ARGUMENT."""
-    host, sep, port_text = endpoint.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise KVPoolError(Status.INVALID_ARGUMENT, f"bad tcp endpoint {endpoint!r}")
-    return host, int(port_text)
-
-
 class TcpTransport:
     """Transport to segments on other hosts (see the module docstring)."""
 
@@ -371,7 +349,7 @@ class TcpTransport:
         futures: list[asyncio.Future[None]] = []
         first_error: KVPoolError | None = None
         try:
-            for offset, length, regions in _chunks(placement, views, self.chunk_bytes):
+            for offset, length, regions in chunks(placement, views, self.chunk_bytes):
                 connection = await peer.connection(self.timeout_s)
                 futures.append(connection.send(op, segment.segment_id, offset, length,
                                                placement, regions, self.timeout_s))
@@ -396,27 +374,3 @@ class TcpTransport:
             host, port = parse_endpoint(endpoint)
             peer = self._endpoint_to_peer[endpoint] = _Peer(self, host, port)
         return peer
-
-
-def _chunks(placement: Placement, views: list[memoryview], chunk_bytes: int,
-            ) -> list[tuple[int, int, list[memoryview]]]:
-    """Cut a placement into requests of at most ``chunk_bytes``: (offset, length, regions)."""
-    chunks: list[tuple[int, int, list[memoryview]]] = []
-    offset = placement.offset
-    current: list[memoryview] = []
-    room = chunk_bytes
-    for view in views:
-        start = 0
-        while start < view.nbytes:
-            take = min(room, view.nbytes - start)
-            current.append(view[start:start + take])
-            start += take
-            room -= take
-            if room == 0:
-                length = chunk_bytes
-                chunks.append((offset, length, current))
-                offset += length
-                current, room = [], chunk_bytes
-    if current:
-        chunks.append((offset, chunk_bytes - room, current))
-    return chunks

@@ -27,7 +27,7 @@ import xxhash
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.segments import SHM_DIR
-from kvpool_client.transfer import tcp
+from kvpool_client.transfer import tcp_frames
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
 from kvpool_wire.methods import RPC_METHODS
@@ -203,8 +203,9 @@ def test_garbage_frames_to_a_real_data_server_change_no_byte(start_master: Any) 
                 # Half cover the request with their capability range: those reach the MAC.
                 cap_range = ((offset, length) if rng.random() < 0.5 else
                              (rng.randrange(4 << 20), rng.randrange(1, 8192)))
-                frame = tcp.REQUEST.pack(
-                    tcp.REQUEST_MAGIC, rng.choice([tcp.VERSION, tcp.VERSION, 1, 9]),
+                version = tcp_frames.VERSION
+                frame = tcp_frames.REQUEST.pack(
+                    tcp_frames.REQUEST_MAGIC, rng.choice([version, version, 1, 9]),
                     rng.choice([1, 2, rng.randrange(256)]), len(seg), rng.getrandbits(64),
                     offset, length, *cap_range, rng.getrandbits(63), rng.getrandbits(64),
                     rng.randbytes(16)) + seg + rng.randbytes(rng.randrange(64))

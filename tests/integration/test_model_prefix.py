@@ -52,7 +52,8 @@ def make_worker(client: Any, model: Any, num_blocks: int) -> tuple[Any, Any]:
     """A prefix cache over a fresh, empty paged KV cache of ``num_blocks`` blocks."""
     from kvpool_client.hashing import BlockHasher, HashNamespace
     from kvpool_client.prefix import TieredPrefixCache
-    from kvpool_client.tensors import PagedKVCache, make_block_io
+    from kvpool_client.staging import make_block_io
+    from kvpool_client.tensors import PagedKVCache
 
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads

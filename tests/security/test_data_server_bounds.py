@@ -21,7 +21,8 @@ import pytest
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.segments import LocalSegment
-from kvpool_client.transfer.tcp import RESPONSE, DataServer, encode_request
+from kvpool_client.transfer.tcp import DataServer
+from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
 from kvpool_wire import capability
 from kvpool_wire.status import Status
 from kvpool_wire.types import Op

@@ -31,7 +31,7 @@ import pytest
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
-from kvpool_client.transfer.tcp import RESPONSE, encode_request
+from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 

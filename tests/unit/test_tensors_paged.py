@@ -16,12 +16,8 @@ from kvpool_wire.status import Status
 
 torch = pytest.importorskip("torch", reason="tensors tests need torch (pip install torch==2.13.0)")
 
-from kvpool_client.staging import StagedBlockIO  # noqa: E402
-from kvpool_client.tensors import (  # noqa: E402
-    PagedKVCache,
-    device_module,
-    make_block_io,
-)
+from kvpool_client.staging import StagedBlockIO, make_block_io  # noqa: E402
+from kvpool_client.tensors import PagedKVCache, device_module  # noqa: E402
 
 GEOMETRY = {"num_layers": 3, "num_blocks": 8, "block_size": 4, "num_heads": 2, "head_dim": 8}
 

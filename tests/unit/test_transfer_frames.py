@@ -11,14 +11,15 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool_client.segments import LocalSegment
-from kvpool_client.transfer.tcp import (
+from kvpool_client.transfer.tcp import DataServer
+from kvpool_client.transfer.tcp_frames import (
     REQUEST,
     RESPONSE,
-    DataServer,
+    chunks,
     encode_request,
     encode_response,
+    parse_endpoint,
 )
-from kvpool_client.transfer.tcp_client import _chunks, parse_endpoint
 from kvpool_wire import capability
 from kvpool_wire.capability import MasterClock
 from kvpool_wire.status import KVPoolError, Status
@@ -133,13 +134,13 @@ def test_chunks_cut_regions_at_chunk_boundaries() -> None:
     view = memoryview(data)
     regions = [view[:1000], view[1000:1001], view[1001:]]
     placement = Placement("seg", 5000, len(data))
-    chunks = _chunks(placement, regions, 4096)
-    assert [(off, length) for off, length, _ in chunks] == [(5000, 4096), (9096, 4096),
+    cut = chunks(placement, regions, 4096)
+    assert [(off, length) for off, length, _ in cut] == [(5000, 4096), (9096, 4096),
                                                            (13192, 2048)]
-    assert b"".join(bytes(r) for _, _, rs in chunks for r in rs) == data
-    for _, length, rs in chunks:
+    assert b"".join(bytes(r) for _, _, rs in cut for r in rs) == data
+    for _, length, rs in cut:
         assert sum(r.nbytes for r in rs) == length
-    assert [len(rs) for _, _, rs in _chunks(placement, regions, 1 << 20)] == [3]
+    assert [len(rs) for _, _, rs in chunks(placement, regions, 1 << 20)] == [3]
 
 
 def test_parse_endpoint() -> None:
