@@ -15,6 +15,15 @@ its baseline, and the ratio printed is the median of the per-round ratios.
 (16-byte header + 16 MiB payload, sent or answered), each against a blocking client in another
 process: threads with blocking sockets (recv_into with MSG_WAITALL, sendmsg), as DataServer
 does, and a uvloop BufferedProtocol server receiving straight into the segment.
+
+``--blocking`` instead compares, from a synchronous caller, ways of moving small and medium
+objects to process A's data server: BlockingTcpTransport (busy-polling, its default, and
+sleeping at once), the async TcpTransport run on a uvloop loop the caller keeps
+(``run_until_complete`` per call, as a synchronous caller must), a raw client (pre-encoded
+frames, one ``sendmsg``, blocking ``recv_into`` with MSG_WAITALL: the floor of a client on this
+server) and a loopback echo of the same bytes by a child process (the floor of the sockets).
+Cases: single 4 KiB get / put, batches of 32 x 4 KiB, and 1 MiB; variants alternate within
+each round, ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -31,12 +40,16 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import uvloop
 
 from kvpool_client.segments import cleanup_stale_segments
 from kvpool_client.transfer import ShmTransport, TcpTransport
+from kvpool_client.transfer.base import Item
+from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
+from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
 from kvpool_wire import capability
 from kvpool_wire.types import Op, Placement, SegmentInfo
 
@@ -305,6 +318,186 @@ def io_models(frames: int) -> None:
               f"(median of {len(rates)})")
 
 
+ECHO_HEADER = struct.Struct("<QQ")  # bytes the client sends after this header, bytes to answer
+
+
+def _echo_server() -> None:
+    """Child process: answer each request of ``ECHO_HEADER`` + payload with the asked bytes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header = memoryview(bytearray(ECHO_HEADER.size))
+    scratch = memoryview(bytearray(64 * MiB))
+    while conn.recv_into(header, ECHO_HEADER.size, socket.MSG_WAITALL) == ECHO_HEADER.size:
+        request_bytes, answer_bytes = ECHO_HEADER.unpack(header)
+        if request_bytes:
+            conn.recv_into(scratch[:request_bytes], request_bytes, socket.MSG_WAITALL)
+        conn.sendall(scratch[:answer_bytes])
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    if sock.recv_into(view, view.nbytes, socket.MSG_WAITALL) != view.nbytes:
+        raise SystemExit("raw connection closed")
+
+
+class RawClient:
+    """The floor of a client on the data server: frames encoded once, one ``sendmsg`` per call,
+    blocking ``recv_into`` (MSG_WAITALL) for every answer header and READ payload."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.header = memoryview(bytearray(RESPONSE.size))
+
+    def call(self, op: Op, items: list[Item]) -> Callable[[], list[int]]:
+        frames: list[bytes | memoryview] = []
+        for request_id, (segment, placement, regions) in enumerate(items, 1):
+            frames.append(encode_request(op, request_id, segment.segment_id, placement.offset,
+                                         placement.length, placement.offset, placement.length,
+                                         placement.capability_expiry_ms, placement.capability))
+            if op == Op.WRITE:
+                frames.extend(regions)
+        destinations = [regions[0] for _, _, regions in items]
+
+        def run() -> list[int]:
+            self.sock.sendmsg(frames)
+            statuses = []
+            for destination in destinations:
+                _recv_exactly(self.sock, self.header)
+                status = RESPONSE.unpack(self.header)[3]
+                if op == Op.READ and status == 0:
+                    _recv_exactly(self.sock, destination)
+                statuses.append(status)
+            return statuses
+        return run
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class EchoClient:
+    """The same bytes as a call (frames and payload out, answers back) echoed by a child."""
+
+    def __init__(self) -> None:
+        self.child = subprocess.Popen([sys.executable, __file__, "--echo"],
+                                      stdout=subprocess.PIPE, text=True)
+        assert self.child.stdout is not None
+        port = int(self.child.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.answer = memoryview(bytearray(64 * MiB))
+
+    def call(self, op: Op, items: list[Item]) -> Callable[[], list[int]]:
+        payload = sum(placement.length for _, placement, _ in items)
+        frames = sum(len(encode_request(op, 1, segment.segment_id, 0, 1, 0, 1, 0, b""))
+                     for segment, _, _ in items)
+        sent = frames + (payload if op == Op.WRITE else 0)
+        answer = RESPONSE.size * len(items) + (payload if op == Op.READ else 0)
+        request = [ECHO_HEADER.pack(sent, answer), memoryview(bytearray(sent))]
+        view = self.answer[:answer]
+
+        def run() -> list[int]:
+            self.sock.sendmsg(request)
+            _recv_exactly(self.sock, view)
+            return []
+        return run
+
+    def close(self) -> None:
+        self.sock.close()
+        self.child.wait(10)
+
+
+def blocking_comparison(segment: SegmentInfo, key: bytes, rounds: int, round_s: float,
+                        ) -> dict[str, dict[str, float]]:
+    """Per case, ops/s (objects moved per second) of every variant, and per-round ratios of
+    the blocking transport to the others (see the module docstring)."""
+    expiry_ms = int(time.time() * 1000) + 3_600_000
+    local = memoryview(np.random.default_rng(0).integers(0, 255, 64 * MiB, dtype=np.uint8))
+
+    def items_of(op: Op, object_bytes: int, count: int) -> list[Item]:
+        return [(segment, Placement(segment.segment_id, i * object_bytes, object_bytes,
+                                    expiry_ms, capability.sign(key, segment.segment_id,
+                                                               i * object_bytes, object_bytes,
+                                                               op, expiry_ms)),
+                 [local[i * object_bytes:(i + 1) * object_bytes]]) for i in range(count)]
+
+    blocking = BlockingTcpTransport()
+    sleeping = BlockingTcpTransport(busy_poll_us=0)
+    loop = uvloop.new_event_loop()
+    tcp = TcpTransport()
+    raw = RawClient(segment.tcp_endpoint)
+    echo = EchoClient()
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for object_bytes, count in ((4096, 1), (4096, 32), (MiB, 1)):
+            for op in (Op.READ, Op.WRITE):
+                items = items_of(op, object_bytes, count)
+                batch = blocking.read_batch if op == Op.READ else blocking.write_batch
+                slow = sleeping.read_batch if op == Op.READ else sleeping.write_batch
+                async_batch = tcp.read_batch if op == Op.READ else tcp.write_batch
+                variants: dict[str, Callable[[], list[Any]]] = {
+                    "blocking": lambda items=items, batch=batch: batch(items),
+                    "blocking, no poll": lambda items=items, slow=slow: slow(items),
+                    "async, loop per call": lambda items=items, async_batch=async_batch:
+                        loop.run_until_complete(async_batch(items)),
+                    "raw client": raw.call(op, items),
+                    "loopback echo": echo.call(op, items),
+                }
+                name = (f"{'get' if op == Op.READ else 'put'} {count}x"
+                        f"{'4KiB' if object_bytes == 4096 else '1MiB'}")
+                results[name] = _alternate(variants, count, rounds, round_s)
+    finally:
+        loop.run_until_complete(tcp.close())
+        loop.close()
+        blocking.close()
+        sleeping.close()
+        raw.close()
+        echo.close()
+    return results
+
+
+def _alternate(variants: dict[str, Callable[[], list[Any]]], objects: int, rounds: int,
+               round_s: float) -> dict[str, float]:
+    """Rounds of every variant in turn: median ops/s of each, and median per-round ratios of
+    "blocking" to each other variant. Fails on any non-OK item."""
+    for run in variants.values():  # warm-up: connections, page tables
+        for _ in range(20):
+            if any(run()):
+                raise SystemExit(f"transfer failed: {run()}")
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            calls = 0
+            start = time.perf_counter()
+            while time.perf_counter() - start < round_s:
+                statuses = run()
+                if any(statuses):
+                    raise SystemExit(f"{name}: transfer failed: {statuses}")
+                calls += 1
+            rates[name].append(calls * objects / (time.perf_counter() - start))
+    out = {name: statistics.median(rate) for name, rate in rates.items()}
+    for name in variants:
+        if name != "blocking":
+            out[f"blocking / {name}"] = statistics.median(
+                b / o for b, o in zip(rates["blocking"], rates[name], strict=True))
+    return out
+
+
+def print_blocking(results: dict[str, dict[str, float]]) -> None:
+    names = [n for n in next(iter(results.values())) if "/" not in n]
+    print("ops/s (objects moved per second; a batch of 32 is 32 ops), medians of the rounds")
+    print(f"{'case':12s}" + "".join(f"{n:>22s}" for n in names))
+    for case, row in results.items():
+        print(f"{case:12s}" + "".join(f"{row[n]:22,.0f}" for n in names))
+    print("blocking transport / variant, medians of per-round ratios")
+    ratios = [n for n in next(iter(results.values())) if "/" in n]
+    print(f"{'case':12s}" + "".join(f"{n.split(' / ')[1]:>22s}" for n in ratios))
+    for case, row in results.items():
+        print(f"{case:12s}" + "".join(f"{row[n]:21.2f}x" for n in ratios))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per case")
@@ -312,11 +505,18 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the figures to this file")
     parser.add_argument("--io-models", action="store_true",
                         help="compare threaded and uvloop server I/O instead")
+    parser.add_argument("--blocking", action="store_true",
+                        help="compare the blocking tcp transport with the async one, a raw "
+                             "client and a loopback echo instead")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--io-client", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve()
+        return
+    if args.echo:
+        _echo_server()
         return
     if args.io_client:
         _io_client(int(args.io_client[0]), args.io_client[2], int(args.io_client[1]))
@@ -337,7 +537,11 @@ def main() -> None:
         # What GetSegments hands a mapper: the descriptor with the owner's proof.
         segment = SegmentInfo(**described, ownership_proof=capability.ownership_proof(
             key, described["segment_id"], described["shm_name"], described["size_bytes"]))
-        results = uvloop.run(transfers(segment, key, args.rounds, args.round_seconds))
+        if args.blocking:
+            blocking_results = blocking_comparison(segment, key, args.rounds,
+                                                   args.round_seconds)
+        else:
+            results = uvloop.run(transfers(segment, key, args.rounds, args.round_seconds))
     finally:
         assert server.stdin is not None and server.stdout is not None
         server.stdin.close()  # EOF: the child closes its server and segment
@@ -348,6 +552,12 @@ def main() -> None:
             server.wait()
         server.stdout.close()
         cleanup_stale_segments("bench")
+    if args.blocking:
+        print_blocking(blocking_results)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(blocking_results, f, indent=1)
+        return
     print(f"{'case':26s} {'GB/s':>7s} {'baseline GB/s':>22s} {'ratio':>8s}")
     for name, (rate, base, ratio) in results.items():
         base_name = "memcpy" if name.startswith("shm") else "loopback tcp"

@@ -145,13 +145,14 @@ class _Connection:
             raise KVPoolError(Status.TRANSFER_FAILED, "data connection is closed")
         first_id = request_id = self._next_id
         views: list[bytes | memoryview] = []
+        write = op == Op.WRITE
         for request in part:
             placement = request.placement
             views.append(encode_request(op, request_id, placement.segment_id, request.offset,
                                         request.length, placement.offset, placement.length,
                                         placement.capability_expiry_ms, placement.capability,
                                         placement.put_id))
-            if op == Op.WRITE:
+            if write:
                 views.extend(request.regions)
             request_id += 1
         self._next_id = request_id
@@ -178,20 +179,20 @@ class _Connection:
         """Read the answers to ``part``, in order, appending their statuses."""
         self._spin_s = self._busy_poll_s if self._busy_poll_s and self.backoff.take() else 0.0
         header_size = RESPONSE.size
+        read = op == Op.READ
         count = len(part)
         for k, request in enumerate(part):
             later = count - k - 1  # answers after this one
             # A WRITE's answers are all headers (and messages): read ahead through them. After
             # a READ's header comes its payload, which must land in the caller's regions.
-            ahead = header_size * later if op == Op.WRITE else 0
-            header = self._take(header_size, header_size + ahead, deadline)
+            header = self._take(header_size, header_size * (1 if read else later + 1), deadline)
             status, msg_len, connection_error = parse_response(
                 header, first_id + k, op, request.length)
-            payload = request.regions if status == Status.OK and op == Op.READ else None
+            payload = request.regions if read and status == Status.OK else None
             message = b""
             if msg_len:
                 follows = 0 if payload is not None or connection_error else \
-                    header_size * (later if op == Op.WRITE else min(later, 1))
+                    header_size * (min(later, 1) if read else later)
                 message = bytes(self._take(msg_len, msg_len + follows, deadline))
             if connection_error:
                 raise refusal(status, message)
@@ -219,6 +220,11 @@ class _Connection:
     def _fill(self, regions: list[memoryview], header_next: bool, deadline: float) -> None:
         """Receive a READ's payload into ``regions`` (whole); with ``header_next``, bytes of the
         next answer's header that arrive with it go to the control buffer."""
+        if not header_next and len(regions) == 1:  # the common case, in plain recv_into calls
+            view = regions[0]
+            while view.nbytes:
+                view = view[self._recv([view], deadline):]
+            return
         if self._start == self._end:
             self._start = self._end = 0
         header_room = self._control_view[self._end:self._end + RESPONSE.size]
@@ -350,13 +356,14 @@ class BlockingTcpTransport:
             return len(self._in_use) + sum(len(c) for c in self._endpoint_to_idle.values())
 
     def _batch(self, op: Op, items: Sequence[Item]) -> list[Status]:
+        if self.closed:
+            return [Status.UNAVAILABLE] * len(items)
         outcomes: list[Status | None] = [None] * len(items)
         endpoint_to_requests: dict[str, list[_Request]] = {}
+        read = op == Op.READ
         for index, (segment, placement, regions) in enumerate(items):
             try:
-                if self.closed:
-                    raise KVPoolError(Status.UNAVAILABLE, "tcp transport is closed")
-                views = byte_views(regions, writable=op == Op.READ)
+                views = byte_views(regions, writable=read)
                 check_item(segment, placement, views)
                 endpoint = segment.tcp_endpoint
                 if endpoint not in self._endpoint_to_address:
