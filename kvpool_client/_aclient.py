@@ -23,7 +23,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client.api import ReadRequest, SizedRequest, WriteRequest, attempt, same_length, slices
+from kvpool_client.api import (
+    ReadRequest,
+    SizedRequest,
+    WriteRequest,
+    attempt,
+    each_position,
+    key_batch,
+    same_length,
+    slices,
+)
 from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import (
     BufferRegistry,
@@ -482,15 +491,8 @@ class AsyncKVPoolClient:
         the object's size, or a negative Status; LEASE_EXPIRED when the read lease ran out
         before ``consume`` (and ``done``) returned: what it took may have been overwritten and
         must be discarded. A repeated key is consumed for each of its positions."""
-        batch = SizedRequest(keys, [1] * len(keys)).batch
-        repeats: dict[int, list[int]] = {}
-        for position, first in batch.repeats:
-            repeats.setdefault(first, []).append(position)
-
-        def consume_all(index: int, view: memoryview) -> None:
-            consume(batch.positions[index], view)
-            for position in repeats.get(index, ()):
-                consume(position, view)
+        batch = key_batch(keys)
+        consume_all = each_position(batch, consume)
         out = [int(s) for s in await self._with(
             "batch_get_with", batch,
             self._path().read_with(batch.keys, consume_all, done) if batch.keys else None)]
@@ -598,7 +600,7 @@ class AsyncKVPoolClient:
 
     async def batch_remove(self, keys: Sequence[KeyLike], force: bool = False) -> list[Status]:
         """Remove keys; per key OK, NOT_FOUND, HAS_LEASE (read lease live; unless ``force``)."""
-        batch = SizedRequest(keys, [1] * len(keys)).batch
+        batch = key_batch(keys)
         answers: list[Status] = []
         if batch.keys:
             answers = await self._path().rpc.remove(self.client_id, batch.keys, force)

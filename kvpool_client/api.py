@@ -51,6 +51,25 @@ def slices(buffers: BufferRegistry, keys: Sequence[Any], bufs: Any, offsets: Seq
     return out
 
 
+def key_batch(keys: Sequence[Any]) -> KeyBatch[Any]:
+    """The batch of distinct valid keys of ``keys`` (no values)."""
+    return KeyBatch(keys, None, to_key)
+
+
+def each_position(batch: KeyBatch[Any], consume: Any) -> Any:
+    """``consume(index, view)`` for the distinct keys of ``batch``, as a consumer that hands
+    each view to the caller's ``consume`` at every position of that key."""
+    repeats: dict[int, list[int]] = {}
+    for position, first in batch.repeats:
+        repeats.setdefault(first, []).append(position)
+
+    def consume_all(index: int, view: memoryview) -> None:
+        consume(batch.positions[index], view)
+        for position in repeats.get(index, ()):
+            consume(position, view)
+    return consume_all
+
+
 class WriteRequest:
     """A batch write: distinct keys with their regions and sizes (empty objects refused)."""
 
@@ -89,7 +108,7 @@ class ReadRequest:
     def __init__(self, keys: Sequence[Any], dsts: Sequence[Regions | Status] | None) -> None:
         if dsts is not None:
             same_length(keys, dsts)
-        self.batch: KeyBatch[Any] = KeyBatch(keys, None, to_key)
+        self.batch = key_batch(keys)
         self._dsts = dsts
         self.fresh: dict[int, bytes] = {}  # position -> the bytes read, when dsts is None
         positions = self.batch.positions
@@ -150,8 +169,15 @@ def _fit(dst: Regions | Status, have_bytes: int, size_bytes: int) -> Regions | S
 
 
 def _copy_regions(dst: Regions, src: Regions) -> None:
-    flat = b"".join(bytes(v) for v in src) if len(src) != 1 else src[0]
-    cursor = 0
+    """Copy the concatenation of ``src`` into ``dst`` (same total size), piece by piece."""
+    sources = iter(src)
+    source = memoryview(b"")
     for view in dst:
-        view[:] = flat[cursor:cursor + view.nbytes]
-        cursor += view.nbytes
+        filled = 0
+        while filled < view.nbytes:
+            if not source.nbytes:
+                source = next(sources)
+            take = min(view.nbytes - filled, source.nbytes)
+            view[filled:filled + take] = source[:take]
+            source = source[take:]
+            filled += take

@@ -19,7 +19,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client._aclient import AsyncKVPoolClient
-from kvpool_client.api import ReadRequest, SizedRequest, WriteRequest, attempt, same_length, slices
+from kvpool_client.api import (
+    ReadRequest,
+    SizedRequest,
+    WriteRequest,
+    attempt,
+    each_position,
+    key_batch,
+    same_length,
+    slices,
+)
 from kvpool_client.buffers import KeyLike, Regions, byte_view, regions_of, slice_view, to_key
 from kvpool_client.config import ClientConfig
 from kvpool_client.drivers.blocking import BlockingDataPath
@@ -294,15 +303,8 @@ class KVPoolClient:
         if path is None:
             result: list[int] = self._thread.run(self._client.batch_get_with(keys, consume, done))
             return result
-        batch = SizedRequest(keys, [1] * len(keys)).batch
-        repeats: dict[int, list[int]] = {}
-        for position, first in batch.repeats:
-            repeats.setdefault(first, []).append(position)
-
-        def consume_all(index: int, view: memoryview) -> None:
-            consume(batch.positions[index], view)
-            for position in repeats.get(index, ()):
-                consume(position, view)
+        batch = key_batch(keys)
+        consume_all = each_position(batch, consume)
         out = [int(s) for s in self._with("batch_get_with", batch,
                                           lambda: path.read_with(batch.keys, consume_all, done))]
         self._client.metrics.count_lookups(len(out), sum(1 for n in out if n >= 0))
@@ -393,7 +395,7 @@ class KVPoolClient:
         if path is None:
             statuses: list[Status] = self._thread.run(self._client.batch_remove(keys, force))
             return statuses
-        batch = SizedRequest(keys, [1] * len(keys)).batch
+        batch = key_batch(keys)
         answers = path.rpc.remove(self.client_id, batch.keys, force) if batch.keys else []
         return batch.spread(answers)
 

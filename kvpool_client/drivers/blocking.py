@@ -133,10 +133,8 @@ class BlockingDataPath:
         with contextlib.ExitStack() as borrowed:
             remote = self.parts.fill(plan, jobs, fill, done, borrowed)
         if remote:
-            statuses = self.transfer([item for _, item in remote], writing=True)
-            for (index, _), status in zip(remote, statuses, strict=True):
-                if status != Status.OK:
-                    plan.statuses[index] = status
+            self.parts.sent(plan, remote,
+                            self.transfer([item for _, item in remote], writing=True))
         self._settle(plan)
         return plan.statuses
 
@@ -207,10 +205,7 @@ class BlockingDataPath:
         with contextlib.ExitStack() as borrowed:  # same-host replicas stay mapped until done
             views, remote = self.parts.borrow_replicas(plan, infos, borrowed)
             if remote:
-                statuses = self.transfer([item for _, item in remote], writing=False)
-                for (index, _), status in zip(remote, statuses, strict=True):
-                    if status != Status.OK:
-                        plan.results[index] = int(status)
-                        del views[index]
+                self.parts.received(plan, views, remote, self.transfer(
+                    [item for _, item in remote], writing=False))
             self.parts.consume(plan, views, consume, done)
         return plan.results

@@ -212,6 +212,24 @@ class Parts:
                     plan.checksums[index] = checksum([view])
         return [(index, item) for index, item in remote if plan.statuses[index] == Status.OK]
 
+    @staticmethod
+    def sent(plan: PutPlan, remote: Sequence[tuple[int, ReadItem]],
+             statuses: Sequence[Status]) -> None:
+        """How sending the filled host buffers of ``remote`` went."""
+        for (index, _), status in zip(remote, statuses, strict=True):
+            if status != Status.OK:
+                plan.statuses[index] = status
+
+    @staticmethod
+    def received(plan: ReadPlan, views: dict[int, memoryview],
+                 remote: Sequence[tuple[int, ReadItem]], statuses: Sequence[Status]) -> None:
+        """How reading ``remote`` replicas into host buffers went (failed ones lose their
+        view: ``consume`` never sees them)."""
+        for (index, _), status in zip(remote, statuses, strict=True):
+            if status != Status.OK:
+                plan.results[index] = int(status)
+                del views[index]
+
     def borrow_replicas(self, plan: ReadPlan, infos: dict[str, SegmentInfo],
                         borrowed: contextlib.ExitStack
                         ) -> tuple[dict[int, memoryview], list[tuple[int, ReadItem]]]:

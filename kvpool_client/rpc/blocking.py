@@ -82,10 +82,6 @@ class BlockingMasterRpc(MasterCalls):
         for conn in idle:
             conn.close()
 
-    def learn_fast_path(self, answer: RegisterAnswer) -> None:
-        """Use the lean endpoints another stub of this client learned (its registration)."""
-        self._learn_fast_path(answer)
-
     # -- calls ------------------------------------------------------------------------------------
 
     def _run(self, call: Call[Any], after: After | None = None) -> Any:

@@ -122,3 +122,23 @@ def test_one_duplicate_key_policy() -> None:
     assert batch.keys == [b"b"] and batch.repeats == [(5, 0)]
     assert batch.spread(["rb"])[:4] == [Status.INVALID_ARGUMENT, Status.INVALID_KEY, "rb",
                                         Status.INVALID_ARGUMENT]
+
+
+def test_a_repeated_key_read_gets_a_copy_of_the_bytes_in_its_own_regions() -> None:
+    from kvpool_client.api import ReadRequest
+
+    first = [memoryview(bytearray(3)), memoryview(bytearray(5))]
+    again = [memoryview(bytearray(2)), memoryview(bytearray(4)), memoryview(bytearray(4))]
+    small = [memoryview(bytearray(4))]
+    request = ReadRequest(["k", "k", "k"], [first, again, small])
+    assert request.batch.keys == [b"k"]
+    dst = request.dst_for(0, 8)
+    assert not isinstance(dst, Status)
+    data = b"abcdefgh"
+    cursor = 0
+    for view in dst:
+        view[:] = data[cursor:cursor + view.nbytes]
+        cursor += view.nbytes
+    assert request.finish([8]) == [8, 8, int(Status.BUFFER_OVERFLOW)]
+    assert b"".join(bytes(v) for v in again)[:8] == data
+    assert bytes(small[0]) == bytes(4)  # too small: untouched
