@@ -6,7 +6,7 @@ Two client processes and a master on 127.0.0.1, as in ``client_bench.py`` phase 
 zero-copy, alternating three policies round by round in one run:
 
   caller   (the client as it is) the calling thread copies half of a large batch and a helper
-           thread the other half, in the call's synchronous stretch; the batch stays whole;
+           thread the other half (the blocking driver); the batch stays whole;
            pieces of STREAM_MIN_BYTES or more are copied with streaming stores (``_ntcopy``,
            where it was built)
   numpy    the same, every piece copied with numpy.copyto
