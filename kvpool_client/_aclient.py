@@ -1,20 +1,18 @@
-"""AsyncKVPoolClient: the client on an event loop, and the owner of a client's lifecycle (the
-sync client runs its start, close and async writes on a loop thread of its own).
+"""AsyncKVPoolClient: the client on an event loop (the sync client runs its start, close and
+async writes on a loop thread of its own).
 
 Rules of this file:
 - Every public call is normalised into one batch of distinct keys (``api``, ``core.keys``) and
   handed to the asyncio driver (``drivers.aio``); single-key forms are thin wrappers that
   raise KVPoolError, batch forms return one Status (or int) per key.
-- Start: remove shared memory left by dead processes, create the segments, serve them
-  (data server refusing everything until the master's key is known), register, mount, start
-  heartbeating. Close undoes it in reverse and reports async writes that failed.
+- ``start`` joins the pool: ``member.Member`` holds everything a started client has, and
+  ``close`` flushes async writes (reporting those that failed) and has it leave.
 - Nothing is tied to the thread that created the client: the sync facade may be called from
   any thread (MindIE puts from a background thread).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -33,7 +31,6 @@ from kvpool_client.api import (
     same_length,
     slices,
 )
-from kvpool_client.asyncwrite import AsyncWriter
 from kvpool_client.buffers import (
     BufferRegistry,
     KeyLike,
@@ -45,33 +42,18 @@ from kvpool_client.buffers import (
 )
 from kvpool_client.config import ClientConfig
 from kvpool_client.drivers.aio import AsyncDataPath
-from kvpool_client.drivers.blocking import BlockingDataPath
-from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
-from kvpool_client.liveness import Liveness, MasterAddress, register_waiting
+from kvpool_client.drivers.parts import Consumer, Done, Filler
+from kvpool_client.liveness import MasterAddress
+from kvpool_client.member import Member
 from kvpool_client.metrics import ClientMetrics
-from kvpool_client.rpc import MasterRpc, MasterSession
-from kvpool_client.segments import LocalSegment, cleanup_stale_segments, host_id, split_sizes
-from kvpool_client.transfer.copy import ParallelCopier
-from kvpool_client.transfer.shm import ShmTransport
-from kvpool_client.transfer.tcp import DataServer
-from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
-from kvpool_client.transfer.tcp_client import TcpTransport
+from kvpool_client.rpc import MasterSession
+from kvpool_client.segments import host_id
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import PutOptions, SegmentInfo
+from kvpool_wire.types import PutOptions
 
 logger = logging.getLogger(__name__)
 
 _OK_STATUSES = (Status.OK, Status.ALREADY_EXISTS)
-#: ``"checksum": "auto"`` checksums objects up to this size: hashing them costs little beside
-#: the call itself (README, "Checksums").
-CHECKSUM_AUTO_MAX_BYTES = 256 << 10
-
-
-def checksum_max_bytes(setting: bool | str) -> int:
-    """The largest object a put checksums under the ``checksum`` setting (0: none)."""
-    if setting == "auto":
-        return CHECKSUM_AUTO_MAX_BYTES
-    return (1 << 63) if setting else 0
 
 
 class AsyncKVPoolClient:
@@ -88,21 +70,12 @@ class AsyncKVPoolClient:
         self.host_id = host_id()
         self._master = MasterAddress.of(config)
         self._session = MasterSession()  # this client's token and master clock, for all stubs
-        self._segments: dict[str, LocalSegment] = {}
-        self._server: DataServer | None = None
-        self._rpc: MasterRpc | None = None
-        self._liveness: Liveness | None = None
-        self.parts: Parts | None = None
-        self._datapath: AsyncDataPath | None = None
-        self._writer: AsyncWriter | None = None
+        self._member: Member | None = None  # set by start
         self._metrics_server: Any = None
         self._default_options = PutOptions(replica_num=config.replica_num,
                                            preferred_segment=config.preferred_segment,
                                            prefer_same_host=config.prefer_alloc_in_same_node)
-        self._rpc_epoch = 0
-        self._background: set[asyncio.Task[None]] = set()
         self._started = False
-        self._registered = False
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -118,7 +91,8 @@ class AsyncKVPoolClient:
         return client
 
     async def start(self) -> None:
-        """Create and serve the segments, register with the master and mount them.
+        """Join the pool (``member.Member.join``: segments created and served, registered,
+        mounted, heartbeating).
 
         Raises KVPoolError (RPC_FAILED / TIMEOUT when the master cannot be reached,
         NO_SPACE when /dev/shm cannot hold the segments, ...); nothing is left behind then.
@@ -126,73 +100,15 @@ class AsyncKVPoolClient:
         if self._started:
             return
         self._started = True
-        try:
-            await self._start()
-        except BaseException:
-            await self._shutdown()
-            raise
-
-    async def _start(self) -> None:
-        config = self.config
-        removed = cleanup_stale_segments(config.cluster_id)
-        if removed:
-            logger.info("removed %d stale segments of cluster %s", len(removed), config.cluster_id)
-        for index, size_bytes in enumerate(split_sizes(config.global_segment_size,
-                                                       config.max_segment_size)):
-            # Pre-faulting takes ~0.15 s per GiB: keep the event loop free meanwhile.
-            segment = await asyncio.to_thread(LocalSegment.create, config.cluster_id,
-                                              self.client_id, index, size_bytes)
-            self._segments[segment.segment_id] = segment
-        if self._segments:
-            # Refuses every request until the master's key for this client is installed.
-            session = self._session
-            self._server = DataServer(self._segments, secrets.token_bytes(32),
-                                      host=config.data_host,
-                                      frame_timeout_s=config.transfer_timeout_s,
-                                      clock=lambda: session.clock,
-                                      idle_timeout_s=config.data_idle_timeout_s,
-                                      max_connections_per_peer=(
-                                          config.data_max_connections_per_peer))
-            self._server.start()
-            self.metrics.watch_refusals(self._refusals)
-        self._rpc = rpc = self._master.stub(session=self._session)
-        registration = await register_waiting(rpc, self.client_id, self.host_id, self.hostname)
-        self._registered = True
-        if self._server is not None:
-            self._server.capability_key = registration.capability_key
-        self._stamp_segments(registration.capability_key)
-        descriptors = self._descriptors()
-        for descriptor in descriptors:
-            status = await rpc.mount_segment(self.client_id, descriptor)
-            if status not in _OK_STATUSES:
-                # SEGMENT_ALREADY_EXISTS: another live client mounted a segment of this id.
-                raise KVPoolError(status, f"mounting segment {descriptor.segment_id} failed")
-        self._writer = AsyncWriter(self._write_normalised, config.async_write_queue_size,
-                                   self.metrics)
-        self._liveness = Liveness(
-            master=self._master, session=self._session, client_id=self.client_id,
-            host_id=self.host_id, hostname=self.hostname, registration=registration,
-            registered_at=registration.clock.sent_s,
-            segments=self._descriptors, set_serving_key=self._set_serving_key,
-            stamp_segments=self._stamp_segments,
-            interval_s=config.heartbeat_interval_s, metrics=self.metrics)
-        self.parts = Parts(
-            client_id=self.client_id, local_host_id=self.host_id, transport=config.transport,
-            shm=ShmTransport(self._segments, copier=ParallelCopier(
-                config.copy_threads or copy_threads())),
-            checksum_max_bytes=checksum_max_bytes(config.checksum), metrics=self.metrics,
-            liveness=self._liveness, session=self._session)
-        self.parts.remember(descriptors)
-        self._datapath = AsyncDataPath(
-            self.parts, rpc, TcpTransport(timeout_s=config.transfer_timeout_s),
-            reregistered=self._reregistered,
-            commits=self._writer if config.commit_nowait else None)
-        self._liveness.start()
-        if config.metrics_port >= 0:
-            self._start_metrics_server(config.metrics_port, config.metrics_host)
-        logger.info("client %s joined %s with %d segments (%d bytes), data server %s",
-                    self.client_id, config.master_server_address, len(self._segments),
-                    config.global_segment_size, self.hostname)
+        member = await Member.join(self.config, self.client_id, self.host_id, self._master,
+                                   self._session, self.metrics)
+        if self.config.metrics_port >= 0:
+            try:
+                self._start_metrics_server(self.config.metrics_port, self.config.metrics_host)
+            except BaseException:
+                await member.leave()
+                raise
+        self._member = member
 
     async def close(self) -> None:
         """Flush async writes, leave the pool (segments unmounted, objects on them dropped) and
@@ -204,43 +120,20 @@ class AsyncKVPoolClient:
             return
         self._closed = True
         failure: KVPoolError | None = None
-        if self._writer is not None:
+        member = self._member
+        if member is not None:
             try:
-                await self._writer.close()
-                self._writer.raise_failures()
+                await member.writer.close()
+                member.writer.raise_failures()
             except KVPoolError as exc:
                 failure = exc
-        await self._shutdown()
-        if failure is not None:
-            raise failure
-
-    async def _shutdown(self) -> None:
-        if self._liveness is not None:
-            await asyncio.to_thread(self._liveness.stop)
-        if self._rpc is not None and self._registered:
-            await self._leave(self._rpc)
-        if self._server is not None:
-            await asyncio.to_thread(self._server.close)
-        if self._datapath is not None:
-            await self._datapath.parts.shm.close()
-            await self._datapath.tcp.close()
-        if self._rpc is not None:
-            await self._rpc.close()
-        for segment in self._segments.values():
-            segment.close()
+            await member.leave()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
-
-    async def _leave(self, rpc: MasterRpc) -> None:
-        """Tell the master this client is gone, so its objects go now and not after client_ttl
-        (an unreachable master expires it after client_ttl instead)."""
-        try:
-            await rpc.unregister_client(self.client_id)
-        except KVPoolError as exc:
-            logger.warning("leaving the pool: the master did not answer (%s); it expires this "
-                           "client after client_ttl", exc)
+        if failure is not None:
+            raise failure
 
     async def __aenter__(self) -> AsyncKVPoolClient:
         await self.start()
@@ -260,105 +153,30 @@ class AsyncKVPoolClient:
     @property
     def hostname(self) -> str:
         """``"ip:port"`` of this client's data server (``local_hostname`` when it serves none)."""
-        return self._server.endpoint if self._server is not None else self.config.local_hostname
+        member = self._member
+        return member.hostname if member is not None else self.config.local_hostname
 
     @property
     def segment_ids(self) -> list[str]:
         """Ids of the segments this client contributes."""
-        return list(self._segments)
+        return list(self._member.segments) if self._member is not None else []
 
-    def blocking_path(self) -> BlockingDataPath:
-        """A blocking driver over this started client's parts, for the sync client (its own
-        master stub and TCP connections; the same segments, mappings and liveness)."""
-        parts, liveness = self.parts, self._liveness
-        if parts is None or liveness is None:
-            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
-        return BlockingDataPath(
-            parts, self._master.blocking_stub(self._session),
-            BlockingTcpTransport(timeout_s=self.config.transfer_timeout_s),
-            membership=liveness, host_id=self.host_id, hostname=self.hostname,
-            reregister_timeout_s=self.config.rpc_timeout_s * 2)
-
-    def _descriptors(self) -> list[SegmentInfo]:
-        endpoint = self._server.endpoint if self._server is not None else ""
-        return [s.describe(self.host_id, endpoint) for s in self._segments.values()]
-
-    def _stamp_segments(self, key: bytes) -> None:
-        """Write the ownership proof of ``key`` into every segment (before mounting them)."""
-        for segment in self._segments.values():
-            segment.stamp_owner(key)
-
-    def _set_serving_key(self, key: bytes) -> None:
-        if self._server is not None:
-            self._server.capability_key = key  # a plain attribute read at every request
-
-    def _refusals(self) -> dict[str, int]:
-        server = self._server
-        if server is None:
-            return {}
-        return {"refused": server.refused_total, "bad_frame": server.bad_frames_total,
-                "timeout": server.timeouts_total,
-                "too_many_connections": server.connections_rejected_total,
-                "unproven_connection_closed": server.connections_evicted_total}
-
-    # -- plumbing ---------------------------------------------------------------------------------
-
-    def _path(self) -> AsyncDataPath:
-        datapath = self._datapath
-        if datapath is None or self._closed:
+    @property
+    def member(self) -> Member:
+        """What this started client holds (segments, server, stub, liveness, drivers). Raises
+        KVPoolError UNAVAILABLE before start and after close."""
+        member = self._member
+        if member is None or self._closed:
             raise KVPoolError(Status.UNAVAILABLE, "the client is closed" if self._closed
                               else "the client is not started")
-        liveness = self._liveness
-        if liveness is not None and liveness.epoch != self._rpc_epoch:
-            self._rpc_epoch = liveness.epoch
-            task = asyncio.get_running_loop().create_task(self._refresh_rpc())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        return datapath
+        return member
 
-    async def _refresh_rpc(self) -> None:
-        """After a re-registration, let this loop's stub learn the master's (new) fast port.
-
-        Registering again is idempotent for a known client (same key). Should the master have
-        forgotten this client once more meanwhile, the key differs: liveness re-registers.
-        """
-        if self._rpc is None or self._liveness is None:
-            return
-        try:
-            registration = await self._rpc.register_client(self.client_id, self.host_id,
-                                                           self.hostname)
-        except KVPoolError as exc:
-            logger.debug("refreshing the master stub failed: %s", exc)
-            return
-        if registration.capability_key != self._liveness.registration.capability_key:
-            self._liveness.request_reregister()
-
-    async def _reregistered(self) -> None:
-        """Wait for liveness to re-register this client (a call answered UNKNOWN_CLIENT)."""
-        liveness = self._liveness
-        if liveness is None:
-            raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client")
-        timeout_s = self.config.rpc_timeout_s * 2
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(liveness.request_reregister()), timeout_s)
-        except TimeoutError:
-            raise KVPoolError(Status.UNKNOWN_CLIENT, "the master does not know this client and "
-                              f"re-registration did not finish within {timeout_s:g} s") from None
-        await self._refresh_rpc()
+    def _path(self) -> AsyncDataPath:
+        return self.member.path()
 
     def options(self, options: PutOptions | None) -> PutOptions:
         """``options``, or the configured defaults when None."""
         return self._default_options if options is None else options
-
-    async def _write_normalised(self, keys: list[bytes], regions: list[Regions],
-                                options: PutOptions) -> list[Status]:
-        """Write distinct keys with non-empty regions; one Status per key. (The async writer's
-        write: it still runs while ``close`` drains the queue.)"""
-        datapath = self._datapath
-        if datapath is None:
-            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
-        return await datapath.write(keys, regions, [sum(v.nbytes for v in r) for r in regions],
-                                    options)
 
     async def _put_many(self, op: str, keys: Sequence[KeyLike], regions: list[Regions | None],
                         options: PutOptions | None, async_write: bool) -> list[Status]:
@@ -371,8 +189,7 @@ class AsyncKVPoolClient:
         sent: list[Status] = []
         if batch.keys:
             if async_write:
-                assert self._writer is not None
-                await self._writer.submit(batch.keys, batch.values, resolved)
+                await self.member.writer.submit(batch.keys, batch.values, resolved)
                 sent = [Status.OK] * len(batch.keys)
             else:
                 try:
@@ -634,9 +451,7 @@ class AsyncKVPoolClient:
     async def flush(self, timeout_s: float | None = None) -> None:
         """Wait for async writes and pipelined commits. Raises KVPoolError TIMEOUT, or the first
         failure's status with the number of writes that failed since the last flush."""
-        if self._writer is None:
-            raise KVPoolError(Status.UNAVAILABLE, "the client is not started")
-        await self._writer.flush(timeout_s)
+        await self.member.writer.flush(timeout_s)
 
     async def start_metrics_server(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve this client's metrics on ``http://host:port/metrics``; returns the port."""
@@ -651,13 +466,3 @@ class AsyncKVPoolClient:
         self._metrics_server = server
         return int(server.server_port)
 
-
-def copy_threads() -> int:
-    """Threads that copy one large shared-memory batch (the caller counted, when it takes
-    part), for config ``copy_threads: 0``: one per four cores this process may run on, at
-    least two and at most four (README, "Data plane", has the measurements behind it)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
-    return 1 if cpus < 2 else min(4, max(2, cpus // 4))

@@ -72,7 +72,7 @@ class KVPoolClient:
         try:
             self._thread.run(self._client.start())
             if not config.commit_nowait:
-                self._path = self._client.blocking_path()
+                self._path = self._client.member.blocking_path()
                 self._path.refresh()
         except BaseException:
             try:

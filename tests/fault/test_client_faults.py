@@ -220,7 +220,7 @@ def test_checksum_mismatch_is_detected(master: Any) -> None:
     with KVPoolClient(config(master.address, checksum=True, global_segment_size="4mb")) as c:
         value = cw.payload("guarded", 100_000)
         c.put("guarded", value)
-        segment = next(iter(c.async_client._segments.values()))  # corrupt the bytes in place
+        segment = next(iter(c.async_client.member.segments.values()))  # corrupt the bytes in place
         offset = bytes(segment.buffer).find(value)
         assert offset >= 0
         segment.buffer[offset + 500] ^= 0xFF
@@ -240,7 +240,7 @@ def test_paused_client_is_expired_reregisters_and_refuses_old_capabilities(
             ["OK"]
         with KVPoolClient(config(master.address, transport="tcp", global_segment_size=0)) as r:
             assert r.get("paused-x") == cw.payload("paused-x", 8192)
-            path = r.async_client._datapath
+            path = r.async_client.member.datapath
             assert path is not None
             results, _ = _run(r, path.rpc.get_replicas(r.client_id, [b"paused-x"]))
             old_placement = results[0].placements[0]
@@ -274,7 +274,7 @@ def _run(client: KVPoolClient, coro: Any) -> Any:
 def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
                                                              monkeypatch: Any) -> None:
     with KVPoolClient(config(master.address, heartbeat_interval_s=30)) as c:
-        liveness = c.async_client._liveness
+        liveness = c.async_client.member.liveness
         path = c._path  # the blocking driver runs the sync client's puts
         assert liveness is not None and path is not None
         liveness.alive_until = time.monotonic() - 1  # as if the process had been paused
@@ -282,7 +282,7 @@ def test_lapsed_liveness_or_new_incarnation_abandons_writes(master: Any,
             c.put("during-lapse", b"x" * 4096)
         assert info.value.status == Status.TIMEOUT
         assert not c.exists("during-lapse")  # revoked, never committed
-        c.async_client._liveness.request_reregister().result(timeout=10)
+        c.async_client.member.liveness.request_reregister().result(timeout=10)
         c.put("after-lapse", b"y")
         assert c.get("after-lapse") == b"y"
 

@@ -377,7 +377,7 @@ def test_large_batches_are_copied_by_the_calling_thread_and_a_helper(
         client: KVPoolClient, copy_record: tuple[list[int], list[str]]) -> None:
     """The sync client runs a large batch on the calling thread: one master call per phase
     (not cut into sub-batches), its copies shared between the calling thread and a helper."""
-    from kvpool_client._aclient import copy_threads
+    from kvpool_client.member import copy_threads
 
     threads, batches = copy_record
     _large_batch_round_trip(client.batch_put_from, client.batch_get_into, 42)
@@ -468,7 +468,7 @@ def test_grpc_only_client_from_several_threads(master: Any) -> None:
     """Every call over gRPC (no lean framing), made from the main thread and from workers at
     the same time."""
     with KVPoolClient(make_config(master, use_fast_path=False)) as client:
-        assert client.async_client._rpc.fast_port == 0
+        assert client.async_client.member.rpc.fast_port == 0
         client.put("grpc-main", b"from main")
         errors: list[BaseException] = []
 
@@ -512,3 +512,40 @@ def test_single_ops_run_on_the_calling_thread_over_a_blocking_connection(
         client.put("nowait", b"bytes")
         assert client.get("nowait") == b"bytes"
         assert client._path is None and callers == []
+
+
+def test_a_start_that_fails_after_joining_leaves_nothing_behind(master: Any) -> None:
+    """The metrics port is taken: start fails after the client joined the pool; it leaves the
+    pool (the master forgets it at once) and frees its segments and data server."""
+    import asyncio
+    import os
+    import socket
+
+    from kvpool_client.rpc import MasterRpc
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = make_config(master, metrics_port=port, client_id=f"short-lived-{os.getpid()}")
+        client = AsyncKVPoolClient(config)
+
+        async def start_and_count() -> tuple[BaseException | None, int]:
+            failure: BaseException | None = None
+            try:
+                await client.start()
+            except OSError as exc:
+                failure = exc
+            rpc = MasterRpc(master.address, timeout_s=5.0)
+            try:
+                return failure, (await rpc.get_stats())["clients"]
+            finally:
+                await rpc.close()
+
+        failure, clients = asyncio.run(start_and_count())
+    assert isinstance(failure, OSError)
+    assert clients == 0
+    assert not [name for name in os.listdir("/dev/shm") if config.client_id in name]
+    with pytest.raises(KVPoolError) as err:
+        asyncio.run(client.exists("anything"))
+    assert err.value.status == Status.UNAVAILABLE

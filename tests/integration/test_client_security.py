@@ -24,8 +24,8 @@ def test_client_over_mutual_tls_with_a_token(start_master: Any, pki: dict[str, s
     with KVPoolClient(ClientConfig.from_dict(values)) as c:
         c.put("over-tls", b"sealed" * 1000)
         assert c.get("over-tls") == b"sealed" * 1000
-        assert c.async_client._datapath is not None
-        assert c.async_client._datapath.rpc.fast_port > 0  # the lean path runs over TLS too
+        assert c.async_client.member.datapath is not None
+        assert c.async_client.member.datapath.rpc.fast_port > 0  # the lean path runs over TLS too
     done = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
                            master.address, "--tls-ca", pki["ca.crt"], "--tls-cert",
                            pki["client.crt"], "--tls-key", pki["client.key"], "--auth-token",
@@ -53,7 +53,7 @@ def test_forged_capabilities_are_refused_and_counted(master: Any) -> None:
                                      "global_segment_size": "4mb", "transport": "tcp"})
     with KVPoolClient(config) as c:
         c.put("guarded", b"g" * 4096)
-        path = c.async_client._datapath
+        path = c.async_client.member.datapath
         assert path is not None
         (segment_id,) = c.segment_ids
         info = c._thread.run(path.resolve([segment_id]))[segment_id]

@@ -37,7 +37,7 @@ def test_clients_on_the_host_call_over_the_unix_socket(master: Any, lean_socket:
     with _client(master) as client:
         client.put("over-unix", b"payload")
         assert client.get("over-unix") == b"payload"
-        rpc = client.async_client._rpc
+        rpc = client.async_client.member.rpc
         name = b"\0" + reply.fast_socket.encode()
         # calls run on the loop, and single ops run on the calling thread: both connections
         assert rpc._lean._transport.get_extra_info("peername") == name
@@ -63,7 +63,7 @@ def test_local_socket_off_keeps_clients_on_tcp(start_master: Any, lean_socket: A
     with _client(master) as client:
         client.put("over-tcp", b"payload")
         assert client.get("over-tcp") == b"payload"
-        rpc = client.async_client._rpc
+        rpc = client.async_client.member.rpc
         assert rpc._lean._transport.get_extra_info("peername") == ("127.0.0.1", master.fast_port)
         assert client._path is not None
         assert client._path.rpc._idle[0]._sock.getpeername() == ("127.0.0.1", master.fast_port)
