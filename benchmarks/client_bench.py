@@ -65,8 +65,8 @@ OPS_TARGETS = {("put", 4 * KiB): 4400.0, ("get", 4 * KiB): 8200.0}
 def warm_object_bytes(buffer_bytes: int) -> int:
     """Object size of the warm-up for a worker whose zero-copy buffers hold ``buffer_bytes``:
     16 MiB, or less when they hold fewer than BATCH objects of that size (``--sizes`` without
-    16MiB)."""
-    return min(16 * MiB, buffer_bytes // BATCH // MiB * MiB)
+    16MiB; whole pages)."""
+    return min(16 * MiB, max(4 * KiB, buffer_bytes // BATCH // (4 * KiB) * (4 * KiB)))
 
 
 def memcpy_gbps(src: Any, dst: Any) -> float:
