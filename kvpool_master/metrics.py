@@ -189,6 +189,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "leases_granted_total": ("kvpool_leases_granted_total",
                              "Read leases granted or extended (one per key read)"),
     "leases_lapsed_total": ("kvpool_leases_expired_total", "Read leases that ran out"),
+    "leases_ended_total": ("kvpool_leases_ended_total",
+                           "Read holds ended by their reader once it finished reading"),
     "lookup_queries_total": ("kvpool_lookup_queries_total", "QueryPrefix calls"),
     "lookup_keys_total": ("kvpool_lookup_blocks_total", "Blocks asked for by QueryPrefix"),
     "lookup_hit_keys_total": ("kvpool_lookup_hit_blocks_total",

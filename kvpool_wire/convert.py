@@ -230,14 +230,21 @@ def encode_statuses(response_type: type[Message], statuses: Sequence[int]) -> Me
     return response_type(statuses=statuses)
 
 
+def decode_ended_leases(request: Any) -> list[tuple[int, list[ObjectKey]]]:
+    """(lease id, keys) of each lease the request's client says it finished reading under."""
+    return [(int(ended.lease_id), list(ended.keys)) for ended in request.ended_leases]
+
+
 def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,
-                        capability_of: Callable[[Placement], bytes]) -> pb.GetReplicasResponse:
-    """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds."""
+                        capability_of: Callable[[Placement], bytes],
+                        lease_id: int = 0) -> pb.GetReplicasResponse:
+    """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds
+    (``lease_id``: the number its reader ends it by, 0 for a lease nobody can end)."""
     response = pb.GetReplicasResponse(
         statuses=[r.status for r in results],
         sizes_bytes=[r.size_bytes for r in results],
         checksums=[r.checksum for r in results],
-        lease_ttl_ms=round(lease_ttl_s * 1000))
+        lease_ttl_ms=round(lease_ttl_s * 1000), lease_id=lease_id)
     replicas = response.replicas
     for r in results:
         _add_replicas(replicas, r.placements, expiry_ms, capability_of)

@@ -12,6 +12,18 @@ Rules of this file:
   dict lookup, two comparisons and appends; results for misses are shared constants.
 - A lease "lapsed" when it ran out without renewal; it is counted when next observed (the next
   grant on that object, or its removal), which costs nothing extra on the hot path.
+- Two things a lease does: the object answers HAS_LEASE to a plain remove and is not evicted
+  until ``lease_expiry_s`` (Mooncake's lease, which runs its time), and its bytes are not
+  reused while a reader may still copy them. The second is what readers can end early. A reader
+  that proved its identity (``reader``) gets numbered leases (``lease_id``, one per
+  ``get_replicas`` call), recorded per object as that reader's hold in ``entry.holds``;
+  ``end_leases(reader, lease_id, keys)`` drops the reader's holds taken by that lease or an
+  earlier one (a later read of the same object keeps its own). A force-removed object whose
+  holds all ended frees its bytes at once instead of after ``lease_expiry_s``. Leases nobody
+  can end (``exist``, ``query_prefix``, reads of anonymous callers) protect the bytes for their
+  time: on an object with holds they are the hold of ``""``, which no reader can name. Holds
+  are None while only such leases were taken; ``NO_HOLDS`` (shared, never mutated) once every
+  hold ended.
 """
 
 from __future__ import annotations
@@ -20,14 +32,16 @@ import heapq
 from collections.abc import Sequence
 
 from kvpool_master.core.allocator import OFFSET_BITS, aligned
-from kvpool_master.core.objects import ObjectTable
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_wire.status import Status
-from kvpool_wire.types import ObjectKey, Placement, ReadResult
+from kvpool_wire.types import ClientId, ObjectKey, Placement, ReadResult
 
 OK = Status.OK
 NOT_FOUND = Status.NOT_FOUND
 INVALID_KEY = Status.INVALID_KEY
+#: ``entry.holds`` once every hold on it ended: its bytes are protected by nothing (shared).
+NO_HOLDS: dict[str, tuple[int, float]] = {}
 _NOT_FOUND_RESULT = ReadResult(int(Status.NOT_FOUND))
 _INVALID_KEY_RESULT = ReadResult(int(Status.INVALID_KEY))
 
@@ -35,11 +49,12 @@ _INVALID_KEY_RESULT = ReadResult(int(Status.INVALID_KEY))
 class LeaseCounters:
     """Counters the read loops bump (read by ``stats``)."""
 
-    __slots__ = ("leases_granted", "leases_lapsed")
+    __slots__ = ("leases_granted", "leases_lapsed", "leases_ended")
 
     def __init__(self) -> None:
         self.leases_granted = 0
         self.leases_lapsed = 0
+        self.leases_ended = 0
 
 
 def _well_formed(key: object, max_key_bytes: int) -> bool:
@@ -48,12 +63,14 @@ def _well_formed(key: object, max_key_bytes: int) -> bool:
 
 
 def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
-                 now: float, ttl_s: float, max_key_bytes: int,
-                 counters: LeaseCounters) -> list[ReadResult]:
-    """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY."""
+                 now: float, ttl_s: float, max_key_bytes: int, counters: LeaseCounters,
+                 reader: ClientId | None = None, lease_id: int = 0) -> list[ReadResult]:
+    """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY.
+    With ``reader``, each lease is that reader's hold ``lease_id``, which it may end."""
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
+    hold = (lease_id, expiry_s)
     restoring = segments.num_restored > 0
     results: list[ReadResult] = []
     append = results.append
@@ -74,6 +91,16 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
             if 0.0 < lease <= now:
                 lapsed += 1
             entry.lease_expiry_s = expiry_s
+        holds = entry.holds
+        if reader is not None:
+            if lease <= now or holds is NO_HOLDS:  # nothing else protects the bytes
+                entry.holds = {reader: hold}
+            elif holds is None:  # the live lease so far is one nobody can end
+                entry.holds = {"": (0, lease), reader: hold}
+            else:
+                holds[reader] = hold
+        elif holds is not None:
+            add_timed(entry, holds, hold)
         touch(key)
         granted += 1
         append(ReadResult(0, entry.size_bytes, placements, entry.checksum))
@@ -89,6 +116,7 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
+    timed = (0, expiry_s)
     restoring = segments.num_restored > 0
     statuses: list[Status] = []
     sizes: list[int] = []
@@ -107,6 +135,8 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
             if 0.0 < lease <= now:
                 lapsed += 1
             entry.lease_expiry_s = expiry_s
+        if entry.holds is not None:
+            add_timed(entry, entry.holds, timed)
         touch(key)
         granted += 1
         status_append(OK)
@@ -122,6 +152,7 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
+    timed = (0, expiry_s)
     restoring = segments.num_restored > 0
     count = lapsed = 0
     for key in keys:
@@ -134,11 +165,62 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
             if 0.0 < lease <= now:
                 lapsed += 1
             entry.lease_expiry_s = expiry_s
+        if entry.holds is not None:
+            add_timed(entry, entry.holds, timed)
         touch(key)
         count += 1
     counters.leases_granted += count
     counters.leases_lapsed += lapsed
     return count
+
+
+def add_timed(entry: ObjectEntry, holds: dict[str, tuple[int, float]],
+              timed: tuple[int, float]) -> None:
+    """Record a lease nobody can end on an entry that has holds."""
+    if holds is NO_HOLDS:
+        entry.holds = {"": timed}
+    else:
+        holds[""] = timed
+
+
+def end_hold(entry: ObjectEntry, reader: ClientId, lease_id: int) -> bool:
+    """Drop ``reader``'s hold on ``entry`` when lease ``lease_id`` (or a later one) covers it.
+    True when a hold was dropped."""
+    holds = entry.holds
+    if not holds:
+        return False
+    hold = holds.get(reader)
+    if hold is None or hold[0] > lease_id:
+        return False
+    del holds[reader]
+    if not holds:
+        entry.holds = NO_HOLDS
+    return True
+
+
+def protected_until(entry: ObjectEntry) -> float:
+    """Until when a reader may still copy the entry's bytes: its holds' latest expiry when it
+    has holds, else its lease."""
+    holds = entry.holds
+    if holds is None:
+        return entry.lease_expiry_s
+    return max((expiry for _, expiry in holds.values()), default=0.0)
+
+
+def end_leases(table: ObjectTable, parked: DeferredFrees, segments: SegmentTable,
+               reader: ClientId, lease_id: int, keys: Sequence[ObjectKey], now: float,
+               counters: LeaseCounters) -> None:
+    """End ``reader``'s holds on ``keys`` taken by lease ``lease_id`` or earlier: on live
+    objects, and on force-removed ones still parked (freed now when no live hold is left)."""
+    get = table.key_to_object.get
+    ended = 0
+    for key in keys:
+        entry = get(key)
+        if entry is not None and entry.holds is not None:
+            ended += end_hold(entry, reader, lease_id)
+        if parked.has_key(key):
+            ended += parked.end_holds(key, reader, lease_id, segments, now)
+    counters.leases_ended += ended
 
 
 def mounted_placements(segments: SegmentTable,
@@ -147,6 +229,10 @@ def mounted_placements(segments: SegmentTable,
     id_to_segment = segments.id_to_segment
     return tuple(p for p in placements
                  if (state := id_to_segment.get(p.segment_id)) is not None and state.mounted)
+
+
+#: A parked extent: (until_s, tie-breaker, segment, offset, size_bytes, number of its free).
+Parked = tuple[float, int, SegmentState, int, int, int]
 
 
 class DeferredFrees:
@@ -159,31 +245,99 @@ class DeferredFrees:
     """
 
     def __init__(self) -> None:
-        # (until_s, tie-breaker, segment, offset, size_bytes, number of the free that parked it)
-        self._heap: list[tuple[float, int, SegmentState, int, int, int]] = []
+        self._heap: list[Parked] = []
         self._tie = 0  # SegmentState does not order
         self.num_bytes = 0
+        # Extents of objects whose readers can end their holds early: by key, the removed
+        # entries (their ``holds``) and the ties of their extents; by tie, the heap item.
+        self._by_key: dict[ObjectKey, list[tuple[ObjectEntry, list[int]]]] = {}
+        self._early: dict[int, Parked] = {}
+        self._tie_key: dict[int, ObjectKey] = {}
+        self._freed_early: set[int] = set()  # still in the heap, already freed
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) - len(self._freed_early)
 
     def add(self, until_s: float, state: SegmentState, offset: int, size_bytes: int,
-            seq: int) -> None:
-        """Free ``(offset, size_bytes)`` of ``state`` once ``until_s`` has passed."""
+            seq: int) -> Parked:
+        """Free ``(offset, size_bytes)`` of ``state`` once ``until_s`` has passed; returns the
+        parked extent (for ``watch``)."""
         self._tie += 1
-        heapq.heappush(self._heap, (until_s, self._tie, state, offset, size_bytes, seq))
+        item = (until_s, self._tie, state, offset, size_bytes, seq)
+        heapq.heappush(self._heap, item)
         self.num_bytes += size_bytes
+        return item
+
+    def watch(self, key: ObjectKey, entry: ObjectEntry, items: list[Parked]) -> None:
+        """Free the parked extents ``items`` of the removed ``entry`` early, once its readers
+        ended every hold (``end_holds``)."""
+        if not items:
+            return
+        for item in items:
+            self._early[item[1]] = item
+            self._tie_key[item[1]] = key
+        self._by_key.setdefault(key, []).append((entry, [item[1] for item in items]))
+
+    def has_key(self, key: ObjectKey) -> bool:
+        """True when extents of a removed object of ``key`` wait for holds to end."""
+        return key in self._by_key
+
+    def end_holds(self, key: ObjectKey, reader: ClientId, lease_id: int,
+                  segments: SegmentTable, now: float) -> int:
+        """End ``reader``'s holds (lease ``lease_id`` or earlier) on removed objects of
+        ``key``; free the extents of each whose holds all ended. Returns holds ended."""
+        ended = 0
+        watched = self._by_key[key]
+        for entry, ties in list(watched):
+            if not end_hold(entry, reader, lease_id):
+                continue
+            ended += 1
+            if protected_until(entry) > now:
+                continue
+            watched.remove((entry, ties))
+            for tie in ties:
+                item = self._early.pop(tie, None)
+                self._tie_key.pop(tie, None)
+                if item is None:
+                    continue
+                _, _, state, offset, size_bytes, seq = item
+                self._freed_early.add(tie)
+                self.num_bytes -= size_bytes
+                segments.free_on(state, offset, size_bytes, seq)
+        if not watched:
+            del self._by_key[key]
+        return ended
 
     def release_due(self, segments: SegmentTable, now: float) -> int:
         """Free every parked extent whose time ended at or before ``now``; return how many."""
         heap = self._heap
         released = 0
         while heap and heap[0][0] <= now:
-            _, _, state, offset, size_bytes, seq = heapq.heappop(heap)
+            _, tie, state, offset, size_bytes, seq = heapq.heappop(heap)
+            if self._freed_early and tie in self._freed_early:
+                self._freed_early.discard(tie)
+                continue
+            if self._early:
+                self._forget(tie)
             self.num_bytes -= size_bytes
             segments.free_on(state, offset, size_bytes, seq)
             released += 1
         return released
+
+    def _forget(self, tie: int) -> None:
+        """Stop watching extent ``tie`` (freed by time)."""
+        if self._early.pop(tie, None) is None:
+            return
+        key = self._tie_key.pop(tie)
+        watched = self._by_key.get(key, [])
+        for record in watched:
+            if tie in record[1]:
+                record[1].remove(tie)
+                if not record[1]:
+                    watched.remove(record)
+                break
+        if not watched:
+            self._by_key.pop(key, None)
 
     def adopt(self, state: SegmentState) -> list[int]:
         """Move the extents still held on earlier segments with the id of ``state`` (a fresh
@@ -195,23 +349,31 @@ class DeferredFrees:
                    for item in self._heap):
             return []
         packed: list[int] = []
-        kept: list[tuple[float, int, SegmentState, int, int, int]] = []
+        kept: list[Parked] = []
         for item in self._heap:
             until_s, tie, old, offset, size_bytes, seq = item
+            if tie in self._freed_early:
+                self._freed_early.discard(tie)
+                continue
             if old is state or old.info.segment_id != segment_id:
                 kept.append(item)
                 continue
             self.num_bytes -= size_bytes
             if offset >= limit:
+                self._forget(tie)
                 continue
             size_bytes = min(size_bytes, limit - offset)
             self.num_bytes += size_bytes
             packed.append(offset << OFFSET_BITS | aligned(size_bytes))
-            kept.append((until_s, tie, state, offset, size_bytes, seq))
+            moved = (until_s, tie, state, offset, size_bytes, seq)
+            if tie in self._early:
+                self._early[tie] = moved
+            kept.append(moved)
         heapq.heapify(kept)
         self._heap = kept
         return packed
 
     def extents(self) -> list[tuple[str, int, int]]:
         """Return (segment id, offset, size_bytes) of every held extent (for checks)."""
-        return [(item[2].info.segment_id, item[3], item[4]) for item in self._heap]
+        return [(item[2].info.segment_id, item[3], item[4]) for item in self._heap
+                if item[1] not in self._freed_early]

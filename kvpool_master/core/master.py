@@ -57,6 +57,7 @@ class MasterCore(Mutations):
         self._deferred = leases.DeferredFrees()
         self._quarantine = leases.DeferredFrees()  # restored free space, see restore()
         self._lease_counters = leases.LeaseCounters()
+        self.last_lease_id = 0  # the number of the latest lease a proven reader took
         self._counters = Counters()
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
@@ -208,19 +209,35 @@ class MasterCore(Mutations):
 
     # ---- reads (each OK item grants or extends a read lease) -------------------------------
 
-    def get_replicas(self, keys: Sequence[ObjectKey], now: float) -> list[ReadResult]:
+    def get_replicas(self, keys: Sequence[ObjectKey], now: float,
+                     reader: ClientId | None = None) -> list[ReadResult]:
         """Return one ReadResult per key: OK with placements, NOT_FOUND (absent or PENDING),
-        INVALID_KEY, or INVALID_ARGUMENT for an oversized batch."""
+        INVALID_KEY, or INVALID_ARGUMENT for an oversized batch. With ``reader`` (a proven
+        client) the leases are its lease ``self.last_lease_id``, which it may end early
+        (``end_leases``)."""
         if len(keys) > self._config.max_batch_keys:
             return [ReadResult(int(Status.INVALID_ARGUMENT))] * len(keys)
         counters = self._lease_counters
         before = counters.leases_granted
+        if reader is not None:
+            self.last_lease_id += 1
         results = leases.get_replicas(self._objects, self._segments, keys, now,
                                       self._config.default_lease_ttl_s,
-                                      self._config.max_key_bytes, counters)
+                                      self._config.max_key_bytes, counters, reader,
+                                      self.last_lease_id)
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return results
+
+    def end_leases(self, reader: ClientId, lease_id: int, keys: Sequence[ObjectKey],
+                   now: float) -> None:
+        """``reader`` (a proven client) finished reading ``keys`` under its lease ``lease_id``:
+        drop its holds taken by that lease or an earlier one. Objects no one else holds lose
+        their protection (evictable, removable); force-removed ones free their bytes now."""
+        if len(keys) > self._config.max_batch_keys:
+            return
+        leases.end_leases(self._objects, self._deferred, self._segments, reader, lease_id,
+                          keys, now, self._lease_counters)
 
     def exist(self, keys: Sequence[ObjectKey], now: float) -> tuple[list[Status], list[int]]:
         """Return (statuses, sizes_bytes): OK | NOT_FOUND | INVALID_KEY per key (INVALID_ARGUMENT

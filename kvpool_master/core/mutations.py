@@ -47,7 +47,7 @@ from kvpool_master.core.events import (
 )
 from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
-from kvpool_master.core.leases import DeferredFrees, LeaseCounters
+from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
@@ -302,16 +302,20 @@ class Mutations:
         seq = self._segments.next_free_seq()
         for key in keys:
             entry = pop(key)
-            lease_s = max(entry.lease_expiry_s, hold_until_s)
+            lease_s = max(protected_until(entry), hold_until_s)
             if lease_s > now:
                 # A reader may still be copying these bytes: reuse them only after its lease.
                 get = self._segments.id_to_segment.get
+                parked = []
                 for p in entry.placements:
                     state = get(p.segment_id)
                     if state is None and lost is not None and p.segment_id == lost.info.segment_id:
                         state = lost
                     if state is not None:
-                        self._deferred.add(lease_s, state, p.offset, p.length, seq)
+                        parked.append(self._deferred.add(lease_s, state, p.offset, p.length, seq))
+                if entry.holds and hold_until_s <= now:
+                    # ... or once its readers ended their leases, when that comes first.
+                    self._deferred.watch(key, entry, parked)
             else:
                 if entry.lease_expiry_s > 0.0:
                     lapsed += 1

@@ -21,14 +21,17 @@ from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement
 
 
 class ObjectEntry:
-    """One object. ``lease_expiry_s`` is 0.0 until its first read.
+    """One object. ``lease_expiry_s`` is 0.0 until its first read: the time until which its
+    bytes are protected, the latest of every live lease on it. ``holds`` (None unless a reader
+    that can end its leases holds one) maps each such reader to (lease id, expiry) of its latest
+    lease, and ``""`` to the expiry of the leases no reader can end (see ``leases``).
 
     ``key`` is the very bytes object the table is keyed by: a child naming this object as its
     parent stores a reference to it instead of a copy (chains of blocks are the common case).
     """
 
     __slots__ = ("key", "size_bytes", "placements", "writer_id", "lease_expiry_s", "pin",
-                 "checksum", "parent_key")
+                 "checksum", "parent_key", "holds")
 
     def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Placement, ...],
                  writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
@@ -41,6 +44,7 @@ class ObjectEntry:
         self.pin = pin
         self.checksum = checksum
         self.parent_key = parent_key
+        self.holds: dict[str, tuple[int, float]] | None = None
 
 
 class ObjectTable:

@@ -95,6 +95,7 @@ class CoreStats:
     calls_unauthenticated_total: int  # client-scoped calls with a wrong token
     leases_granted_total: int         # successful reads (each grants or extends a lease)
     leases_lapsed_total: int          # leases seen to have run out unrenewed
+    leases_ended_total: int           # holds their readers ended once done reading
     lookup_queries_total: int         # query_prefix calls
     lookup_keys_total: int            # keys asked by query_prefix
     lookup_hit_keys_total: int        # leading READY keys answered by query_prefix
@@ -138,6 +139,7 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         calls_unauthenticated_total=counters.calls_unauthenticated,
         leases_granted_total=leases.leases_granted,
         leases_lapsed_total=leases.leases_lapsed,
+        leases_ended_total=leases.leases_ended,
         lookup_queries_total=counters.lookup_queries,
         lookup_keys_total=counters.lookup_keys,
         lookup_hit_keys_total=counters.lookup_hit_keys,

@@ -228,6 +228,8 @@ class Servicer:
 
     def _put_start(self, request: Any) -> Any:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
+        if request.ended_leases:
+            self._end_leases(ClientId(client_id), request)
         results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
                                        self._clock.now(), parent_keys)
         expiry_ms = (self.capability_clock_ms()
@@ -250,12 +252,29 @@ class Servicer:
     # -- reads ------------------------------------------------------------------------------------
 
     def _get_replicas(self, request: Any) -> Any:
-        _client_id, keys = convert.decode_keys(request)
-        results = self._core.get_replicas(keys, self._clock.now())
+        client_id, keys = convert.decode_keys(request)
+        reader = self._proven_reader(request)
+        if reader is not None and request.ended_leases:
+            self._end_leases(reader, request)
+        results = self._core.get_replicas(keys, self._clock.now(), reader)
         lease_ttl_s = self._core.config.default_lease_ttl_s
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
         return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms,
-                                           self._signer(Op.READ, expiry_ms))
+                                           self._signer(Op.READ, expiry_ms),
+                                           self._core.last_lease_id if reader else 0)
+
+    def _proven_reader(self, request: Any) -> ClientId | None:
+        """The request's client when it carries that client's token (its leases are then its
+        own to end), else None: reads need no identity, and an unproven one is not taken."""
+        if not request.client_token:
+            return None
+        client_id, token = convert.decode_caller(request)
+        return client_id if self._core.authenticate(client_id, token) == Status.OK else None
+
+    def _end_leases(self, reader: ClientId, request: Any) -> None:
+        now = self._clock.now()
+        for lease_id, keys in convert.decode_ended_leases(request):
+            self._core.end_leases(reader, lease_id, keys, now)
 
     def _exist(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
@@ -273,6 +292,8 @@ class Servicer:
 
     def _remove(self, request: Any) -> Any:
         _client_id, keys, force = convert.decode_remove(request)
+        if request.ended_leases and (reader := self._proven_reader(request)) is not None:
+            self._end_leases(reader, request)
         statuses = self._core.remove(keys, force, self._clock.now())
         return convert.encode_statuses(_response_of(request), statuses)
 

@@ -295,21 +295,31 @@ class PutOptions(_message.Message):
     pin: Pin
     def __init__(self, replica_num: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., prefer_same_host: bool = ..., pin: _Optional[_Union[Pin, str]] = ...) -> None: ...
 
+class EndedLease(_message.Message):
+    __slots__ = ("lease_id", "keys")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token")
+    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token", "ended_leases")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
     options: PutOptions
     client_token: bytes
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ...) -> None: ...
+    ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("statuses", "replicas")
@@ -354,26 +364,32 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
-    __slots__ = ("client_id", "keys")
+    __slots__ = ("client_id", "keys", "client_token", "ended_leases")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    client_token: bytes
+    ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("statuses", "sizes_bytes", "replicas", "checksums", "lease_ttl_ms")
+    __slots__ = ("statuses", "sizes_bytes", "replicas", "checksums", "lease_ttl_ms", "lease_id")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     replicas: _containers.RepeatedCompositeFieldContainer[Replicas]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     lease_ttl_ms: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ExistRequest(_message.Message):
     __slots__ = ("client_id", "keys")
@@ -408,14 +424,18 @@ class QueryPrefixResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., num_ready: _Optional[int] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "force")
+    __slots__ = ("client_id", "keys", "force", "client_token", "ended_leases")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     force: bool
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: bool = ...) -> None: ...
+    client_token: bytes
+    ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: bool = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("statuses",)
