@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.convert import descriptor_of
@@ -169,11 +169,13 @@ def _put_start_answer(r: Any) -> PutStartAnswer:
 
 def put_start(client_id: str, client_token: bytes, keys: Sequence[bytes],
               sizes_bytes: Sequence[int], options: PutOptions,
-              parent_keys: Sequence[bytes] | None = None) -> Call[PutStartAnswer]:
-    """Allocate per key: (OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())."""
+              parent_keys: Sequence[bytes] | None = None,
+              ended: EndedLeases = ()) -> Call[PutStartAnswer]:
+    """Allocate per key: (OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ()); leases in
+    ``ended`` end first, so their space can serve this put."""
     return Call(RPC_METHODS["PutStart"], pb.PutStartRequest(
         client_id=client_id, client_token=client_token, keys=keys, sizes_bytes=sizes_bytes,
-        parent_keys=parent_keys or (),
+        parent_keys=parent_keys or (), ended_leases=_ended(ended),
         options=pb.PutOptions(replica_num=options.replica_num,
                               preferred_segment=options.preferred_segment,
                               prefer_same_host=options.prefer_same_host,
@@ -194,18 +196,37 @@ def put_revoke(client_id: str, client_token: bytes, keys: Sequence[bytes]) -> Ca
         client_id=client_id, keys=keys, client_token=client_token), _statuses_field)
 
 
-def _replicas_answer(r: Any) -> tuple[list[ReadResult], float]:
+#: Leases a client finished reading under: (lease id, keys) each (see ``EndedLease``).
+EndedLeases = Sequence[tuple[int, Sequence[bytes]]]
+
+
+class ReplicasAnswer(NamedTuple):
+    """A GetReplicas answer: per key where its bytes are (with a read lease) or NOT_FOUND; the
+    lease in s, counted from when the call was sent; the lease's id (0: it cannot be ended)."""
+
+    results: list[ReadResult]
+    lease_ttl_s: float
+    lease_id: int
+
+
+def _replicas_answer(r: Any) -> ReplicasAnswer:
     results = [ReadResult(status_of(s), size, placements_of(p) if p.placements else (), checksum)
                for s, size, p, checksum in zip(r.statuses, r.sizes_bytes, r.replicas, r.checksums,
                                                strict=False)]
-    return results, r.lease_ttl_ms / 1000
+    return ReplicasAnswer(results, r.lease_ttl_ms / 1000, r.lease_id)
 
 
-def get_replicas(client_id: str, keys: Sequence[bytes]) -> Call[tuple[list[ReadResult], float]]:
-    """(per key where its bytes are, with a read lease, or NOT_FOUND; the lease in s, counted
-    from when the call was sent)."""
-    return Call(RPC_METHODS["GetReplicas"], pb.GetReplicasRequest(client_id=client_id, keys=keys),
-                _replicas_answer)
+def _ended(ended: EndedLeases) -> list[pb.EndedLease]:
+    return [pb.EndedLease(lease_id=lease_id, keys=keys) for lease_id, keys in ended]
+
+
+def get_replicas(client_id: str, keys: Sequence[bytes], client_token: bytes = b"",
+                 ended: EndedLeases = ()) -> Call[ReplicasAnswer]:
+    """Where each key's bytes are, under a read lease; with the caller's ``client_token`` the
+    lease is its own to end (``ended``: leases it finished reading under, sent along)."""
+    return Call(RPC_METHODS["GetReplicas"], pb.GetReplicasRequest(
+        client_id=client_id, keys=keys, client_token=client_token,
+        ended_leases=_ended(ended)), _replicas_answer)
 
 
 def exist(client_id: str, keys: Sequence[bytes]) -> Call[tuple[list[Status], list[int]]]:
@@ -220,10 +241,13 @@ def query_prefix(client_id: str, keys: Sequence[bytes]) -> Call[int]:
                 _checked("QueryPrefix", lambda r: int(r.num_ready)))
 
 
-def remove(client_id: str, keys: Sequence[bytes], force: bool = False) -> Call[list[Status]]:
-    """Per key OK | NOT_FOUND | HAS_LEASE (unless ``force``) | ..."""
-    return Call(RPC_METHODS["Remove"], pb.RemoveRequest(client_id=client_id, keys=keys,
-                                                        force=force), _statuses_field)
+def remove(client_id: str, keys: Sequence[bytes], force: bool = False,
+           client_token: bytes = b"", ended: EndedLeases = ()) -> Call[list[Status]]:
+    """Per key OK | NOT_FOUND | HAS_LEASE (unless ``force``) | ... (``ended``: leases the
+    caller finished reading under, honoured with its ``client_token``; ended first)."""
+    return Call(RPC_METHODS["Remove"], pb.RemoveRequest(
+        client_id=client_id, keys=keys, force=force, client_token=client_token,
+        ended_leases=_ended(ended)), _statuses_field)
 
 
 def remove_all(client_id: str, force: bool = False) -> Call[int]:

@@ -44,8 +44,8 @@ def lease_deadline(sent_s: float, lease_ttl_s: float) -> float:
 class ReadPlan:
     """One batch read; see the module docstring."""
 
-    __slots__ = ("keys", "results", "replies", "deadline_s", "_check_checksums", "_jobs",
-                 "_attempt")
+    __slots__ = ("keys", "results", "replies", "deadline_s", "lease_id", "_check_checksums",
+                 "_jobs", "_attempt")
 
     def __init__(self, keys: Sequence[bytes], check_checksums: bool) -> None:
         self.keys = keys
@@ -53,16 +53,27 @@ class ReadPlan:
         self.results = [0] * len(keys)
         self.replies: list[ReadResult] = []
         self.deadline_s = 0.0
+        self.lease_id = 0
         self._check_checksums = check_checksums
         self._jobs: list[tuple[int, list[ReadItem]]] = []  # (key index, candidates in order)
         self._attempt = 0
 
-    def granted(self, replies: list[ReadResult], sent_s: float, lease_ttl_s: float) -> None:
-        """Take the ``GetReplicas`` answer (``sent_s``: when it was asked for). Raises
-        INTERNAL_ERROR for a short answer."""
+    def granted(self, replies: list[ReadResult], sent_s: float, lease_ttl_s: float,
+                lease_id: int = 0) -> None:
+        """Take the ``GetReplicas`` answer (``sent_s``: when it was asked for; ``lease_id``:
+        the lease's number, 0 when it cannot be ended). Raises INTERNAL_ERROR for a short
+        answer."""
         check_answers("GetReplicas", replies, self.keys)
         self.replies = replies
         self.deadline_s = lease_deadline(sent_s, lease_ttl_s)
+        self.lease_id = lease_id
+
+    def lease(self) -> tuple[int, list[bytes]]:
+        """(lease id, the keys it covers): what to end once every copy out of them is done
+        (never before: the master may reuse their bytes as soon as it learns of the end)."""
+        keys = [key for key, reply in zip(self.keys, self.replies, strict=True)
+                if reply.status == Status.OK]
+        return self.lease_id, keys
 
     @property
     def segment_ids(self) -> set[str]:

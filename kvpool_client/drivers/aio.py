@@ -180,8 +180,8 @@ class AsyncDataPath:
     async def _grant(self, keys: Sequence[bytes]) -> tuple[ReadPlan, dict[str, SegmentInfo]]:
         plan = self.parts.read_plan(keys)
         sent_s = time.monotonic()
-        replies, lease_ttl_s = await self.rpc.get_replicas(self.parts.client_id, keys)
-        plan.granted(replies, sent_s, lease_ttl_s)
+        answer = await self.rpc.get_replicas(self.parts.client_id, keys)
+        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_id)
         needed = plan.segment_ids
         return plan, (await self.resolve(needed) if needed else {})
 
@@ -191,6 +191,7 @@ class AsyncDataPath:
         while items := plan.attempt():
             statuses = await self.transfer(items, writing=False)
             plan.attempted(statuses, time.monotonic())
+        self.rpc.session.end_lease(*plan.lease())
         return plan.results
 
     async def read_with(self, keys: Sequence[bytes], consume: Consumer,
@@ -204,6 +205,7 @@ class AsyncDataPath:
                 self.parts.received(plan, views, remote, await self.transfer(
                     [item for _, item in remote], writing=False))
             self.parts.consume(plan, views, consume, done)
+        self.rpc.session.end_lease(*plan.lease())
         return plan.results
 
 

@@ -188,13 +188,14 @@ class BlockingDataPath:
         while items := plan.attempt():
             statuses = self.transfer(items, writing=False)
             plan.attempted(statuses, time.monotonic())
+        self.rpc.session.end_lease(*plan.lease())
         return plan.results
 
     def _grant(self, keys: Sequence[bytes]) -> tuple[ReadPlan, dict[str, SegmentInfo]]:
         plan = self.parts.read_plan(keys)
         sent_s = time.monotonic()
-        replies, lease_ttl_s = self.rpc.get_replicas(self.parts.client_id, keys)
-        plan.granted(replies, sent_s, lease_ttl_s)
+        answer = self.rpc.get_replicas(self.parts.client_id, keys)
+        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_id)
         needed = plan.segment_ids
         return plan, (self.resolve(needed) if needed else {})
 
@@ -208,4 +209,5 @@ class BlockingDataPath:
                 self.parts.received(plan, views, remote, self.transfer(
                     [item for _, item in remote], writing=False))
             self.parts.consume(plan, views, consume, done)
+        self.rpc.session.end_lease(*plan.lease())
         return plan.results

@@ -13,6 +13,7 @@ Rules of this file:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,11 +45,29 @@ class MasterSession:
     latest registration and the best known sample of the master's capability clock (see
     ``kvpool_wire.capability``). Attributes are replaced whole, never mutated."""
 
-    __slots__ = ("token", "clock")
+    __slots__ = ("token", "clock", "_ended", "_ended_lock")
 
     def __init__(self) -> None:
         self.token = b""
         self.clock = MasterClock(0, 0, 0.0)
+        self._ended: list[tuple[int, list[bytes]]] = []
+        self._ended_lock = threading.Lock()
+
+    def end_lease(self, lease_id: int, keys: list[bytes]) -> None:
+        """Reads under lease ``lease_id`` of ``keys`` are done: tell the master with this
+        client's next GetReplicas, PutStart or Remove (no call of its own; a lease whose end is
+        never sent runs its time)."""
+        if lease_id and keys:
+            with self._ended_lock:
+                self._ended.append((lease_id, keys))
+
+    def take_ended(self) -> list[tuple[int, list[bytes]]]:
+        """The ended leases not sent yet (the caller sends them)."""
+        if not self._ended:
+            return []
+        with self._ended_lock:
+            ended, self._ended = self._ended, []
+        return ended
 
     def learn_clock(self, sample: MasterClock) -> None:
         """Keep the tighter of the known clock and ``sample`` (``sample`` on a new epoch)."""
@@ -145,8 +164,9 @@ class MasterCalls:
     def put_start(self, client_id: str, keys: Sequence[bytes], sizes_bytes: Sequence[int],
                   options: PutOptions, parent_keys: Sequence[bytes] | None = None) -> Any:
         """Allocate space per key -> [(OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())]."""
-        return self._run(calls.put_start(client_id, self.session.token, keys, sizes_bytes,
-                                         options, parent_keys))
+        session = self.session
+        return self._run(calls.put_start(client_id, session.token, keys, sizes_bytes,
+                                         options, parent_keys, session.take_ended()))
 
     def put_end(self, client_id: str, keys: Sequence[bytes],
                 checksums: Sequence[int] | None = None) -> Any:
@@ -158,9 +178,12 @@ class MasterCalls:
         return self._run(calls.put_revoke(client_id, self.session.token, keys))
 
     def get_replicas(self, client_id: str, keys: Sequence[bytes]) -> Any:
-        """-> (per key where its bytes are, with a read lease, or NOT_FOUND; lease_ttl_s). The
-        lease counts from when this call was sent: reads must finish within lease_ttl_s."""
-        return self._run(calls.get_replicas(client_id, keys))
+        """-> ReplicasAnswer (per key where its bytes are, with a read lease, or NOT_FOUND;
+        lease_ttl_s; lease_id). The lease counts from when this call was sent: reads must finish
+        within lease_ttl_s; ``session.end_lease(lease_id, keys)`` once they did."""
+        session = self.session
+        return self._run(calls.get_replicas(client_id, keys, session.token,
+                                            session.take_ended()))
 
     def exist(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> (per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
@@ -172,7 +195,9 @@ class MasterCalls:
 
     def remove(self, client_id: str, keys: Sequence[bytes], force: bool = False) -> Any:
         """Remove keys -> OK | NOT_FOUND | HAS_LEASE (unless force) | ... per key."""
-        return self._run(calls.remove(client_id, keys, force))
+        session = self.session
+        return self._run(calls.remove(client_id, keys, force, session.token,
+                                      session.take_ended()))
 
     def remove_all(self, client_id: str, force: bool = False) -> Any:
         """Remove every removable object -> how many. Raises unless OK."""

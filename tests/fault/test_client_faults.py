@@ -242,7 +242,7 @@ def test_paused_client_is_expired_reregisters_and_refuses_old_capabilities(
             assert r.get("paused-x") == cw.payload("paused-x", 8192)
             path = r.async_client.member.datapath
             assert path is not None
-            results, _ = _run(r, path.rpc.get_replicas(r.client_id, [b"paused-x"]))
+            results, _, _ = _run(r, path.rpc.get_replicas(r.client_id, [b"paused-x"]))
             old_placement = results[0].placements[0]
             os.kill(worker.pid, signal.SIGSTOP)
             try:

@@ -289,7 +289,7 @@ def test_by_default_a_small_object_is_checked_and_a_large_one_is_not(master: Any
         async def placements() -> list[Any]:
             rpc = MasterRpc(master.address)
             try:
-                results, _ = await rpc.get_replicas("x", [b"small", b"large"])
+                results, _, _ = await rpc.get_replicas("x", [b"small", b"large"])
                 (info,) = await rpc.get_segments([results[0].placements[0].segment_id])
                 return [results, info]
             finally:
@@ -443,7 +443,7 @@ def test_read_falls_back_to_another_replica(master: Any, monkeypatch: Any) -> No
         c.put("two-replicas", value)
         path = c._path
         assert path is not None
-        results, _ = path.rpc.get_replicas(c.client_id, [b"two-replicas"])
+        results, _, _ = path.rpc.get_replicas(c.client_id, [b"two-replicas"])
         placements = results[0].placements
         assert len({p.segment_id for p in placements}) == 2
         broken = placements[0].segment_id  # the replica tried first fails

@@ -102,3 +102,29 @@ def test_forced_tcp_through_host_id(master: Any) -> None:
             assert {t for t, _ in reader.metrics.transfer_bytes} == {"tcp"}
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_churn_through_another_process_segment_never_runs_out_of_space(
+        start_master: Any, transport: str) -> None:
+    """put -> get -> remove(force) in batches of 8 x 1 MiB, four times the size of the only
+    segment (another process's), with 30 s leases: every batch fits, because each read gives
+    its lease back (sent with the remove) and the forced remove frees the bytes at once."""
+    master = start_master(default_kv_lease_ttl=30_000)
+    owner = cw.Worker({"master_server_address": master.address, "global_segment_size": "64mb"})
+    try:
+        config = ClientConfig.from_dict({"master_server_address": master.address,
+                                         "global_segment_size": 0, "transport": transport})
+        with KVPoolClient(config) as c:
+            values = [np.full(1 << 20, i, dtype=np.uint8) for i in range(8)]
+            failures = []
+            for round_ in range(32):                        # 256 MiB through 64 MiB
+                keys = [f"churn-{round_}-{i}" for i in range(8)]
+                statuses = c.put_batch(keys, values)
+                failures += [s for s in statuses if s != Status.OK]
+                got = c.get_batch(keys)
+                assert all(g is not None and g[:1] == bytes([i]) for i, g in enumerate(got))
+                assert c.batch_remove(keys, force=True) == [Status.OK] * 8
+            assert failures == []
+    finally:
+        owner.stop()

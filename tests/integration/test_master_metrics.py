@@ -41,7 +41,7 @@ async def _traffic(address: str) -> None:
         assert await rpc.put_end("m", keys) == [Status.OK] * 4
         assert await rpc.query_prefix("m", [*keys[:3], b"miss", keys[3]]) == 3
         assert await grpc_rpc.query_prefix("m", [b"miss"]) == 0
-        results, _ = await grpc_rpc.get_replicas("m", [keys[0], b"miss"])
+        results, _, _ = await grpc_rpc.get_replicas("m", [keys[0], b"miss"])
         assert [r.status for r in results] == [Status.OK, Status.NOT_FOUND]
     finally:
         await rpc.close()

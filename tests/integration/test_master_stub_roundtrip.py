@@ -67,7 +67,7 @@ async def test_put_read_remove_round_trip(master, use_fast_path: bool) -> None:
         statuses, sizes = await rpc.exist("c1", keys)
         assert statuses == [Status.OK, Status.OK, Status.NOT_FOUND]
         assert sizes == [100, 200, 0]
-        results, lease_ttl_s = await rpc.get_replicas("c1", keys)
+        results, lease_ttl_s, _ = await rpc.get_replicas("c1", keys)
         assert lease_ttl_s == 5.0
         assert [r.status for r in results] == [Status.OK, Status.OK, Status.NOT_FOUND]
         assert [r.checksum for r in results[:2]] == [7, 8]
@@ -171,3 +171,48 @@ async def test_a_stalled_master_times_calls_out(master, use_fast_path: bool) -> 
         assert await rpc.heartbeat("s") == Status.OK
     finally:
         await rpc.close()
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_only_the_reader_ends_its_lease(master, use_fast_path: bool) -> None:
+    """A proven reader's lease is numbered and ends with its next call (a force-removed object
+    it read frees its bytes then); the same end sent by a caller without the reader's token, or
+    by another client, changes nothing."""
+    owner = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
+    impostor = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
+    try:
+        await owner.register_client("c1", "host-a", "127.0.0.1:1")
+        await impostor.register_client("c2", "host-a", "127.0.0.1:1")
+        assert await owner.mount_segment("c1", _segment("c1")) == Status.OK
+        started = await owner.put_start("c1", [b"x", b"y"], [100, 100], PutOptions())
+        assert [status for status, _ in started] == [Status.OK] * 2
+        assert await owner.put_end("c1", [b"x", b"y"]) == [Status.OK] * 2
+        anonymous = await impostor.get_replicas("", [b"y"])
+        assert anonymous.lease_id == 0                  # nobody can end an anonymous lease
+        answer = await owner.get_replicas("c1", [b"x"])
+        assert answer.lease_id > 0 and answer.results[0].status == Status.OK
+        assert await owner.remove("c1", [b"x"], force=True) == [Status.OK]
+
+        async def parked_bytes() -> int:
+            return int((await owner.get_stats())["objects"]["deferred_free_bytes"])
+
+        assert await parked_bytes() == 100                  # c1 may still be copying x
+        # Another client names c1's lease: it ends only its own holds (none).
+        impostor.session.end_lease(answer.lease_id, [b"x"])
+        await impostor.remove("c2", [b"y"])
+        assert await parked_bytes() == 100
+        # A caller without c1's token names c1 and c1's lease: nothing ends.
+        token, impostor.session.token = impostor.session.token, b""
+        impostor.session.end_lease(answer.lease_id, [b"x"])
+        await impostor.remove("c1", [b"y"])
+        assert await parked_bytes() == 100
+        impostor.session.token = token
+        # c1's own end, sent along with its next call, frees x's bytes at once.
+        owner.session.end_lease(answer.lease_id, [b"x"])
+        await owner.get_replicas("c1", [b"absent"])
+        assert await parked_bytes() == 0
+        stats = await owner.get_stats()
+        assert stats["totals"]["leases_ended_total"] == 1
+    finally:
+        await owner.close()
+        await impostor.close()
