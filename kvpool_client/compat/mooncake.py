@@ -25,19 +25,22 @@ from typing import Any, TypeVar
 
 from kvpool_client.compat import codes
 from kvpool_client.compat.engine import EngineHandle, TransferEngine
+from kvpool_client.compat.extras import BufferHandle, StoreExtras
 from kvpool_client.compat.memory import RegionRegistry, staged
-from kvpool_client.compat.replicate import ReplicateConfig, put_options
+from kvpool_client.compat.replicate import ReplicateConfig, SoftPinAction, put_options
 from kvpool_client.compat.setup_args import parse_setup
 from kvpool_wire.status import KVPoolError, Status
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine"]
+__all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction",
+           "TransferEngine"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class MooncakeDistributedStore:
-    """Mooncake Store's client API, backed by a :class:`kvpool_client.KVPoolClient`."""
+class MooncakeDistributedStore(StoreExtras):
+    """Mooncake Store's client API, backed by a :class:`kvpool_client.KVPoolClient` (the
+    calls engines make here, the rest of Mooncake 0.3.13's surface in ``extras``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -95,19 +98,19 @@ class MooncakeDistributedStore:
 
     # --- memory ---
 
-    def register_buffer(self, ptr: int, size: int) -> int:
-        """Register ``[ptr, ptr+size)`` (host, CUDA or NPU memory); 0 or -600."""
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Register ``[buffer_ptr, buffer_ptr+size)`` (host, CUDA or NPU memory); 0 or -600."""
         try:
-            self._registry.register(ptr, size)
+            self._registry.register(buffer_ptr, size)
         except KVPoolError as exc:
             logger.error("register_buffer: %s", exc.message)
             return codes.code_of_error(exc)
         return codes.OK
 
-    def unregister_buffer(self, ptr: int) -> int:
-        """Forget the buffer registered at ``ptr``; 0, or -600 when there is none."""
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Forget the buffer registered at ``buffer_ptr``; 0, or -600 when there is none."""
         try:
-            self._registry.unregister(ptr)
+            self._registry.unregister(buffer_ptr)
         except KVPoolError as exc:
             logger.error("unregister_buffer: %s", exc.message)
             return codes.code_of_error(exc)
@@ -134,14 +137,19 @@ class MooncakeDistributedStore:
     # --- bytes API ---
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Store ``value`` (bytes-like) under ``key``; 0 (also when it exists) or a code."""
+        """Store ``value`` (bytes-like) under ``key``; 0 (also when it exists) or a code
+        (-600 for a value larger than ``local_buffer_size``, as Mooncake, which stages it
+        there)."""
+        if not self._fits_local_buffer([_nbytes(value)]):
+            return codes.INVALID_PARAMS
         return self._one("put", lambda c: _ok(
             c.put(key, value, options=put_options(config, self._own_segment))))
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None) -> int:
         """Store every value; 0 when all succeeded, else the first failing code."""
-        if len(keys) != len(values):
+        if len(keys) != len(values) or \
+                not self._fits_local_buffer([_nbytes(v) for v in values]):
             return codes.INVALID_PARAMS
         results = self._batch(len(keys), "put_batch", lambda c: _codes(
             c.put_batch(list(keys), list(values),
@@ -166,29 +174,31 @@ class MooncakeDistributedStore:
 
     # --- zero-copy API over registered memory ---
 
-    def put_from(self, key: str, ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        """Store ``size`` bytes at ``ptr``; 0 or a negative code."""
-        return self.batch_put_from([key], [ptr], [size], config)[0]
+    def put_from(self, key: str, buffer_ptr: int, size: int,
+                 config: ReplicateConfig | None = None) -> int:
+        """Store ``size`` bytes at ``buffer_ptr``; 0 or a negative code."""
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
 
-    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-                       config: ReplicateConfig | None = None) -> list[int]:
-        """0 / negative code per key; each object is ``sizes[i]`` bytes at ``ptrs[i]``."""
-        if not _same_lengths(keys, ptrs, sizes):
+    def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
+                       sizes: Sequence[int], config: ReplicateConfig | None = None) -> list[int]:
+        """0 / negative code per key; each object is ``sizes[i]`` bytes at ``buffer_ptrs[i]``."""
+        if not _same_lengths(keys, buffer_ptrs, sizes):
             return [codes.INVALID_PARAMS] * len(keys)
         return self._put_ranges("batch_put_from", keys,
-                                [[(p, s)] for p, s in zip(ptrs, sizes, strict=True)], config)
+                                [[(p, s)] for p, s in zip(buffer_ptrs, sizes, strict=True)],
+                                config)
 
-    def get_into(self, key: str, ptr: int, size: int) -> int:
-        """Bytes read into ``ptr``; -704 when missing, -600 when ``size`` is too small."""
-        return self.batch_get_into([key], [ptr], [size])[0]
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Bytes read into ``buffer_ptr``; -704 when missing, -600 when ``size`` is too small."""
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
-    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int],
+    def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:
         """Bytes read per key, or a negative code."""
-        if not _same_lengths(keys, ptrs, sizes):
+        if not _same_lengths(keys, buffer_ptrs, sizes):
             return [codes.INVALID_PARAMS] * len(keys)
         return self._get_ranges("batch_get_into", keys,
-                                [[(p, s)] for p, s in zip(ptrs, sizes, strict=True)],
+                                [[(p, s)] for p, s in zip(buffer_ptrs, sizes, strict=True)],
                                 exact=False)
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str],
@@ -258,6 +268,13 @@ class MooncakeDistributedStore:
         return int(self._one("remove_all", lambda c: c.remove_all(force=force)))
 
     # --- helpers ---
+
+    def _fits_local_buffer(self, sizes: Sequence[int]) -> bool:
+        """Whether each bytes-API value of ``sizes`` bytes fits ``local_buffer_size``
+        (Mooncake stages them there and refuses larger ones; kvpool needs no staging but
+        answers the same)."""
+        client = self._client
+        return client is None or all(size <= client.config.local_buffer_size for size in sizes)
 
     def _own_segment(self, name: str) -> str:
         """Translate a Mooncake segment name to a kvpool segment id (own names -> own segment)."""
@@ -339,6 +356,14 @@ class MooncakeDistributedStore:
                     _log_failure(op, exc)
                     results[i] = codes.code_of_error(exc)
         return results
+
+
+def _nbytes(value: Any) -> int:
+    """The size of a bytes-like value (0 when it is not one: the put itself reports that)."""
+    try:
+        return memoryview(value).nbytes
+    except TypeError:
+        return 0
 
 
 def _ok(_: object) -> int:

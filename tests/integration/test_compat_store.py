@@ -26,7 +26,8 @@ MiB = 1 << 20
 @pytest.fixture
 def store(master: Any) -> Iterator[MooncakeDistributedStore]:
     s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 0, "tcp", "", master.address) == 0
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 16 * MiB, "tcp", "",
+                   master.address) == 0
     try:
         yield s
     finally:

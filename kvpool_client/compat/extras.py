@@ -1,0 +1,232 @@
+"""The rest of Mooncake 0.3.13's store surface: upserts, parts, buffer handles, range reads, and
+the calls kvpool cannot serve.
+
+Rules of this file:
+- ``upsert*`` replace an object: the old one is force-removed, then the new one put. A reader
+  sees the old bytes, NOT_FOUND, or the new bytes, never a mix (a forced remove keeps the old
+  bytes until every reader of them is done). Unlike Mooncake's in-place upsert, the window
+  between the two steps is visible as NOT_FOUND.
+- ``get_buffer`` / ``batch_get_buffer`` return a :class:`BufferHandle` (the object's bytes in
+  host memory this process owns) or None when the key is missing.
+- ``get_into_ranges`` copies byte ranges of objects into registered buffers; per buffer, per
+  key, per range the bytes copied or a negative code.
+- ``batch_replica_clear`` removes objects no lease protects and returns their keys. kvpool keeps
+  an object's replicas together, so clearing the replica on this client's own segment clears
+  the object; a segment name that is not this client's clears nothing.
+- Calls of features kvpool does not have (tensors, NoF/DFS tiers, SSD segments, copy and move
+  tasks, dummy clients) exist and answer -1012 (``NOT_SUPPORTED``), Mooncake's own code for
+  "not supported in the current mode", never ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool_client.compat import codes
+from kvpool_client.compat.replicate import ReplicateConfig, put_options
+from kvpool_wire.status import KVPoolError, Status
+
+logger = logging.getLogger(__name__)
+
+NOT_SUPPORTED = -1012
+
+#: Mooncake 0.3.13 calls that need a feature kvpool does not have.
+UNSUPPORTED_CALLS = (
+    "alloc_from_mem_pool", "allocate_and_mount_segment", "append", "batch_get_replica_desc",
+    "batch_get_tensor", "batch_get_tensor_into", "batch_get_tensor_into_cuda",
+    "batch_get_tensor_with_parallelism", "batch_get_tensor_with_parallelism_into",
+    "batch_get_tensor_with_tp", "batch_get_tensor_with_tp_into", "batch_pub_tensor",
+    "batch_pub_tensor_with_tp", "batch_put_tensor", "batch_put_tensor_from",
+    "batch_put_tensor_with_parallelism", "batch_put_tensor_with_parallelism_from",
+    "batch_put_tensor_with_tp", "batch_put_tensor_with_tp_from",
+    "batch_upsert_pub_tensor", "batch_upsert_tensor", "batch_upsert_tensor_from",
+    "batch_upsert_tensor_with_parallelism", "batch_upsert_tensor_with_parallelism_from",
+    "create_copy_task", "create_move_task", "get_offload_rpc_read_count", "get_replica_desc",
+    "get_tensor", "get_tensor_into", "get_tensor_into_cuda", "get_tensor_with_parallelism",
+    "get_tensor_with_parallelism_into", "get_tensor_with_tp", "get_tensor_with_tp_into",
+    "init_all", "load_tensor_from_safetensor", "mount_segment", "pub_tensor",
+    "pub_tensor_with_tp", "put_from_with_metadata", "put_tensor", "put_tensor_from",
+    "put_tensor_with_parallelism", "put_tensor_with_parallelism_from", "put_tensor_with_tp",
+    "put_tensor_with_tp_from", "query_task", "save_tensor_to_safetensor", "setup_dummy",
+    "unmount_and_free_segment", "unmount_local_disk_segment", "unmount_segment",
+    "upsert_pub_tensor", "upsert_tensor", "upsert_tensor_from",
+    "upsert_tensor_with_parallelism", "upsert_tensor_with_parallelism_from",
+)
+
+
+class BufferHandle(bytearray):
+    """An object's bytes in memory this process owns (Mooncake's ``BufferHandle``)."""
+
+    def ptr(self) -> int:
+        """The address of the first byte."""
+        if not self:
+            return 0
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def size(self) -> int:
+        """The object's size in bytes."""
+        return len(self)
+
+
+def _unsupported(name: str) -> Callable[..., int]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> int:
+        logger.error("%s: not supported by kvpool", name)
+        return NOT_SUPPORTED
+    call.__name__ = name
+    call.__doc__ = f"Mooncake's ``{name}``: a feature kvpool does not have; answers -1012."
+    return call
+
+
+class StoreExtras:
+    """Mixed into ``MooncakeDistributedStore`` (which provides ``put``, ``put_batch``,
+    ``batch_put_from``, ``batch_remove``, ``get_batch``, ``_one``, ``_registry`` and
+    ``_own_segment``)."""
+
+    # --- upserts and parts ---
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` under ``key``, replacing an existing object; 0 or a code."""
+        return self.upsert_batch([key], [value], config)
+
+    def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
+                     config: ReplicateConfig | None = None) -> int:
+        """Replace every object; 0 when all succeeded, else the first failing code."""
+        refused = self._replacing(keys, config)
+        return refused if refused is not None else \
+            self.put_batch(keys, values, config)  # type: ignore[attr-defined]
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int,
+                    config: ReplicateConfig | None = None) -> int:
+        """Replace ``key`` with ``size`` bytes at ``buffer_ptr``; 0 or a code."""
+        return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
+
+    def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
+                          sizes: Sequence[int],
+                          config: ReplicateConfig | None = None) -> list[int]:
+        """0 / negative code per key."""
+        refused = self._replacing(keys, config)
+        if refused is not None:
+            return [refused] * len(keys)
+        return list(self.batch_put_from(  # type: ignore[attr-defined]
+            keys, buffer_ptrs, sizes, config))
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of ``parts`` (bytes-like) under ``key``; 0 or a code."""
+        try:
+            options = put_options(config, self._own_segment)  # type: ignore[attr-defined]
+        except KVPoolError as exc:
+            return codes.code_of_error(exc)
+        total = sum(memoryview(part).nbytes for part in parts)
+        if not self._fits_local_buffer([total]):  # type: ignore[attr-defined]
+            return codes.INVALID_PARAMS
+        result = self._one("put_parts", lambda c: c.batch_put_regions(  # type: ignore[attr-defined]
+            [key], [list(parts)], options=options))
+        if isinstance(result, int):
+            return result
+        (status,) = result
+        return codes.OK if status in (Status.OK, Status.ALREADY_EXISTS) else \
+            codes.mooncake_code(status)
+
+    def upsert_parts(self, key: str, *parts: Any,
+                     config: ReplicateConfig | None = None) -> int:
+        """Replace ``key`` with the concatenation of ``parts``; 0 or a code."""
+        refused = self._replacing([key], config)
+        return refused if refused is not None else self.put_parts(key, *parts, config=config)
+
+    def _replacing(self, keys: Sequence[str], config: ReplicateConfig | None) -> int | None:
+        """Check ``config`` and force-remove ``keys``; a code when the upsert must not go on."""
+        try:
+            put_options(config, self._own_segment)  # type: ignore[attr-defined]
+        except KVPoolError as exc:
+            return codes.code_of_error(exc)
+        removed = self.batch_remove(keys, True)  # type: ignore[attr-defined]
+        failed = [code for code in removed if code not in (codes.OK, codes.NOT_FOUND)]
+        return failed[0] if failed else None
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        """Remove the objects of ``keys`` that no lease protects (on ``segment_name``: this
+        client's own segment, or any when empty); returns the keys removed."""
+        if not keys:
+            return []
+        if segment_name and segment_name not in self._own_names():
+            return []
+        removed = self.batch_remove(keys, False)  # type: ignore[attr-defined]
+        return [key for key, code in zip(keys, removed, strict=True) if code == codes.OK]
+
+    def _own_names(self) -> set[str]:
+        client = self._client  # type: ignore[attr-defined]
+        if client is None:
+            return set()
+        return {self._segment_name, client.hostname,  # type: ignore[attr-defined]
+                *client.segment_ids} - {""}
+
+    # --- reads into memory this process owns ---
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The object's bytes in a :class:`BufferHandle`, or None when it is missing."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """A :class:`BufferHandle` per key, None for each missing one."""
+        if not keys:
+            return []
+        datas = self.get_batch(keys)  # type: ignore[attr-defined]
+        return [BufferHandle(data) if data else None for data in datas]
+
+    def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys: Sequence[Sequence[str]],
+                        all_dst_offsets: Sequence[Sequence[Sequence[int]]],
+                        all_src_offsets: Sequence[Sequence[Sequence[int]]],
+                        all_sizes: Sequence[Sequence[Sequence[int]]]) -> list[list[list[int]]]:
+        """Copy ``all_sizes[b][k][r]`` bytes at ``all_src_offsets[b][k][r]`` of object
+        ``all_keys[b][k]`` to ``buffer_ptrs[b] + all_dst_offsets[b][k][r]`` (a registered
+        buffer). Per buffer, per key, per range: the bytes copied or a negative code (-600
+        for ranges of unequal lengths or outside the object or buffer, -704 for a missing
+        key)."""
+        if not (len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets)
+                == len(all_src_offsets) == len(all_sizes)):
+            return [[[codes.INVALID_PARAMS]] for _ in buffer_ptrs]
+        wanted = sorted({key for keys in all_keys for key in keys})
+        objects = dict(zip(wanted, self.get_batch(wanted), strict=True)) if wanted else {}
+        results: list[list[list[int]]] = []
+        for b, ptr in enumerate(buffer_ptrs):
+            per_key: list[list[int]] = []
+            if not (len(all_keys[b]) == len(all_dst_offsets[b]) == len(all_src_offsets[b])
+                    == len(all_sizes[b])):
+                results.append([[codes.INVALID_PARAMS] for _ in all_keys[b]])
+                continue
+            for k, key in enumerate(all_keys[b]):
+                per_key.append(self._copy_ranges(ptr, objects.get(key, b""), all_dst_offsets[b][k],
+                                                 all_src_offsets[b][k], all_sizes[b][k]))
+            results.append(per_key)
+        return results
+
+    def _copy_ranges(self, ptr: int, data: bytes, dst_offsets: Sequence[int],
+                     src_offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        if not (len(dst_offsets) == len(src_offsets) == len(sizes)):
+            return [codes.INVALID_PARAMS]
+        if not data:
+            return [codes.NOT_FOUND] * len(sizes)
+        out: list[int] = []
+        for dst, src, size in zip(dst_offsets, src_offsets, sizes, strict=True):
+            if min(dst, src, size) < 0 or src + size > len(data):
+                out.append(codes.INVALID_PARAMS)
+                continue
+            try:
+                dest = self._registry.destination([(ptr + dst, size)])  # type: ignore[attr-defined]
+            except KVPoolError as exc:
+                out.append(codes.code_of_error(exc))
+                continue
+            view, at = data, src
+            for target in dest.views:
+                target[:] = view[at:at + target.nbytes]
+                at += target.nbytes
+            dest.finish(size)
+            out.append(size)
+        return out
+
+
+for _name in UNSUPPORTED_CALLS:
+    setattr(StoreExtras, _name, _unsupported(_name))

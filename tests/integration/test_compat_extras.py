@@ -1,0 +1,159 @@
+"""The rest of Mooncake 0.3.13's store surface over kvpool: ReplicateConfig's fields and
+SoftPinAction, upserts, parts, buffer handles, range reads, replica clears, the local-buffer
+limit of the bytes API, and the calls kvpool cannot serve (-1012, never AttributeError)."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool_client.compat.extras import UNSUPPORTED_CALLS
+from kvpool_client.compat.mooncake import (
+    MooncakeDistributedStore,
+    ReplicateConfig,
+    SoftPinAction,
+)
+from kvpool_client.compat.replicate import put_options
+from kvpool_wire.types import Pin
+
+MiB = 1 << 20
+LEASE_S = 2.0
+
+
+@pytest.fixture
+def store(start_master: Any) -> Iterator[MooncakeDistributedStore]:
+    master = start_master(default_kv_lease_ttl=int(LEASE_S * 1000))
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 1 * MiB, "tcp", "",
+                   master.address) == 0
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_replicate_config_has_mooncakes_fields_and_checks_them() -> None:
+    config = ReplicateConfig()
+    assert config.soft_pin_action == SoftPinAction.PRESERVE and config.soft_pin_ttl_ms is None
+    for name in ("nof_replica_num", "dfs_replica_num", "preferred_nof_segments", "data_type",
+                 "group_ids", "preferred_segments", "with_hard_pin", "replica_num"):
+        getattr(config, name)
+    config.soft_pin_ttl_ms = 1000
+    assert config.soft_pin_ttl_ms == 1000
+    for bad in (-1, 1 << 64, 1.5, True):
+        with pytest.raises(TypeError):
+            config.soft_pin_ttl_ms = bad
+    with pytest.raises(AttributeError):
+        config.sof_pin_action = SoftPinAction.ENABLE  # type: ignore[attr-defined]
+    config.soft_pin_action = SoftPinAction.ENABLE
+    options = put_options(config, str)
+    assert options is not None and options.pin == Pin.SOFT and config.with_soft_pin
+    config.soft_pin_action = SoftPinAction.DISABLE
+    with pytest.raises(Exception, match="soft_pin_ttl_ms"):
+        put_options(config, str)                       # a TTL without ENABLE
+
+
+def test_upsert_replaces_and_checks_its_config_first(store: MooncakeDistributedStore) -> None:
+    assert store.put("u", b"first") == 0
+    assert store.put("u", b"second") == 0              # put keeps the first value
+    assert store.get("u") == b"first"
+    ttl_without_enable = ReplicateConfig()
+    ttl_without_enable.soft_pin_ttl_ms = 1000
+    assert store.upsert("u", b"third", ttl_without_enable) == -600
+    assert store.get("u") == b"first"                  # a refused upsert changes nothing
+    assert store.upsert("u", b"third") == 0
+    assert store.get("u") == b"third"
+    assert store.upsert("new", b"fresh") == 0
+    assert store.upsert_batch(["u", "new"], [b"4", b"5"]) == 0
+    assert store.get_batch(["u", "new"]) == [b"4", b"5"]
+    buf = ctypes.create_string_buffer(b"from-a-pointer", 64)
+    assert store.register_buffer(ctypes.addressof(buf), 64) == 0
+    assert store.upsert_from("u", ctypes.addressof(buf), 14) == 0
+    assert store.get("u") == b"from-a-pointer"
+    assert store.batch_upsert_from(["u"], [ctypes.addressof(buf)], [4]) == [0]
+    assert store.get("u") == b"from"
+
+
+def test_put_parts_stores_the_concatenation(store: MooncakeDistributedStore) -> None:
+    assert store.put_parts("p", b"ab", bytearray(b"cd"), memoryview(b"ef")) == 0
+    assert store.get("p") == b"abcdef"
+    assert store.upsert_parts("p", b"x", b"y") == 0
+    assert store.get("p") == b"xy"
+
+
+def test_buffer_handles(store: MooncakeDistributedStore) -> None:
+    assert store.put("b1", b"one") == 0 and store.put("b2", b"three") == 0
+    one, missing, three = store.batch_get_buffer(["b1", "absent", "b2"])
+    assert missing is None and one is not None and three is not None
+    assert bytes(one) == b"one" and one.size() == len(one) == 3
+    assert ctypes.string_at(three.ptr(), three.size()) == b"three"
+    assert store.batch_get_buffer([]) == []
+    assert store.get_buffer("absent") is None
+
+
+def test_get_into_ranges(store: MooncakeDistributedStore) -> None:
+    data1, data2 = b"0123456789ABCDEF", b"abcdefghijklmnop"
+    assert store.put("r1", data1) == 0 and store.put("r2", data2) == 0
+    buf = (ctypes.c_ubyte * 32)()
+    ptr = ctypes.addressof(buf)
+    assert store.register_buffer(ptr, 32) == 0
+    results = store.get_into_ranges([ptr], [["r1", "r2", "absent"]],
+                                    [[[0, 10], [20], [28]]], [[[1, 8], [3], [0]]],
+                                    [[[4, 2], [5], [2]]])
+    assert results == [[[4, 2], [5], [-704]]]
+    assert bytes(buf[0:4]) == data1[1:5] and bytes(buf[10:12]) == data1[8:10]
+    assert bytes(buf[20:25]) == data2[3:8]
+    assert store.get_into_ranges([ptr], [["r1"]], [[[0]]], [[[15]]], [[[4]]])[0][0][0] == -600
+    assert store.get_into_ranges([ptr], [["r1"]], [[[30]]], [[[0]]], [[[4]]])[0][0][0] == -600
+    assert store.get_into_ranges([ptr], [["r1"]], [[[0]]], [[[0, 1]]], [[[1]]])[0][0][0] == -600
+
+
+def test_batch_replica_clear_removes_what_no_lease_protects(
+        store: MooncakeDistributedStore) -> None:
+    assert store.put("c1", b"x") == 0 and store.put("c2", b"y") == 0
+    assert store.batch_replica_clear([]) == []
+    assert store.get("c1") == b"x"                     # c1 is leased now
+    time.sleep(LEASE_S)  # the put's commit is no lease; the get's runs out
+    assert store.get("c2") == b"y"
+    assert store.batch_replica_clear(["c1", "c2", "absent"]) == ["c1"]
+    assert store.batch_replica_clear(["c2"], segment_name="10.9.9.9:1") == []
+    time.sleep(LEASE_S)
+    assert store.batch_replica_clear(["c2"], segment_name=store.get_hostname()) == ["c2"]
+    assert store.get("c1") == b"" and store.get("c2") == b""
+
+
+def test_the_bytes_api_stages_through_the_local_buffer_as_mooncake(start_master: Any) -> None:
+    master = start_master()
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 0, "tcp", "", master.address) == 0
+    try:
+        assert s.put("k", b"value") == -600            # Mooncake: no room to stage it
+        assert s.is_exist("k") == 0
+        buf = ctypes.create_string_buffer(b"value", 8)
+        assert s.register_buffer(ctypes.addressof(buf), 8) == 0
+        assert s.put_from("k", ctypes.addressof(buf), 5) == 0   # zero-copy needs no buffer
+    finally:
+        s.close()
+
+
+def test_calls_kvpool_cannot_serve_answer_not_supported(store: MooncakeDistributedStore) -> None:
+    assert "put_tensor" in UNSUPPORTED_CALLS and "create_copy_task" in UNSUPPORTED_CALLS
+    for name in UNSUPPORTED_CALLS:
+        assert getattr(store, name)("anything") == -1012, name
+    with pytest.raises(AttributeError):
+        store.put_tensr("k", None)  # type: ignore[attr-defined]
+
+
+def test_keyword_names_are_mooncakes(store: MooncakeDistributedStore) -> None:
+    buf = ctypes.create_string_buffer(b"kw", 8)
+    ptr = ctypes.addressof(buf)
+    assert store.register_buffer(buffer_ptr=ptr, size=8) == 0
+    assert store.put_from(key="kw", buffer_ptr=ptr, size=2) == 0
+    assert store.batch_put_from(keys=["kw2"], buffer_ptrs=[ptr], sizes=[2]) == [0]
+    assert store.get_into(key="kw", buffer_ptr=ptr + 4, size=4) == 2
+    assert store.batch_get_into(keys=["kw2"], buffer_ptrs=[ptr + 4], sizes=[4]) == [2]
+    assert store.unregister_buffer(buffer_ptr=ptr) == 0
