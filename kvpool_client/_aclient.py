@@ -34,13 +34,13 @@ from kvpool_client.api import (
 from kvpool_client.buffers import (
     BufferRegistry,
     KeyLike,
-    Regions,
     byte_view,
     regions_of,
     slice_view,
     to_key,
 )
 from kvpool_client.config import ClientConfig
+from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.aio import AsyncDataPath
 from kvpool_client.drivers.parts import Consumer, Done, Filler
 from kvpool_client.liveness import MasterAddress
@@ -410,7 +410,7 @@ class AsyncKVPoolClient:
         """The number of leading keys that exist (each of them gets a read lease)."""
         raws = [to_key(k) for k in keys]
         started = time.perf_counter()
-        num_ready = await self._path().rpc.query_prefix(self.client_id, raws)
+        num_ready = int(await self._path().rpc.query_prefix(self.client_id, raws))
         self.metrics.observe_op("query_prefix", time.perf_counter() - started)
         self.metrics.count_lookups(len(raws), num_ready)
         return num_ready
@@ -431,12 +431,12 @@ class AsyncKVPoolClient:
 
     async def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones only with ``force``); returns how many went."""
-        return await self._path().rpc.remove_all(self.client_id, force)
+        return int(await self._path().rpc.remove_all(self.client_id, force))
 
     async def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         """Remove objects whose key (decoded as UTF-8) matches ``pattern``; returns how many.
         Raises KVPoolError INVALID_ARGUMENT for a bad pattern."""
-        return await self._path().rpc.remove_by_regex(self.client_id, pattern, force)
+        return int(await self._path().rpc.remove_by_regex(self.client_id, pattern, force))
 
     # -- buffers, async writes, metrics -----------------------------------------------------------
 

@@ -29,8 +29,9 @@ from kvpool_client.api import (
     same_length,
     slices,
 )
-from kvpool_client.buffers import KeyLike, Regions, byte_view, regions_of, slice_view, to_key
+from kvpool_client.buffers import KeyLike, byte_view, regions_of, slice_view, to_key
 from kvpool_client.config import ClientConfig
+from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.blocking import BlockingDataPath
 from kvpool_client.drivers.parts import Consumer, Done, Filler
 from kvpool_client.loops import LoopThread

@@ -100,7 +100,9 @@ async def register_waiting(rpc: MasterRpc, client_id: str, host_id: str,
     give_up_at = 0.0
     while True:
         try:
-            return await rpc.register_client(client_id, host_id, hostname)
+            registration: Registration = await rpc.register_client(client_id, host_id,
+                                                                   hostname)
+            return registration
         except ClientIdTaken as exc:
             now = time.monotonic()
             if not give_up_at:

@@ -44,17 +44,23 @@ class BadRequest(ValueError):
     """A request that cannot be served at all; the message says which field is wrong."""
 
 
+
+def _pb(value: Any) -> Any:
+    """``value`` (a Status, a list of them, or a tier number) where the generated stubs expect
+    their enum types: the numbers are the same."""
+    return value
+
 def parse_request(method: RpcMethod, payload: bytes) -> Message:
     """Parse the protobuf bytes of ``method``'s request; raise BadRequest when malformed."""
     try:
-        return method.request_type.FromString(payload)  # type: ignore[no-any-return]
+        return method.request_type.FromString(payload)
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise BadRequest(f"malformed {method.name} request: {exc}") from None
 
 
 def serialize(message: Message) -> bytes:
     """Protobuf bytes of an answer."""
-    return message.SerializeToString()
+    return bytes(message.SerializeToString())
 
 
 def _name(value: str, what: str, *, required: bool = True) -> str:
@@ -83,7 +89,7 @@ def encode_register_client(status: Status, *, client_ttl_s: float, capability_ke
                            ) -> pb.RegisterClientResponse:
     """The RegisterClient answer (key and token only when OK)."""
     return pb.RegisterClientResponse(
-        status=status, client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
+        status=_pb(status), client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
         client_token=client_token, fast_port=max(fast_port, 0), master_id=master_id,
         default_lease_ttl_ms=round(default_lease_ttl_s * 1000), fast_socket=fast_socket,
         master_pid=master_pid if fast_socket else 0, retry_after_ms=math.ceil(retry_after_s * 1000),
@@ -102,7 +108,7 @@ def decode_caller(request: Any) -> tuple[ClientId, bytes]:
 
 def encode_heartbeat(status: Status, master_clock_ms: int) -> pb.HeartbeatResponse:
     """The Heartbeat answer."""
-    return pb.HeartbeatResponse(status=status, master_clock_ms=master_clock_ms)
+    return pb.HeartbeatResponse(status=_pb(status), master_clock_ms=master_clock_ms)
 
 
 def status_response(response_type: type[Message], status: Status) -> Message:
@@ -152,7 +158,7 @@ def descriptor_of(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.Segment
     """The protobuf descriptor of a segment (both directions use it)."""
     return pb.SegmentDescriptor(
         segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
-        tier=int(info.tier), host_id=info.host_id, shm_name=info.shm_name,
+        tier=_pb(int(info.tier)), host_id=info.host_id, shm_name=info.shm_name,
         tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint,
         ownership_proof=ownership_proof)
 
@@ -163,7 +169,7 @@ def encode_get_segments(infos: Sequence[SegmentInfo | None],
     (SEGMENT_NOT_FOUND + empty descriptor if absent)."""
     empty = pb.SegmentDescriptor()
     return pb.GetSegmentsResponse(
-        statuses=[Status.OK if info else Status.SEGMENT_NOT_FOUND for info in infos],
+        statuses=_pb([Status.OK if info else Status.SEGMENT_NOT_FOUND for info in infos]),
         segments=[descriptor_of(info, proof) if info else empty
                   for info, proof in zip(infos, proofs, strict=True)])
 
@@ -212,7 +218,7 @@ def encode_put_start(results: Sequence[tuple[Status, Sequence[Placement]]], expi
                      capability_of: Callable[[Placement], bytes],
                      put_id: int) -> pb.PutStartResponse:
     """One status and signed replica list per key (capabilities of put ``put_id``)."""
-    response = pb.PutStartResponse(statuses=[status for status, _ in results])
+    response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
     replicas = response.replicas
     for _, placements in results:
         _add_replicas(replicas, placements, expiry_ms, capability_of, put_id)
@@ -241,7 +247,7 @@ def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expir
     """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds
     (``lease_id``: the number its reader ends it by, 0 for a lease nobody can end)."""
     response = pb.GetReplicasResponse(
-        statuses=[r.status for r in results],
+        statuses=_pb([r.status for r in results]),
         sizes_bytes=[r.size_bytes for r in results],
         checksums=[r.checksum for r in results],
         lease_ttl_ms=round(lease_ttl_s * 1000), lease_id=lease_id)
@@ -253,12 +259,12 @@ def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expir
 
 def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int]) -> pb.ExistResponse:
     """Per key: OK or NOT_FOUND, and the size."""
-    return pb.ExistResponse(statuses=statuses, sizes_bytes=sizes_bytes)
+    return pb.ExistResponse(statuses=_pb(statuses), sizes_bytes=sizes_bytes)
 
 
 def encode_query_prefix(status: Status, num_ready: int) -> pb.QueryPrefixResponse:
     """How many leading keys are READY."""
-    return pb.QueryPrefixResponse(status=status, num_ready=num_ready)
+    return pb.QueryPrefixResponse(status=_pb(status), num_ready=num_ready)
 
 
 def decode_remove(request: Any) -> tuple[str, list[ObjectKey], bool]:
@@ -285,7 +291,7 @@ def encode_num_removed(response_type: type[Message], status: Status, num_removed
 
 def encode_stats(status: Status, document: str) -> pb.GetStatsResponse:
     """The GetStats answer: the /status JSON document."""
-    return pb.GetStatsResponse(status=status, json=document)
+    return pb.GetStatsResponse(status=_pb(status), json=document)
 
 
 def decode_auth(payload: bytes) -> str:
@@ -298,7 +304,7 @@ def decode_auth(payload: bytes) -> str:
 
 def encode_auth(status: Status) -> bytes:
     """Bytes of an AuthResponse."""
-    return pb.AuthResponse(status=status).SerializeToString()
+    return bytes(pb.AuthResponse(status=_pb(status)).SerializeToString())
 
 
 _RESPONSE_BY_REQUEST: dict[Any, Any] = {m.request_type: m.response_type
@@ -316,11 +322,11 @@ def refused_response(request: Message, status: Status) -> Message:
     response = response_type_of(request)()
     fields = response.DESCRIPTOR.fields_by_name
     if "statuses" in fields:
-        num_items = len(request.keys)  # type: ignore[attr-defined]
-        response.statuses.extend([status] * num_items)  # type: ignore[attr-defined]
+        num_items = len(request.keys)
+        response.statuses.extend([status] * num_items)
         if "replicas" in fields:
             for _ in range(num_items):
-                response.replicas.add()  # type: ignore[attr-defined]
+                response.replicas.add()
     else:
-        response.status = status  # type: ignore[attr-defined]
+        response.status = status
     return response

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpool_client.buffers import Regions
 from kvpool_client.core.put_plan import PutPlan
 from kvpool_client.core.read_plan import DstFor, ReadItem, ReadPlan
+from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
 from kvpool_client.rpc import BlockingMasterRpc, Registration
 from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport

@@ -45,7 +45,7 @@ def retry_backoff_s(method: RpcMethod, error: KVPoolError, attempt: int, now_s: 
                     deadline_s: float) -> float | None:
     """How long to wait before attempt ``attempt + 1`` after ``error``, or None: give up."""
     retry = isinstance(error, NotSent) or (method.idempotent and error.status in _RETRY_STATUSES)
-    backoff_s = 0.05 * 2**attempt
+    backoff_s = 0.05 * (1 << attempt)
     if not retry or attempt == MAX_ATTEMPTS - 1 or now_s + backoff_s >= deadline_s:
         return None
     return backoff_s
