@@ -204,14 +204,40 @@ def bench_fragmentation() -> None:
           f"{allocator.num_free_extents:,} free extents at the end")
 
 
+def bench_many_segments() -> None:
+    """A single-key put (put_start + put_end) with 8 to 50,000 mounted segments."""
+    print("\nplacement with many segments (single-key put_start + put_end, 64 KiB objects)")
+    for num_segments in (8, 1_000, 10_000, 50_000):
+        core = MasterCore(CoreConfig())
+        clients = [ClientId(f"owner-{n}") for n in range(-(-num_segments // 1000))]
+        for client in clients:
+            core.register_client(client, "bench-host", b"k" * 32, 0.0)
+        for i in range(num_segments):
+            core.mount_segment(SegmentInfo(SegmentId(f"seg-{i}"), clients[i // 1000],
+                                           64 << 20), 0.0)
+        keys = keys_of(0, 5_000)
+        started = time.perf_counter()
+        for key in keys:
+            core.put_start(clients[0], [key], [OBJECT_BYTES], OPTIONS, 1.0)
+            core.put_end(clients[0], [key], 1.0)
+        elapsed = time.perf_counter() - started
+        print(f"  {num_segments:>6,} segments: {elapsed / len(keys) * 1e6:7.1f} us a put")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
                         help="memory, eviction and persistence at one million objects")
+    parser.add_argument("--segments-only", action="store_true",
+                        help="only the placement cost with 8 to 50,000 segments")
     args = parser.parse_args()
+    if args.segments_only:
+        bench_many_segments()
+        return
     bench_ops(200_000)
     bench_memory_and_eviction(1_000_000 if args.full else 200_000)
     bench_fragmentation()
+    bench_many_segments()
 
 
 if __name__ == "__main__":

@@ -14,11 +14,19 @@ Rules of this file:
 - Placement: the preferred segment first, then (``prefer_same_host``) segments on the writer's
   host, then the rest; within each group DRAM before SSD and most free bytes first, which
   spreads a stream of puts evenly. Replicas of one object always sit on distinct segments.
+- The order "DRAM first, most free bytes first" is an index (``_by_free``, a heap of
+  ``(tier, -free bytes, mount number, push number, segment)``), so a put costs O(log segments)
+  and not a scan of every segment. Entries go stale, never wrong: an allocation leaves its
+  segment's entry too high (found when popped and pushed again with the true value), and every
+  free or mount pushes a fresh entry; an entry is used only while its value, its mount number
+  and the segment's mount still hold. The heap is rebuilt when stale entries outnumber the
+  segments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import heapq
+from collections.abc import Generator, Iterable
 
 from kvpool_master.core.allocator import (
     ALIGN_BYTES,
@@ -42,7 +50,8 @@ class SegmentState:
     O(live objects) and losing a segment visits only its own objects.
     """
 
-    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq")
+    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
+                 "mount_no")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -52,6 +61,7 @@ class SegmentState:
         self.restore_deadline_s = restore_deadline_s
         self.keys: list[ObjectKey] = keys if keys is not None else []
         self.freed_seq = 0  # number of the latest free on this segment (SegmentTable.free_seq)
+        self.mount_no = 0  # order of its latest mount (placement ties go to the earlier)
 
 
 def segment_info_error(info: SegmentInfo) -> str:
@@ -83,6 +93,10 @@ class SegmentTable:
         self.durable_seq = _UNTRACKED
         self.needs_sync = False
         self.lost_seq: dict[SegmentId, int] = {}  # segments lost at a free not yet durable
+        self._by_free: list[tuple[int, int, int, int, SegmentState]] = []  # see module rules
+        self._num_mounts = 0
+        self._num_pushes = 0
+        self._largest_bytes = -1  # largest mounted segment, -1: not known (see its method)
 
     def track_durability(self) -> None:
         """From now on, frees count as durable only once ``mark_durable`` says so."""
@@ -160,13 +174,17 @@ class SegmentTable:
                 if placement is not None:
                     return (placement,)
         placements: list[Placement] = []
-        for state in self._candidates(replica_num, preferred_segment, same_host_id):
-            placement = self._allocate_on(state, size_bytes)
-            if placement is None:
-                continue
-            placements.append(placement)
-            if len(placements) == replica_num:
-                return tuple(placements)
+        candidates = self._candidates(replica_num, preferred_segment, same_host_id)
+        try:
+            for state in candidates:
+                placement = self._allocate_on(state, size_bytes)
+                if placement is None:
+                    continue
+                placements.append(placement)
+                if len(placements) == replica_num:
+                    return tuple(placements)
+        finally:
+            candidates.close()  # the segments it handed out go back into the index now
         self.free(placements, seq=-1)  # never handed out: not a free anyone must wait for
         return None
 
@@ -211,6 +229,7 @@ class SegmentTable:
                 state.freed_seq = seq
             if state.mounted:
                 self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
+                self._index(state)
 
     def free_on(self, state: SegmentState, offset: int, size_bytes: int, seq: int) -> None:
         """Free one extent of ``state`` parked by free number ``seq`` (no-op when the segment
@@ -222,44 +241,98 @@ class SegmentTable:
             state.freed_seq = seq
         if state.mounted:
             self.tier_to_used_bytes[state.info.tier] -= aligned(size_bytes)
+            self._index(state)
 
     def largest_segment_bytes(self) -> int:
-        """Return the size of the largest mounted segment (0 when none)."""
-        return max((s.allocator.size_bytes for s in self.mounted), default=0)
+        """Return the size of the largest mounted segment (0 when none; kept since the last
+        mount or unmount, so a put does not scan the segments)."""
+        largest = self._largest_bytes
+        if largest < 0:
+            largest = self._largest_bytes = max((s.allocator.size_bytes for s in self.mounted),
+                                                default=0)
+        return largest
 
     def _count(self, state: SegmentState, sign: int) -> None:
         tier = state.info.tier
         self.tier_to_capacity_bytes[tier] += sign * state.allocator.size_bytes
         self.tier_to_used_bytes[tier] += sign * state.allocator.used_bytes
+        self._largest_bytes = -1  # recomputed at the next put
         if sign > 0:
             self.mounted.append(state)
+            self._num_mounts += 1
+            state.mount_no = self._num_mounts
+            self._index(state)
         else:
             self.mounted.remove(state)
 
+    def _index(self, state: SegmentState) -> None:
+        """Push ``state``'s current free bytes into the placement index."""
+        heap = self._by_free
+        if len(heap) > 2 * len(self.mounted) + 64:
+            self._by_free = heap = [(int(s.info.tier), -s.allocator.free_bytes, s.mount_no, i, s)
+                                    for i, s in enumerate(self.mounted)]
+            heapq.heapify(heap)
+            self._num_pushes = len(heap)
+            if state.mounted:
+                return  # the rebuild holds it
+        self._num_pushes += 1
+        heapq.heappush(heap, (int(state.info.tier), -state.allocator.free_bytes, state.mount_no,
+                              self._num_pushes, state))
+
+    def _by_rank(self) -> Generator[SegmentState, None, None]:
+        """Mounted segments, DRAM first and most free bytes first, each once (ties: the
+        earlier mounted). Segments handed out are indexed again when the iteration ends."""
+        heap = self._by_free
+        handed: list[SegmentState] = []
+        seen: set[int] = set()
+        try:
+            while heap:
+                entry = heap[0]
+                state = entry[4]
+                free_bytes = state.allocator.free_bytes
+                if (not state.mounted or entry[2] != state.mount_no
+                        or id(state) in seen or -entry[1] != free_bytes):
+                    heapq.heappop(heap)
+                    if state.mounted and entry[2] == state.mount_no and \
+                            free_bytes < -entry[1] and id(state) not in seen:
+                        self._index(state)  # allocated from since: push its true value
+                        heap = self._by_free
+                    continue
+                heapq.heappop(heap)
+                seen.add(id(state))
+                handed.append(state)
+                yield state
+        finally:
+            for state in handed:
+                if state.mounted:
+                    self._index(state)
+
     def _candidates(self, replica_num: int, preferred_segment: str,
-                    same_host_id: str) -> Iterator[SegmentState]:
+                    same_host_id: str) -> Generator[SegmentState, None, None]:
         seen: set[str] = set()
         preferred = self.id_to_segment.get(SegmentId(preferred_segment))
         if preferred is not None and preferred.mounted:
             seen.add(preferred_segment)
             yield preferred
-        mounted = self.mounted
-        if replica_num == 1 and not same_host_id and len(mounted) > 1:
-            # Fast path for the common put: one probe of the emptiest segment, O(segments).
-            best = max(mounted, key=_placement_rank)
-            if best.info.segment_id not in seen:
-                seen.add(best.info.segment_id)
-                yield best
-        ranked = sorted(mounted, key=_placement_rank, reverse=True)
         if same_host_id:
-            for state in ranked:
+            by_rank = sorted(self.mounted, key=_placement_rank, reverse=True)
+            for state in by_rank:
                 if state.info.host_id == same_host_id and state.info.segment_id not in seen:
                     seen.add(state.info.segment_id)
                     yield state
-        for state in ranked:
-            if state.info.segment_id not in seen:
-                seen.add(state.info.segment_id)
-                yield state
+            for state in by_rank:
+                if state.info.segment_id not in seen:
+                    seen.add(state.info.segment_id)
+                    yield state
+            return
+        ranked = self._by_rank()
+        try:
+            for state in ranked:
+                if state.info.segment_id not in seen:
+                    seen.add(state.info.segment_id)
+                    yield state
+        finally:
+            ranked.close()
 
 
 _UNSEEN: list[int] = []

@@ -1,0 +1,82 @@
+"""The placement index: the order of candidate segments it yields is exactly "DRAM first, most
+free bytes first, earlier mount first", after any sequence of allocations, frees, mounts and
+unmounts; and its cost does not grow with the number of segments."""
+
+from __future__ import annotations
+
+import random
+
+from kvpool_master.core.allocator import Allocator
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo, Tier
+
+MIB = 1 << 20
+OWNER = ClientId("owner")
+
+
+def _expected(table: SegmentTable) -> list[str]:
+    ranked = sorted(table.mounted, key=lambda s: (int(s.info.tier), -s.allocator.free_bytes,
+                                                  s.mount_no))
+    return [s.info.segment_id for s in ranked]
+
+
+def _indexed(table: SegmentTable) -> list[str]:
+    ranked = table._by_rank()
+    try:
+        return [s.info.segment_id for s in ranked]
+    finally:
+        ranked.close()
+
+
+def test_the_index_order_matches_a_full_sort_after_random_operations() -> None:
+    rng = random.Random(7)
+    table = SegmentTable()
+    live: list[tuple[str, int, int]] = []  # (segment id, offset, size)
+    next_id = 0
+    for step in range(3000):
+        roll = rng.random()
+        if roll < 0.05 or not table.mounted:
+            tier = rng.choice([Tier.DRAM, Tier.DRAM, Tier.SSD])
+            info = SegmentInfo(SegmentId(f"s{next_id}"), OWNER, 64 * MIB, tier=tier)
+            next_id += 1
+            table.add(SegmentState(info, Allocator(64 * MIB), mounted=True))
+        elif roll < 0.08 and len(table.mounted) > 1:
+            victim = rng.choice(table.mounted)
+            table.discard(victim)
+            live = [x for x in live if x[0] != victim.info.segment_id]
+        elif roll < 0.6:
+            size = rng.choice([4096, 64 << 10, MIB, 3 * MIB])
+            placements = table.allocate(size, rng.choice([1, 1, 2]), "", "")
+            for p in placements or ():
+                live.append((p.segment_id, p.offset, p.length))
+        elif live:
+            segment_id, offset, size = live.pop(rng.randrange(len(live)))
+            from kvpool_wire.types import Placement
+            table.free([Placement(SegmentId(segment_id), offset, size)])
+        if step % 50 == 0:
+            assert _indexed(table) == _expected(table), step
+    assert _indexed(table) == _expected(table)
+
+
+def test_a_put_among_many_segments_goes_to_the_emptiest_and_the_index_stays_small() -> None:
+    core = MasterCore(CoreConfig())
+    owners = [ClientId(f"owner-{n}") for n in range(4)]  # at most 1024 segments a client
+    for owner in owners:
+        assert core.register_client(owner, "host", b"k" * 32, 0.0)[0] == Status.OK
+    for i in range(2000):
+        size = (i % 7 + 1) * MIB
+        info = SegmentInfo(SegmentId(f"seg-{i}"), owners[i % 4], size)
+        assert core.mount_segment(info, 0.0) == Status.OK
+    for i in range(500):
+        [(status, _)] = core.put_start(owners[0], [ObjectKey(b"k%d" % i)], [MIB],
+                                       PutOptions(), 1.0)
+        assert status == Status.OK
+        core.put_end(owners[0], [ObjectKey(b"k%d" % i)], 1.0)
+    segments = core._segments  # every 7 MiB segment took one object before any other
+    taken = {p.segment_id for k in range(500)
+             for p in core.get_replicas([ObjectKey(b"k%d" % k)], 2.0)[0].placements}
+    sevens = {f"seg-{i}" for i in range(2000) if i % 7 == 6}
+    assert sevens <= taken
+    assert len(segments._by_free) <= 2 * len(segments.mounted) + 64
