@@ -14,8 +14,7 @@ Rules of this file:
   an object's replicas together, so clearing the replica on this client's own segment clears
   the object; a segment name that is not this client's clears nothing.
 - Calls of features kvpool does not have (tensors, NoF/DFS tiers, SSD segments, copy and move
-  tasks, dummy clients; the session calls, whose caller moves the bytes with its own transfer
-  engine) exist and answer -1012 (``NOT_SUPPORTED``), Mooncake's own code for
+  tasks, dummy clients) exist and answer -1012 (``NOT_SUPPORTED``), Mooncake's own code for
   "not supported in the current mode", never ``AttributeError``.
 """
 
@@ -37,8 +36,6 @@ NOT_SUPPORTED = -1012
 #: Mooncake 0.3.13 calls that need a feature kvpool does not have.
 UNSUPPORTED_CALLS = (
     "alloc_from_mem_pool", "allocate_and_mount_segment", "append", "batch_get_replica_desc",
-    "batch_get_session_end", "batch_get_session_start", "batch_put_session_end",
-    "batch_put_session_revoke", "batch_put_session_start",
     "batch_get_tensor", "batch_get_tensor_into", "batch_get_tensor_into_cuda",
     "batch_get_tensor_with_parallelism", "batch_get_tensor_with_parallelism_into",
     "batch_get_tensor_with_tp", "batch_get_tensor_with_tp_into", "batch_pub_tensor",

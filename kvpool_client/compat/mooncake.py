@@ -28,6 +28,7 @@ from kvpool_client.compat.engine import EngineHandle, TransferEngine
 from kvpool_client.compat.extras import BufferHandle, StoreExtras
 from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.compat.replicate import ReplicateConfig, SoftPinAction, put_options
+from kvpool_client.compat.sessions import StoreSessions
 from kvpool_client.compat.setup_args import parse_setup
 from kvpool_wire.status import KVPoolError, Status
 
@@ -38,15 +39,17 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class MooncakeDistributedStore(StoreExtras):
+class MooncakeDistributedStore(StoreSessions, StoreExtras):
     """Mooncake Store's client API, backed by a :class:`kvpool_client.KVPoolClient` (the
-    calls engines make here, the rest of Mooncake 0.3.13's surface in ``extras``)."""
+    calls engines make here; the session calls in ``sessions``, the rest of Mooncake
+    0.3.13's surface in ``extras``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._client: Any = None
         self._registry = RegionRegistry()
         self._segment_name = ""
+        self._open_sessions()
 
     # --- lifecycle ---
 
@@ -80,6 +83,7 @@ class MooncakeDistributedStore(StoreExtras):
         """Leave the pool (idempotent); 0."""
         with self._lock:
             client, self._client = self._client, None
+        self._drop_sessions()
         if client is not None:
             try:
                 client.close()

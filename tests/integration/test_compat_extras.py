@@ -157,3 +157,46 @@ def test_keyword_names_are_mooncakes(store: MooncakeDistributedStore) -> None:
     assert store.get_into(key="kw", buffer_ptr=ptr + 4, size=4) == 2
     assert store.batch_get_into(keys=["kw2"], buffer_ptrs=[ptr + 4], sizes=[4]) == [2]
     assert store.unregister_buffer(buffer_ptr=ptr) == 0
+
+
+def test_session_calls_save_and_load_layer_by_layer(store: MooncakeDistributedStore) -> None:
+    """Mooncake's documented flow: open sessions, move one layer's range per call, end."""
+    import numpy as np
+
+    page, layers, keys = 1024, 4, ["block0", "block1"]
+    src = [np.full(page, i + 1, dtype=np.uint8) for i in range(layers)]
+    dst = [np.zeros(page, dtype=np.uint8) for _ in range(layers)]
+    for buf in src + dst:
+        assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    assert store.batch_put_session_start(keys, [page * layers] * 2) == [0, 0]
+    assert store.is_exist("block0") == 0              # nothing readable before the end
+    for layer in range(layers):
+        moved = store.batch_put_from_multi_buffer_ranges(
+            keys, [[src[layer].ctypes.data]] * 2, [[page]] * 2, [[layer * page]] * 2)
+        assert moved == [page, page]
+    assert store.batch_put_session_end(keys) == [0, 0]
+    assert store.get("block1") == b"".join(bytes([i + 1]) * page for i in range(layers))
+
+    assert store.batch_get_session_start(keys + ["absent"]) == [0, 0, -704]
+    for layer in range(layers):
+        moved = store.batch_get_into_multi_buffer_ranges(
+            keys[:1], [[dst[layer].ctypes.data]], [[page]], [[layer * page]])
+        assert moved == [page]
+        assert (dst[layer] == layer + 1).all()
+    assert store.batch_get_session_end(keys) == 0
+    # Without an open session, out of the object, or outside registered memory: -600.
+    assert store.batch_get_into_multi_buffer_ranges(
+        keys[:1], [[dst[0].ctypes.data]], [[page]], [[0]]) == [-600]
+    assert store.batch_put_from_multi_buffer_ranges(
+        ["nope"], [[src[0].ctypes.data]], [[page]], [[0]]) == [-600]
+    assert store.batch_put_session_start(["small"], [page]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges(
+        ["small"], [[src[0].ctypes.data]], [[page]], [[1]]) == [-600]
+    outside = ctypes.create_string_buffer(page)
+    assert store.batch_put_from_multi_buffer_ranges(
+        ["small"], [[ctypes.addressof(outside)]], [[page]], [[0]]) == [-600]
+    assert store.batch_put_session_revoke(["small", "nope"]) == [0, -600]
+    assert store.batch_put_session_end(["small"]) == [-600]
+    assert store.is_exist("small") == 0               # a revoked session left nothing
+    assert store.batch_put_session_start(["block0"], [page]) == [-705]   # it exists
+    assert store.batch_put_session_end(["block0"]) == [-600]
