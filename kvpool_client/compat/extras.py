@@ -10,6 +10,8 @@ Rules of this file:
   host memory this process owns) or None when the key is missing.
 - ``get_into_ranges`` copies byte ranges of objects into registered buffers; per buffer, per
   key, per range the bytes copied or a negative code.
+- Both read through ``batch_get_with``: each byte is copied once, from the segment (or the
+  buffer a remote read filled) to its destination.
 - ``batch_replica_clear`` removes objects no lease protects and returns their keys. kvpool keeps
   an object's replicas together, so clearing the replica on this client's own segment clears
   the object; a segment name that is not this client's clears nothing.
@@ -170,11 +172,22 @@ class StoreExtras:
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
-        """A :class:`BufferHandle` per key, None for each missing one."""
+        """A :class:`BufferHandle` per key, None for each missing one (the object's bytes are
+        copied once, from where they lie into the handle)."""
+        handles: list[BufferHandle | None] = [None] * len(keys)
         if not keys:
-            return []
-        datas = self.get_batch(keys)  # type: ignore[attr-defined]
-        return [BufferHandle(data) if data else None for data in datas]
+            return handles
+
+        def consume(index: int, view: memoryview) -> None:
+            handles[index] = BufferHandle(view)
+
+        read = self._one("batch_get_buffer",  # type: ignore[attr-defined]
+                         lambda c: c.batch_get_with(list(keys), consume))
+        failed = range(len(keys)) if isinstance(read, int) else \
+            [i for i, n in enumerate(read) if n < 0]
+        for index in failed:
+            handles[index] = None  # a read that failed after consuming must not be kept
+        return handles
 
     def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys: Sequence[Sequence[str]],
                         all_dst_offsets: Sequence[Sequence[Sequence[int]]],
@@ -182,51 +195,57 @@ class StoreExtras:
                         all_sizes: Sequence[Sequence[Sequence[int]]]) -> list[list[list[int]]]:
         """Copy ``all_sizes[b][k][r]`` bytes at ``all_src_offsets[b][k][r]`` of object
         ``all_keys[b][k]`` to ``buffer_ptrs[b] + all_dst_offsets[b][k][r]`` (a registered
-        buffer). Per buffer, per key, per range: the bytes copied or a negative code (-600
-        for ranges of unequal lengths or outside the object or buffer, -704 for a missing
-        key)."""
+        buffer), straight from where the object lies. Per buffer, per key, per range: the
+        bytes copied or a negative code (-600 for ranges of unequal lengths or outside the
+        object or buffer, -704 for a missing key)."""
         if not (len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets)
                 == len(all_src_offsets) == len(all_sizes)):
             return [[[codes.INVALID_PARAMS]] for _ in buffer_ptrs]
-        wanted = sorted({key for keys in all_keys for key in keys})
-        objects = dict(zip(wanted, self.get_batch(wanted), strict=True)) if wanted else {}
         results: list[list[list[int]]] = []
+        # per key: (its result list, range index, destination address, source offset, size)
+        jobs: dict[str, list[tuple[list[int], int, int, int, int]]] = {}
         for b, ptr in enumerate(buffer_ptrs):
-            per_key: list[list[int]] = []
             if not (len(all_keys[b]) == len(all_dst_offsets[b]) == len(all_src_offsets[b])
                     == len(all_sizes[b])):
                 results.append([[codes.INVALID_PARAMS] for _ in all_keys[b]])
                 continue
+            per_key: list[list[int]] = []
             for k, key in enumerate(all_keys[b]):
-                per_key.append(self._copy_ranges(ptr, objects.get(key, b""), all_dst_offsets[b][k],
-                                                 all_src_offsets[b][k], all_sizes[b][k]))
+                dsts, srcs, sizes = all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]
+                if not len(dsts) == len(srcs) == len(sizes):
+                    per_key.append([codes.INVALID_PARAMS])
+                    continue
+                out = [codes.NOT_FOUND] * len(sizes)
+                per_key.append(out)
+                for r, (dst, src, size) in enumerate(zip(dsts, srcs, sizes, strict=True)):
+                    jobs.setdefault(key, []).append((out, r, ptr + dst, src, size))
             results.append(per_key)
+        if not jobs:
+            return results
+        wanted = list(jobs)
+
+        def consume(index: int, view: memoryview) -> None:
+            for out, r, address, src, size in jobs[wanted[index]]:
+                out[r] = self._range_to(address, view, src, size)
+
+        read = self._one("get_into_ranges",  # type: ignore[attr-defined]
+                         lambda c: c.batch_get_with(wanted, consume))
+        for key, nbytes in zip(wanted, [read] * len(wanted) if isinstance(read, int) else read,
+                               strict=True):
+            if nbytes < 0:
+                for out, r, *_ in jobs[key]:
+                    out[r] = codes.mooncake_code(nbytes)
         return results
 
-    def _copy_ranges(self, ptr: int, data: bytes, dst_offsets: Sequence[int],
-                     src_offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        if not (len(dst_offsets) == len(src_offsets) == len(sizes)):
-            return [codes.INVALID_PARAMS]
-        if not data:
-            return [codes.NOT_FOUND] * len(sizes)
-        out: list[int] = []
-        for dst, src, size in zip(dst_offsets, src_offsets, sizes, strict=True):
-            if min(dst, src, size) < 0 or src + size > len(data):
-                out.append(codes.INVALID_PARAMS)
-                continue
-            try:
-                dest = self._registry.destination([(ptr + dst, size)])  # type: ignore[attr-defined]
-            except KVPoolError as exc:
-                out.append(codes.code_of_error(exc))
-                continue
-            view, at = data, src
-            for target in dest.views:
-                target[:] = view[at:at + target.nbytes]
-                at += target.nbytes
-            dest.finish(size)
-            out.append(size)
-        return out
-
+    def _range_to(self, address: int, view: memoryview, src: int, size: int) -> int:
+        """Copy ``view[src:src+size]`` to registered memory at ``address``; size or a code."""
+        if min(src, size) < 0 or src + size > view.nbytes:
+            return codes.INVALID_PARAMS
+        try:
+            self._registry.write_at(address, view[src:src + size])  # type: ignore[attr-defined]
+        except KVPoolError as exc:
+            return codes.code_of_error(exc)
+        return size
 
 for _name in UNSUPPORTED_CALLS:
     setattr(StoreExtras, _name, _unsupported(_name))

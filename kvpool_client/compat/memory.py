@@ -344,6 +344,24 @@ class RegionRegistry:
         views, pending = self._views(ranges, registered_only, writing=True)
         return Destination(*_stage(views, pending, self._arena))
 
+    def write_at(self, address: int, data: memoryview) -> None:
+        """Copy ``data`` to registered memory at ``address`` (device memory through staging).
+        Raises like ``destination``."""
+        dest = self.destination([(address, data.nbytes)])
+        at = 0
+        for view in dest.views:
+            view[:] = data[at:at + view.nbytes]
+            at += view.nbytes
+        dest.finish(data.nbytes)
+
+    def read_into(self, address: int, into: memoryview) -> None:
+        """Copy ``into.nbytes`` bytes of registered memory at ``address`` into ``into``.
+        Raises like ``sources``."""
+        at = 0
+        for view in self.sources([(address, into.nbytes)]):
+            into[at:at + view.nbytes] = view
+            at += view.nbytes
+
     def _views(self, ranges: Sequence[PointerRange], registered_only: bool, *, writing: bool
                ) -> tuple[list[memoryview], list[_Pending]]:
         """Views of the host ranges (placeholders for device ranges), and the device ranges

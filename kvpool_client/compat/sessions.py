@@ -22,7 +22,7 @@ Rules of this file:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool_client.compat import codes
@@ -89,27 +89,12 @@ class StoreSessions:
                                            all_dst_offsets: Sequence[Sequence[int]]) -> list[int]:
         """Copy each key's ranges (registered memory) into its open put session at the given
         object offsets; bytes copied per key, or a negative code."""
-        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_dst_offsets):
-            return [codes.INVALID_PARAMS] * len(keys)
-        results: list[int] = []
-        for key, ptrs, sizes, offsets in zip(keys, all_buffer_ptrs, all_sizes, all_dst_offsets,
-                                             strict=True):
-            with self._sessions_lock:
-                session = self._put_sessions.get(key)
-            if session is None or not _ranges_fit(ptrs, sizes, offsets, len(session.buffer)):
-                results.append(codes.INVALID_PARAMS)
-                continue
-            try:
-                for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-                    at = offset
-                    for view in self._registry.sources([(ptr, size)]):  # type: ignore[attr-defined]
-                        session.buffer[at:at + view.nbytes] = view
-                        at += view.nbytes
-            except KVPoolError as exc:
-                results.append(codes.code_of_error(exc))
-                continue
-            results.append(sum(sizes))
-        return results
+        def staging(key: str) -> bytearray | None:
+            session = self._put_sessions.get(key)
+            return session.buffer if session is not None else None
+
+        return self._ranged(keys, all_buffer_ptrs, all_sizes, all_dst_offsets, staging,
+                            self._registry.read_into)  # type: ignore[attr-defined]
 
     def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
         """Write each session's object (readable from now on) and close the session; 0 / code
@@ -163,24 +148,30 @@ class StoreSessions:
                                            all_src_offsets: Sequence[Sequence[int]]) -> list[int]:
         """Copy byte ranges of each key's session object into registered buffers; bytes copied
         per key, or a negative code."""
-        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_src_offsets):
+        return self._ranged(keys, all_buffer_ptrs, all_sizes, all_src_offsets,
+                            self._get_sessions.get,
+                            self._registry.write_at)  # type: ignore[attr-defined]
+
+    def _ranged(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
+                all_sizes: Sequence[Sequence[int]], all_offsets: Sequence[Sequence[int]],
+                session_of: Callable[[str], Any], move: Callable[[int, memoryview], None]
+                ) -> list[int]:
+        """Run ``move(buffer address, the object's range)`` for every range of every key whose
+        session ``session_of`` finds (the object's bytes); bytes moved per key, or a code."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_offsets):
             return [codes.INVALID_PARAMS] * len(keys)
         results: list[int] = []
-        for key, ptrs, sizes, offsets in zip(keys, all_buffer_ptrs, all_sizes, all_src_offsets,
+        for key, ptrs, sizes, offsets in zip(keys, all_buffer_ptrs, all_sizes, all_offsets,
                                              strict=True):
             with self._sessions_lock:
-                data = self._get_sessions.get(key)
-            if data is None or not _ranges_fit(ptrs, sizes, offsets, len(data)):
+                target = session_of(key)
+            if target is None or not _ranges_fit(ptrs, sizes, offsets, len(target)):
                 results.append(codes.INVALID_PARAMS)
                 continue
+            whole = memoryview(target)
             try:
                 for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-                    dest = self._registry.destination([(ptr, size)])  # type: ignore[attr-defined]
-                    at = offset
-                    for view in dest.views:
-                        view[:] = data[at:at + view.nbytes]
-                        at += view.nbytes
-                    dest.finish(size)
+                    move(ptr, whole[offset:offset + size])
             except KVPoolError as exc:
                 results.append(codes.code_of_error(exc))
                 continue
