@@ -249,10 +249,9 @@ class DeferredFrees:
         self._tie = 0  # SegmentState does not order
         self.num_bytes = 0
         # Extents of objects whose readers can end their holds early: by key, the removed
-        # entries (their ``holds``) and the ties of their extents; by tie, the heap item.
+        # entries (their ``holds``) and the ties of their extents; by tie, the extent and key.
         self._by_key: dict[ObjectKey, list[tuple[ObjectEntry, list[int]]]] = {}
-        self._early: dict[int, Parked] = {}
-        self._tie_key: dict[int, ObjectKey] = {}
+        self._watched: dict[int, tuple[Parked, ObjectKey]] = {}
         self._freed_early: set[int] = set()  # still in the heap, already freed
 
     def __len__(self) -> int:
@@ -274,8 +273,7 @@ class DeferredFrees:
         if not items:
             return
         for item in items:
-            self._early[item[1]] = item
-            self._tie_key[item[1]] = key
+            self._watched[item[1]] = (item, key)
         self._by_key.setdefault(key, []).append((entry, [item[1] for item in items]))
 
     def has_key(self, key: ObjectKey) -> bool:
@@ -296,11 +294,10 @@ class DeferredFrees:
                 continue
             watched.remove((entry, ties))
             for tie in ties:
-                item = self._early.pop(tie, None)
-                self._tie_key.pop(tie, None)
-                if item is None:
+                watched_item = self._watched.pop(tie, None)
+                if watched_item is None:
                     continue
-                _, _, state, offset, size_bytes, seq = item
+                _, _, state, offset, size_bytes, seq = watched_item[0]
                 self._freed_early.add(tie)
                 self.num_bytes -= size_bytes
                 segments.free_on(state, offset, size_bytes, seq)
@@ -317,7 +314,7 @@ class DeferredFrees:
             if self._freed_early and tie in self._freed_early:
                 self._freed_early.discard(tie)
                 continue
-            if self._early:
+            if self._watched:
                 self._forget(tie)
             self.num_bytes -= size_bytes
             segments.free_on(state, offset, size_bytes, seq)
@@ -326,9 +323,10 @@ class DeferredFrees:
 
     def _forget(self, tie: int) -> None:
         """Stop watching extent ``tie`` (freed by time)."""
-        if self._early.pop(tie, None) is None:
+        watched_item = self._watched.pop(tie, None)
+        if watched_item is None:
             return
-        key = self._tie_key.pop(tie)
+        key = watched_item[1]
         watched = self._by_key.get(key, [])
         for record in watched:
             if tie in record[1]:
@@ -366,8 +364,8 @@ class DeferredFrees:
             self.num_bytes += size_bytes
             packed.append(offset << OFFSET_BITS | aligned(size_bytes))
             moved = (until_s, tie, state, offset, size_bytes, seq)
-            if tie in self._early:
-                self._early[tie] = moved
+            if tie in self._watched:
+                self._watched[tie] = (moved, self._watched[tie][1])
             kept.append(moved)
         heapq.heapify(kept)
         self._heap = kept

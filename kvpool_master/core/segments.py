@@ -287,18 +287,15 @@ class SegmentTable:
         seen: set[int] = set()
         try:
             while heap:
-                entry = heap[0]
-                state = entry[4]
+                _, negative_free, mount_no, _, state = heapq.heappop(heap)
+                if not state.mounted or mount_no != state.mount_no or id(state) in seen:
+                    continue  # unmounted or remounted since, or handed out already
                 free_bytes = state.allocator.free_bytes
-                if (not state.mounted or entry[2] != state.mount_no
-                        or id(state) in seen or -entry[1] != free_bytes):
-                    heapq.heappop(heap)
-                    if state.mounted and entry[2] == state.mount_no and \
-                            free_bytes < -entry[1] and id(state) not in seen:
-                        self._index(state)  # allocated from since: push its true value
+                if free_bytes != -negative_free:
+                    if free_bytes < -negative_free:  # allocated from since: push its true value
+                        self._index(state)
                         heap = self._by_free
-                    continue
-                heapq.heappop(heap)
+                    continue  # (more free: a fresher entry was pushed by the free)
                 seen.add(id(state))
                 handed.append(state)
                 yield state
