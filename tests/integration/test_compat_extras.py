@@ -18,6 +18,7 @@ from kvpool_client.compat.mooncake import (
     SoftPinAction,
 )
 from kvpool_client.compat.replicate import put_options
+from kvpool_wire.status import KVPoolError
 from kvpool_wire.types import Pin
 
 MiB = 1 << 20
@@ -53,7 +54,7 @@ def test_replicate_config_has_mooncakes_fields_and_checks_them() -> None:
     options = put_options(config, str)
     assert options is not None and options.pin == Pin.SOFT and config.with_soft_pin
     config.soft_pin_action = SoftPinAction.DISABLE
-    with pytest.raises(Exception, match="soft_pin_ttl_ms"):
+    with pytest.raises(KVPoolError, match="soft_pin_ttl_ms"):
         put_options(config, str)                       # a TTL without ENABLE
 
 
