@@ -43,7 +43,8 @@ class Registration:
 class MasterSession:
     """One client's standing with the master, shared by all of its stubs: the token of its
     latest registration and the best known sample of the master's capability clock (see
-    ``kvpool_wire.capability``). Attributes are replaced whole, never mutated."""
+    ``kvpool_wire.capability``). ``token`` and ``clock`` are replaced whole, never mutated;
+    the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
     __slots__ = ("token", "clock", "_ended", "_ended_lock")
 
