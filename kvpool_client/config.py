@@ -5,8 +5,8 @@ Rules of this file:
   int or a ``"4gb"``-style string; durations carry ``_s``.
 - Sources, lowest precedence first: defaults < the JSON file < environment overrides
   (``MOONCAKE_MASTER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``,
-  ``MOONCAKE_PROTOCOL``). The file is named by ``from_file(path)``, ``KVPOOL_CONFIG_PATH`` or
-  ``MOONCAKE_CONFIG_PATH``.
+  ``MOONCAKE_PROTOCOL``, ``MC_STORE_USE_HUGEPAGE``). The file is named by ``from_file(path)``,
+  ``KVPOOL_CONFIG_PATH`` or ``MOONCAKE_CONFIG_PATH``.
 - Keys Mooncake's own clients know but kvpool does not need are accepted and ignored, so an
   operator can point kvpool at the file they already have. Any other key is an error naming the
   key (and the closest known key): a typo must not silently fall back to a default, the same rule
@@ -54,6 +54,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_PROTOCOL": "protocol",
+    "MC_STORE_USE_HUGEPAGE": "use_hugepage",
 }
 CONFIG_PATH_ENVS = ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
 
@@ -109,6 +110,11 @@ class ClientConfig:
     commit_nowait: bool = False  # True: put returns once its commit is sent (see _datapath)
     busy_poll_us: int = 500  # a call on the caller's thread polls this long for the answer (µs)
     copy_threads: int = 0  # threads copying one large shared-memory batch; 0 = auto
+    # segments on 2 MiB pages where /dev/shm gives them, 4 KiB pages (and a warning) where not
+    use_hugepage: bool = False
+    # fill the page tables of a peer's segment on a background thread once it is mapped, so the
+    # first pass over it does not fault on every 4 KiB page (segments.py, pages.py)
+    populate_peer_segments: bool = True
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:
@@ -348,6 +354,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "commit_nowait": _bool,
     "busy_poll_us": _int_range(0, 100_000),
     "copy_threads": _int_range(0, 64),
+    "use_hugepage": _bool,
+    "populate_peer_segments": _bool,
 }
 
 

@@ -105,6 +105,9 @@ class Member:
                     master: MasterAddress, session: MasterSession, metrics: ClientMetrics,
                     undo: contextlib.AsyncExitStack) -> Member:
         segments = await _create_segments(config, client_id, undo)
+        huge_bytes = sum(s.huge_bytes for s in segments.values())
+        metrics.segment_page_bytes.update({
+            "2MiB": huge_bytes, "4KiB": sum(s.size_bytes for s in segments.values()) - huge_bytes})
         server = _serve(config, segments, session, metrics, undo)
         hostname = server.endpoint if server is not None else config.local_hostname
 
@@ -142,7 +145,7 @@ class Member:
         parts = Parts(
             client_id=client_id, local_host_id=host_id, transport=config.transport,
             shm=ShmTransport(segments, copier=ParallelCopier(
-                config.copy_threads or copy_threads())),
+                config.copy_threads or copy_threads()), populate=config.populate_peer_segments),
             checksum_max_bytes=checksum_max_bytes(config.checksum), metrics=metrics,
             liveness=liveness, session=session)
         parts.remember(mounted)
@@ -214,7 +217,7 @@ async def _create_segments(config: ClientConfig, client_id: str,
                                                    config.max_segment_size)):
         # Pre-faulting takes ~0.15 s per GiB: keep the event loop free meanwhile.
         segment = await asyncio.to_thread(LocalSegment.create, config.cluster_id, client_id,
-                                          index, size_bytes)
+                                          index, size_bytes, huge_pages=config.use_hugepage)
         undo.callback(segment.close)
         segments[segment.segment_id] = segment
     return segments

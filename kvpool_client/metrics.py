@@ -76,6 +76,7 @@ class ClientMetrics:
         self.async_failures = 0
         self.reregistrations = 0
         self.heartbeat_failures = 0
+        self.segment_page_bytes: dict[str, int] = {}  # page size ("4KiB", "2MiB") -> bytes
         self._refusals: Callable[[], dict[str, int]] = dict
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
@@ -158,6 +159,13 @@ class _Collector(Collector):
         yield CounterMetricFamily("kvpool_client_heartbeat_failures",
                                   "Heartbeats that got no answer or UNKNOWN_CLIENT",
                                   value=m.heartbeat_failures)
+        segment_bytes = GaugeMetricFamily("kvpool_client_segment_bytes",
+                                          "Bytes of DRAM this client contributes, by the page "
+                                          "size the kernel backs them with",
+                                          labels=["page_size"])
+        for page_size, value in sorted(m.segment_page_bytes.items()):
+            segment_bytes.add_metric([page_size], value)
+        yield segment_bytes
         refusals = CounterMetricFamily("kvpool_client_data_server_refusals",
                                        "Data-plane requests this client's data server refused",
                                        labels=["reason"])

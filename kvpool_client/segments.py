@@ -11,6 +11,11 @@ Rules of this file:
   (``posix_fallocate``: a full ``/dev/shm`` fails here with NO_SPACE instead of a SIGBUS on
   some later put) and write-faulted into this process before ``create`` returns, so no put pays
   a page fault.
+- With ``huge_pages`` the mapping is marked ``MADV_HUGEPAGE`` before any page exists and filled
+  with ``MADV_POPULATE_WRITE`` (which reports a full tmpfs as an error, as the fallocate does;
+  the fallocate itself would allocate 4 KiB pages). Whether the kernel gave 2 MiB pages is read
+  back (``huge_bytes``); without them the segment works the same on 4 KiB pages, and says so in
+  the log (``pages.py``).
 - ``close`` unlinks the name first and unmaps when no view is left; it is idempotent.
 - The file holds the segment's ``size_bytes`` and, after them, one page of header: a magic and
   the ownership proof (``capability.ownership_proof``) the owner stamps with its capability key
@@ -38,6 +43,7 @@ import threading
 
 import numpy as np
 
+from kvpool_client import pages
 from kvpool_wire.capability import PROOF_BYTES, ownership_proof
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, SegmentId, SegmentInfo, Tier
@@ -95,6 +101,48 @@ def _process_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _allocate(fd: int, total_bytes: int, huge_pages: bool) -> mmap.mmap:
+    """Size the file, map it and fault every page in (see the module rules). Raises OSError
+    (ENOSPC, ENOMEM or EFAULT when the file system cannot hold it)."""
+    if not huge_pages:
+        os.posix_fallocate(fd, 0, total_bytes)
+        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        _prefault(mapping, total_bytes)
+        return mapping
+    os.ftruncate(fd, total_bytes)
+    mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    pages.advise_huge(address, total_bytes)
+    code = _populate_in_halves(address, total_bytes)
+    if code == errno.EINVAL:  # a kernel without MADV_POPULATE_WRITE: allocate as without
+        log.warning("this kernel cannot populate a mapping (MADV_POPULATE_WRITE); the segment "
+                    "is allocated on 4 KiB pages")
+        os.posix_fallocate(fd, 0, total_bytes)
+        _prefault(mapping, total_bytes)
+    elif code:
+        mapping.close()
+        raise OSError(code, os.strerror(code))
+    return mapping
+
+
+def _populate_in_halves(address: int, total_bytes: int) -> int:
+    """``pages.populate`` over the whole range, split across two threads for a large one.
+    Returns 0 or the first errno."""
+    if total_bytes < _PARALLEL_PREFAULT_BYTES:
+        return pages.populate(address, total_bytes)
+    half = (total_bytes // 2) // (2 << 20) * (2 << 20)
+    codes: list[int] = []
+    worker = threading.Thread(
+        target=lambda: codes.append(pages.populate(address + half, total_bytes - half)),
+        name="kvpool-prefault")
+    worker.start()
+    first = pages.populate(address, half)
+    worker.join()
+    return first or codes[0]
+
+
 def _prefault(mapping: mmap.mmap, size_bytes: int) -> None:
     """Write-fault every page of ``mapping`` (the pages are fresh zeros; a zero is written).
 
@@ -135,6 +183,7 @@ class LocalSegment:
     def __init__(self, segment_id: str, shm_name: str, size_bytes: int, mapping: mmap.mmap,
                  client_id: str, lock_fd: int = -1) -> None:
         self.segment_id = SegmentId(segment_id)
+        self.huge_bytes = 0  # bytes the kernel backs with 2 MiB pages (create() sets it)
         self.shm_name = shm_name
         self.size_bytes = size_bytes
         self.client_id = ClientId(client_id)
@@ -147,8 +196,10 @@ class LocalSegment:
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
     @classmethod
-    def create(cls, cluster: str, client_id: str, index: int, size_bytes: int) -> LocalSegment:
-        """Create, size, pre-fault and map a new segment.
+    def create(cls, cluster: str, client_id: str, index: int, size_bytes: int, *,
+               huge_pages: bool = False) -> LocalSegment:
+        """Create, size, pre-fault and map a new segment (on huge pages where asked and the
+        host gives them; see the module rules).
 
         Returns the segment. Raises KVPoolError INVALID_ARGUMENT (size <= 0 or index < 0),
         SEGMENT_ALREADY_EXISTS (this process already has that segment), NO_SPACE (``/dev/shm``
@@ -170,20 +221,28 @@ class LocalSegment:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # before anyone can see it unlocked
             os.fchmod(fd, 0o600)  # the umask can only remove bits; make the mode exact anyway
-            os.posix_fallocate(fd, 0, total_bytes)
-            mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = _allocate(fd, total_bytes, huge_pages)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             os.close(fd)
-            status = Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.ENOMEM) else \
-                Status.INTERNAL_ERROR
+            status = Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFAULT) \
+                else Status.INTERNAL_ERROR
             raise KVPoolError(status, f"cannot allocate {size_bytes} bytes in {path}: {exc}") \
                 from exc
-        _prefault(mapping, total_bytes)
         mapping[size_bytes:size_bytes + _PROOF_AT] = HEADER_MAGIC
-        return cls(f"{client_id}-seg{index}", name, size_bytes, mapping, client_id, fd)
+        segment = cls(f"{client_id}-seg{index}", name, size_bytes, mapping, client_id, fd)
+        if huge_pages:
+            segment.huge_bytes = min(size_bytes, pages.huge_bytes(segment.address))
+            if segment.huge_bytes:
+                log.info("segment %s: %d of %d bytes on 2 MiB pages", segment.segment_id,
+                         segment.huge_bytes, size_bytes)
+            else:
+                log.warning("segment %s: huge pages asked for, but %s gave 4 KiB pages (mount "
+                            "it with huge=advise, or set /sys/kernel/mm/transparent_hugepage/"
+                            "shmem_enabled to force); continuing on 4 KiB pages",
+                            segment.segment_id, SHM_DIR)
+        return segment
 
     def stamp_owner(self, capability_key: bytes) -> None:
         """Write the ownership proof of ``capability_key`` into the header (before mounting)."""

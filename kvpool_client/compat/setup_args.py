@@ -11,7 +11,9 @@ Rules of this file:
   the host; the full string is kept as the segment name engines later use as
   ``ReplicateConfig.preferred_segment``.
 - The file named by ``KVPOOL_CONFIG_PATH`` (kvpool keys such as ``auth_token``, TLS, transport)
-  is the base when set; the setup arguments override its Mooncake keys.
+  is the base when set; the setup arguments override its Mooncake keys. ``MC_STORE_USE_HUGEPAGE``
+  (Mooncake's switch for huge pages, which its setup reads from the environment) sets
+  ``use_hugepage``.
 - A bad value raises :class:`ConfigError` (``INVALID_ARGUMENT``) naming it; nothing is set up.
 """
 
@@ -75,7 +77,10 @@ def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         "device_name": values.get("rdma_devices", "") or "",
         "master_server_address": values.get("master_server_addr", DEFAULT_MASTER),
     }
-    return StoreSetup(_base_config(environ).replace(**overrides), segment_name, engine)
+    env = os.environ if environ is None else environ
+    if env.get("MC_STORE_USE_HUGEPAGE"):
+        overrides["use_hugepage"] = _flag("MC_STORE_USE_HUGEPAGE", env["MC_STORE_USE_HUGEPAGE"])
+    return StoreSetup(_base_config(env).replace(**overrides), segment_name, engine)
 
 
 def host_of(local_hostname: str) -> str:
@@ -132,7 +137,14 @@ def _text(name: str, value: Any) -> str:
     return value
 
 
-def _base_config(environ: Mapping[str, str] | None) -> ClientConfig:
-    env = os.environ if environ is None else environ
+def _flag(name: str, value: str) -> bool:
+    text = value.strip().lower()
+    if text not in ("1", "0", "true", "false"):
+        raise ConfigError(f"environment variable {name}: expected 1, 0, true or false, got "
+                          f"{value!r}")
+    return text in ("1", "true")
+
+
+def _base_config(env: Mapping[str, str]) -> ClientConfig:
     path = env.get("KVPOOL_CONFIG_PATH", "")
     return ClientConfig.from_file(path, environ=env) if path else ClientConfig()

@@ -17,6 +17,10 @@ Rules of this file:
 - Any thread may use one transport: the mapping table and the copy counts are locked;
   ``copy_batch`` copies on the calling thread (taking part in large copies), ``write_batch``
   and ``read_batch`` on an event loop (worker threads copy).
+- A peer's segment, once mapped, has its page tables filled on a background thread
+  (``populate``, default on; ``pages.Populator``), a chunk at a time, each chunk holding the
+  mapping busy like a copy: the first pass over a cold segment then runs near the speed of the
+  second.
 - ``borrow`` lends a placement's bytes in the mapping to the caller (which moves them itself,
   e.g. by device DMA) and keeps the mapping alive meanwhile. ``pin_mappings`` installs a
   pin / unpin pair (page-locking for DMA) run on every mapping, present and future; a pinned
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import logging
 import mmap
@@ -36,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from kvpool_client.pages import Populator
 from kvpool_client.segments import HEADER_BYTES, SHM_DIR, LocalSegment, read_owner_proof
 from kvpool_client.transfer.base import (
     Item,
@@ -58,13 +64,16 @@ _MAX_NAME_CHARS = 255
 class _Mapping:
     """One peer segment mapped into this process."""
 
-    __slots__ = ("busy", "checked_at_s", "inode", "mapping", "retired", "shm_name", "size_bytes",
-                 "unpin", "view")
+    __slots__ = ("address", "busy", "checked_at_s", "inode", "mapping", "retired", "shm_name",
+                 "size_bytes", "unpin", "view")
 
     def __init__(self, shm_name: str, mapping: mmap.mmap | None, view: memoryview,
                  inode: int, now_s: float) -> None:
         self.shm_name = shm_name
         self.mapping = mapping  # None for a segment of this process (its LocalSegment owns it)
+        # The ctypes object exports the buffer only while it exists; it is dropped at once.
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) \
+            if mapping is not None else 0
         self.view = view
         self.size_bytes = view.nbytes
         self.inode = inode
@@ -92,7 +101,8 @@ class ShmTransport:
     """Transport to segments on this host (see the module docstring)."""
 
     def __init__(self, local_segments: Mapping[str, LocalSegment] | None = None, *,
-                 copier: ParallelCopier | None = None, recheck_interval_s: float = 1.0) -> None:
+                 copier: ParallelCopier | None = None, recheck_interval_s: float = 1.0,
+                 populate: bool = True) -> None:
         self._local_segments = local_segments if local_segments is not None else {}
         self._copier = copier if copier is not None else ParallelCopier()
         self._recheck_interval_s = recheck_interval_s
@@ -100,6 +110,9 @@ class ShmTransport:
         self._lock = threading.RLock()
         self._closed = False
         self._pin: tuple[Callable[[memoryview], None], Callable[[memoryview], None]] | None = None
+        self._populator: Populator[_Mapping] | None = \
+            Populator(self._hold_for_populate, lambda mapping: self._release([mapping])) \
+            if populate else None
 
     async def write(self, segment: SegmentInfo, placement: Placement, src: Regions) -> None:
         """Copy ``src`` into the placement. Raises KVPoolError INVALID_ARGUMENT (bad regions,
@@ -196,6 +209,8 @@ class ShmTransport:
     async def close(self) -> None:
         """Unmap every segment once its copies finish and stop the copy threads (idempotent)."""
         self._closed = True
+        if self._populator is not None:
+            self._populator.stop()
         for segment_id in list(self._segment_id_to_mapping):
             self.forget(segment_id)
         self._copier.close()
@@ -273,9 +288,18 @@ class ShmTransport:
             mapping.checked_at_s = float("inf")  # ours: it cannot vanish under us
         else:
             mapping = self._map(segment, now_s)
+            if self._populator is not None:
+                self._populator.add(mapping)
         self._segment_id_to_mapping[segment.segment_id] = mapping
         self._pin_one(mapping)
         return mapping
+
+    def _hold_for_populate(self, mapping: _Mapping) -> tuple[int, int] | None:
+        with self._lock:
+            if mapping.retired or mapping.mapping is None or self._closed:
+                return None
+            mapping.busy += 1
+            return mapping.address, mapping.size_bytes
 
     @staticmethod
     def _still_there(mapping: _Mapping, now_s: float) -> bool:

@@ -217,7 +217,17 @@ def test_config_is_frozen() -> None:
 def test_config_path_env_names_are_the_documented_ones() -> None:
     assert config_module.CONFIG_PATH_ENVS == ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
     assert set(config_module.ENV_OVERRIDES) == {"MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
-                                                "MOONCAKE_LOCAL_BUFFER_SIZE", "MOONCAKE_PROTOCOL"}
+                                                "MOONCAKE_LOCAL_BUFFER_SIZE", "MOONCAKE_PROTOCOL",
+                                                "MC_STORE_USE_HUGEPAGE"}
+
+
+def test_huge_pages_and_populate_keys(tmp_path: Path) -> None:
+    assert (ClientConfig().use_hugepage, ClientConfig().populate_peer_segments) == (False, True)
+    path = write(tmp_path, {**MINDIE_JSON, "populate_peer_segments": False})
+    config = ClientConfig.from_file(path, environ={"MC_STORE_USE_HUGEPAGE": "1"})
+    assert (config.use_hugepage, config.populate_peer_segments) == (True, False)
+    with pytest.raises(ConfigError, match="MC_STORE_USE_HUGEPAGE .*use_hugepage"):
+        ClientConfig.from_file(path, environ={"MC_STORE_USE_HUGEPAGE": "plenty"})
 
 
 def test_vllm_ascend_mooncake_json_is_accepted() -> None:

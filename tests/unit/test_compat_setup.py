@@ -52,6 +52,15 @@ def test_keyword_form_as_vllm_ascend_calls_it() -> None:
     assert setup.config.master_server_address == "127.0.0.1:50051"
 
 
+def test_mooncake_huge_page_switch_is_read_from_the_environment() -> None:
+    args = ("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", "127.0.0.1:50051")
+    assert parse_setup(args, {}, NO_ENV).config.use_hugepage is False
+    assert parse_setup(args, {}, {"MC_STORE_USE_HUGEPAGE": "1"}).config.use_hugepage is True
+    assert parse_setup(args, {}, {"MC_STORE_USE_HUGEPAGE": "false"}).config.use_hugepage is False
+    with pytest.raises(ConfigError, match="MC_STORE_USE_HUGEPAGE"):
+        parse_setup(args, {}, {"MC_STORE_USE_HUGEPAGE": "please"})
+
+
 def test_dict_form_accepts_both_master_spellings() -> None:
     for key in ("master_server_addr", "master_server_address"):
         setup = parse_setup(({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
