@@ -35,6 +35,18 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+async def off_loop(call: Callable[[], T]) -> T:
+    """``call()`` on a worker thread, keeping the loop free; on the loop's own thread once the
+    interpreter is exiting (its thread pools take no more work then, and a client nobody
+    closed must still leave the pool cleanly)."""
+    loop = asyncio.get_running_loop()
+    try:
+        future = loop.run_in_executor(None, call)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return call()
+    return await future
+
+
 def _hand_over(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
                on_done: Callable[[], None] | None = None) -> T:
     """Run ``coro`` on ``loop``, which another thread runs (or will run), and wait for it.

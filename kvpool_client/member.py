@@ -28,6 +28,7 @@ from kvpool_client.drivers.aio import AsyncDataPath
 from kvpool_client.drivers.blocking import BlockingDataPath
 from kvpool_client.drivers.parts import Parts
 from kvpool_client.liveness import Liveness, MasterAddress, register_waiting
+from kvpool_client.loops import off_loop
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, MasterSession
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, split_sizes
@@ -166,7 +167,7 @@ class Member:
             commits=writer if config.commit_nowait else None)
         undo.push_async_callback(datapath.tcp.close)
         liveness.start()
-        undo.push_async_callback(asyncio.to_thread, liveness.stop)
+        undo.push_async_callback(off_loop, liveness.stop)
         logger.info("client %s joined %s with %d segments (%d bytes), data server %s",
                     client_id, config.master_server_address, len(segments),
                     config.global_segment_size, hostname)
@@ -235,7 +236,7 @@ def _serve(config: ClientConfig, segments: dict[str, LocalSegment], session: Mas
                         idle_timeout_s=config.data_idle_timeout_s,
                         max_connections_per_peer=config.data_max_connections_per_peer)
     server.start()
-    undo.push_async_callback(asyncio.to_thread, server.close)
+    undo.push_async_callback(off_loop, server.close)
     metrics.watch_refusals(lambda: {
         "refused": server.refused_total, "bad_frame": server.bad_frames_total,
         "timeout": server.timeouts_total,

@@ -3,6 +3,9 @@ segment), over shared memory and over forced TCP, checked byte for byte."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,3 +131,28 @@ def test_churn_through_another_process_segment_never_runs_out_of_space(
             assert failures == []
     finally:
         owner.stop()
+
+
+def test_a_client_its_process_never_closed_leaves_the_pool_at_exit(start_master: Any) -> None:
+    # The client TTL is long: only the exiting process itself can take its objects out now.
+    master = start_master(client_ttl=300)
+    script = (
+        "import sys\n"
+        "from kvpool_client import KVPoolClient\n"
+        "from kvpool_client.config import ClientConfig\n"
+        "c = KVPoolClient(ClientConfig.from_dict({'master_server_address': sys.argv[1],\n"
+        "                                         'global_segment_size': '8mb'}))\n"
+        "c.put('left-behind', b'x' * 1000)\n"
+        "import os; print(os.getpid(), flush=True)\n"  # and exits without close()
+    )
+    done = subprocess.run([sys.executable, "-c", script, master.address], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "closing an unclosed kvpool client" not in done.stderr, done.stderr
+    pid = done.stdout.strip()
+    assert pid.isdigit()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvpool.")
+                and n.split(".")[4:5] == [pid]]  # its segment's file is gone
+    config = ClientConfig.from_dict({"master_server_address": master.address})
+    with KVPoolClient(config) as reader:
+        assert reader.exists("left-behind") is False
