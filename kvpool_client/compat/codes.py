@@ -11,6 +11,8 @@ Rules of this file:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpool_wire.status import KVPoolError, Status
 
 OK = 0
@@ -48,3 +50,9 @@ def code_of_error(exc: BaseException) -> int:
     if isinstance(exc, KVPoolError):
         return mooncake_code(exc.status)
     return INTERNAL_ERROR
+
+
+def per_key_codes(statuses: Sequence[int]) -> list[int]:
+    """Mooncake's code per key of a batch; ``ALREADY_EXISTS`` (a put of an existing key) is 0,
+    as Mooncake answers it."""
+    return [OK if s == Status.ALREADY_EXISTS else mooncake_code(s) for s in statuses]

@@ -1,5 +1,5 @@
 """The rest of Mooncake 0.3.13's store surface: upserts, parts, buffer handles, range reads, and
-the calls kvpool cannot serve.
+the calls kvpool cannot serve (the tensor calls are in ``tensor_calls``).
 
 Rules of this file:
 - ``upsert*`` replace an object: the old one is force-removed, then the new one put. A reader
@@ -15,8 +15,9 @@ Rules of this file:
 - ``batch_replica_clear`` removes objects no lease protects and returns their keys. kvpool keeps
   an object's replicas together, so clearing the replica on this client's own segment clears
   the object; a segment name that is not this client's clears nothing.
-- Calls of features kvpool does not have (tensors, NoF/DFS tiers, SSD segments, copy and move
-  tasks, dummy clients) exist and answer -1012 (``NOT_SUPPORTED``), Mooncake's own code for
+- Calls of features kvpool does not have (tensors placed by a parallelism layout, CUDA
+  destinations, safetensors files, NoF/DFS tiers, SSD segments, copy and move tasks, dummy
+  clients) exist and answer -1012 (``NOT_SUPPORTED``), Mooncake's own code for
   "not supported in the current mode", never ``AttributeError``.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 from kvpool_client.compat import codes
 from kvpool_client.compat.replicate import ReplicateConfig, put_options
-from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.status import KVPoolError
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +39,17 @@ NOT_SUPPORTED = -1012
 #: Mooncake 0.3.13 calls that need a feature kvpool does not have.
 UNSUPPORTED_CALLS = (
     "alloc_from_mem_pool", "allocate_and_mount_segment", "append", "batch_get_replica_desc",
-    "batch_get_tensor", "batch_get_tensor_into", "batch_get_tensor_into_cuda",
-    "batch_get_tensor_with_parallelism", "batch_get_tensor_with_parallelism_into",
-    "batch_get_tensor_with_tp", "batch_get_tensor_with_tp_into", "batch_pub_tensor",
-    "batch_pub_tensor_with_tp", "batch_put_tensor", "batch_put_tensor_from",
-    "batch_put_tensor_with_parallelism", "batch_put_tensor_with_parallelism_from",
-    "batch_put_tensor_with_tp", "batch_put_tensor_with_tp_from",
-    "batch_upsert_pub_tensor", "batch_upsert_tensor", "batch_upsert_tensor_from",
-    "batch_upsert_tensor_with_parallelism", "batch_upsert_tensor_with_parallelism_from",
-    "create_copy_task", "create_move_task", "get_offload_rpc_read_count", "get_replica_desc",
-    "get_tensor", "get_tensor_into", "get_tensor_into_cuda", "get_tensor_with_parallelism",
-    "get_tensor_with_parallelism_into", "get_tensor_with_tp", "get_tensor_with_tp_into",
-    "init_all", "load_tensor_from_safetensor", "mount_segment", "pub_tensor",
-    "pub_tensor_with_tp", "put_from_with_metadata", "put_tensor", "put_tensor_from",
-    "put_tensor_with_parallelism", "put_tensor_with_parallelism_from", "put_tensor_with_tp",
-    "put_tensor_with_tp_from", "query_task", "save_tensor_to_safetensor", "setup_dummy",
-    "unmount_and_free_segment", "unmount_local_disk_segment", "unmount_segment",
-    "upsert_pub_tensor", "upsert_tensor", "upsert_tensor_from",
-    "upsert_tensor_with_parallelism", "upsert_tensor_with_parallelism_from",
+    "batch_get_tensor_into_cuda", "batch_get_tensor_with_parallelism",
+    "batch_get_tensor_with_parallelism_into", "batch_put_tensor_with_parallelism",
+    "batch_put_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
+    "batch_upsert_tensor_with_parallelism_from", "create_copy_task", "create_move_task",
+    "get_offload_rpc_read_count", "get_replica_desc", "get_tensor_into_cuda",
+    "get_tensor_with_parallelism", "get_tensor_with_parallelism_into", "init_all",
+    "load_tensor_from_safetensor", "mount_segment", "put_from_with_metadata",
+    "put_tensor_with_parallelism", "put_tensor_with_parallelism_from", "query_task",
+    "save_tensor_to_safetensor", "setup_dummy", "unmount_and_free_segment",
+    "unmount_local_disk_segment", "unmount_segment", "upsert_tensor_with_parallelism",
+    "upsert_tensor_with_parallelism_from",
 )
 
 
@@ -117,26 +111,48 @@ class StoreExtras:
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of ``parts`` (bytes-like) under ``key``; 0 or a code."""
-        try:
-            options = put_options(config, self._own_segment)  # type: ignore[attr-defined]
-        except KVPoolError as exc:
-            return codes.code_of_error(exc)
-        total = sum(memoryview(part).nbytes for part in parts)
-        if not self._fits_local_buffer([total]):  # type: ignore[attr-defined]
-            return codes.INVALID_PARAMS
-        result = self._one("put_parts", lambda c: c.batch_put_regions(  # type: ignore[attr-defined]
-            [key], [list(parts)], options=options))
-        if isinstance(result, int):
-            return result
-        (status,) = result
-        return codes.OK if status in (Status.OK, Status.ALREADY_EXISTS) else \
-            codes.mooncake_code(status)
+        return self._write_objects("put_parts", [key], [[memoryview(p) for p in parts]], config,
+                                   replace=False)[0]
 
     def upsert_parts(self, key: str, *parts: Any,
                      config: ReplicateConfig | None = None) -> int:
         """Replace ``key`` with the concatenation of ``parts``; 0 or a code."""
-        refused = self._replacing([key], config)
-        return refused if refused is not None else self.put_parts(key, *parts, config=config)
+        return self._write_objects("upsert_parts", [key], [[memoryview(p) for p in parts]],
+                                   config, replace=True)[0]
+
+    def _write_objects(self, op: str, keys: Sequence[str],
+                       objects: Sequence[list[memoryview] | int],
+                       config: ReplicateConfig | None, *, replace: bool) -> list[int]:
+        """Write each object from its regions, in order, in one batch (replacing what is there
+        with ``replace``); an ``int`` in ``objects`` is a code refusing that key, kept as it is.
+        An object larger than ``local_buffer_size`` is -600, as Mooncake. 0 / code per key."""
+        results = [obj if isinstance(obj, int) else codes.OK for obj in objects]
+        wanted: list[int] = []
+        for i, obj in enumerate(objects):
+            if isinstance(obj, int):
+                continue
+            if self._fits_local_buffer([sum(v.nbytes for v in obj)]):  # type: ignore[attr-defined]
+                wanted.append(i)
+            else:
+                results[i] = codes.INVALID_PARAMS
+        if not wanted:
+            return results
+        wanted_keys = [keys[i] for i in wanted]
+        try:
+            options = put_options(config, self._own_segment)  # type: ignore[attr-defined]
+        except KVPoolError as exc:
+            logger.error("%s: %s", op, exc)
+            for i in wanted:
+                results[i] = codes.code_of_error(exc)
+            return results
+        refused = self._replacing(wanted_keys, config) if replace else None
+        regions = [objects[i] for i in wanted]
+        written = [refused] * len(wanted) if refused is not None else \
+            self._batch(len(wanted), op, lambda c: codes.per_key_codes(  # type: ignore[attr-defined]
+                c.batch_put_regions(wanted_keys, regions, options=options)))
+        for i, code in zip(wanted, written, strict=True):
+            results[i] = code
+        return results
 
     def _replacing(self, keys: Sequence[str], config: ReplicateConfig | None) -> int | None:
         """Check ``config`` and force-remove ``keys``; a code when the upsert must not go on."""

@@ -30,6 +30,7 @@ from kvpool_client.compat.memory import RegionRegistry, staged
 from kvpool_client.compat.replicate import ReplicateConfig, SoftPinAction, put_options
 from kvpool_client.compat.sessions import StoreSessions
 from kvpool_client.compat.setup_args import parse_setup
+from kvpool_client.compat.tensor_calls import StoreTensors
 from kvpool_wire.status import KVPoolError, Status
 
 __all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction",
@@ -39,10 +40,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class MooncakeDistributedStore(StoreSessions, StoreExtras):
+class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
     """Mooncake Store's client API, backed by a :class:`kvpool_client.KVPoolClient` (the
-    calls engines make here; the session calls in ``sessions``, the rest of Mooncake
-    0.3.13's surface in ``extras``)."""
+    calls engines make here; the session calls in ``sessions``, the tensor calls in
+    ``tensor_calls``, the rest of Mooncake 0.3.13's surface in ``extras``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -155,7 +156,7 @@ class MooncakeDistributedStore(StoreSessions, StoreExtras):
         if len(keys) != len(values) or \
                 not self._fits_local_buffer([_nbytes(v) for v in values]):
             return codes.INVALID_PARAMS
-        results = self._batch(len(keys), "put_batch", lambda c: _codes(
+        results = self._batch(len(keys), "put_batch", lambda c: codes.per_key_codes(
             c.put_batch(list(keys), list(values),
                         options=put_options(config, self._own_segment))))
         return next((r for r in results if r != codes.OK), codes.OK)
@@ -260,7 +261,7 @@ class MooncakeDistributedStore(StoreSessions, StoreExtras):
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """0 / -704 / -706 per key."""
         return self._batch(len(keys), "batch_remove",
-                           lambda c: _codes(c.batch_remove(list(keys), force=force)))
+                           lambda c: codes.per_key_codes(c.batch_remove(list(keys), force=force)))
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """How many objects whose key matches were removed, or a negative code."""
@@ -326,7 +327,7 @@ class MooncakeDistributedStore(StoreSessions, StoreExtras):
             batch_keys.append(key)
             positions.append(i)
         if batch_keys:
-            statuses = self._batch(len(batch_keys), op, lambda c: _codes(
+            statuses = self._batch(len(batch_keys), op, lambda c: codes.per_key_codes(
                 c.batch_put_regions(batch_keys, batch_regions, options=options)))
             for i, code in zip(positions, statuses, strict=True):
                 results[i] = code
@@ -372,10 +373,6 @@ def _nbytes(value: Any) -> int:
 
 def _ok(_: object) -> int:
     return codes.OK
-
-
-def _codes(statuses: Sequence[int]) -> list[int]:
-    return [codes.OK if s == Status.ALREADY_EXISTS else codes.mooncake_code(s) for s in statuses]
 
 
 def _read_code(nbytes: int, capacity: int, exact: bool) -> int:

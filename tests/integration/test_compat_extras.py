@@ -142,7 +142,8 @@ def test_the_bytes_api_stages_through_the_local_buffer_as_mooncake(start_master:
 
 
 def test_calls_kvpool_cannot_serve_answer_not_supported(store: MooncakeDistributedStore) -> None:
-    assert "put_tensor" in UNSUPPORTED_CALLS and "create_copy_task" in UNSUPPORTED_CALLS
+    assert "put_tensor_with_parallelism" in UNSUPPORTED_CALLS
+    assert "create_copy_task" in UNSUPPORTED_CALLS and "put_tensor" not in UNSUPPORTED_CALLS
     for name in UNSUPPORTED_CALLS:
         assert getattr(store, name)("anything") == -1012, name
     with pytest.raises(AttributeError):
