@@ -2,7 +2,8 @@
 
 Prints keys/s for put_start+put_end, get_replicas, exist and query_prefix at batch sizes 1, 32
 and 1000; one eviction pass over a full pool; resident memory per million objects; snapshot
-and restore times; time to drop a segment; the allocator's fragmentation on a KV-like workload.
+and restore times; time to drop a segment; the allocator's fragmentation on a KV-like workload;
+placement with up to 50,000 segments, and puts into a segment emptied by single removes.
 
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
@@ -224,20 +225,42 @@ def bench_many_segments() -> None:
         print(f"  {num_segments:>6,} segments: {elapsed / len(keys) * 1e6:7.1f} us a put")
 
 
+def bench_put_after_removes() -> None:
+    """32-key puts into one segment, fresh and after each of its objects was removed alone (a
+    put -> get -> remove churn: every free pushes a placement-index entry)."""
+    print("\nput after removes (one 2 GiB segment, 1,536 x 1 MiB objects in 32-key puts)")
+    core = MasterCore(CoreConfig())
+    core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("seg"), CLIENT, 2 << 30), 0.0)
+    keys = keys_of(0, 1536)
+    for round_ in range(3):
+        started = time.perf_counter()
+        for i in range(0, len(keys), 32):
+            core.put_start(CLIENT, keys[i:i + 32], [1 << 20] * 32, OPTIONS, 1.0)
+            core.put_end(CLIENT, keys[i:i + 32], 1.0)
+        elapsed = time.perf_counter() - started
+        label = "fresh segment" if round_ == 0 else f"after removes, round {round_}"
+        print(f"  {label:<26} {len(keys) / elapsed / 1e3:7.1f} k keys/s")
+        for key in keys:
+            core.remove([key], True, 2.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
                         help="memory, eviction and persistence at one million objects")
     parser.add_argument("--segments-only", action="store_true",
-                        help="only the placement cost with 8 to 50,000 segments")
+                        help="only the placement cost (8 to 50,000 segments, after removes)")
     args = parser.parse_args()
     if args.segments_only:
         bench_many_segments()
+        bench_put_after_removes()
         return
     bench_ops(200_000)
     bench_memory_and_eviction(1_000_000 if args.full else 200_000)
     bench_fragmentation()
     bench_many_segments()
+    bench_put_after_removes()
 
 
 if __name__ == "__main__":

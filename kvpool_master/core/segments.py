@@ -16,11 +16,12 @@ Rules of this file:
   spreads a stream of puts evenly. Replicas of one object always sit on distinct segments.
 - The order "DRAM first, most free bytes first" is an index (``_by_free``, a heap of
   ``(tier, -free bytes, mount number, push number, segment)``), so a put costs O(log segments)
-  and not a scan of every segment. Entries go stale, never wrong: an allocation leaves its
-  segment's entry too high (found when popped and pushed again with the true value), and every
-  free or mount pushes a fresh entry; an entry is used only while its value, its mount number
-  and the segment's mount still hold. The heap is rebuilt when stale entries outnumber the
-  segments.
+  and not a scan of every segment. Each segment has one current entry (``index_no``, its push
+  number); every free, mount and handing-out pushes a new current entry, and older ones are
+  dropped when popped, unused. An allocation made off the index (a preferred or same-host put)
+  leaves the current entry too high: found when popped, it is pushed again with the true value.
+  Each entry is popped at most once, so a put costs O(log segments) amortised however many
+  frees came before it. The heap is rebuilt when stale entries outnumber the segments.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class SegmentState:
     """
 
     __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
-                 "mount_no")
+                 "mount_no", "index_no")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -62,6 +63,7 @@ class SegmentState:
         self.keys: list[ObjectKey] = keys if keys is not None else []
         self.freed_seq = 0  # number of the latest free on this segment (SegmentTable.free_seq)
         self.mount_no = 0  # order of its latest mount (placement ties go to the earlier)
+        self.index_no = 0  # push number of its current placement-index entry
 
 
 def segment_info_error(info: SegmentInfo) -> str:
@@ -266,16 +268,20 @@ class SegmentTable:
             self.mounted.remove(state)
 
     def _index(self, state: SegmentState) -> None:
-        """Push ``state``'s current free bytes into the placement index."""
+        """Push ``state``'s current free bytes into the placement index as its current entry."""
         heap = self._by_free
         if len(heap) > 2 * len(self.mounted) + 64:
-            self._by_free = heap = [(int(s.info.tier), -s.allocator.free_bytes, s.mount_no, i, s)
-                                    for i, s in enumerate(self.mounted)]
+            self._by_free = heap = []
+            for mounted in self.mounted:
+                self._num_pushes += 1
+                mounted.index_no = self._num_pushes
+                heap.append((int(mounted.info.tier), -mounted.allocator.free_bytes,
+                             mounted.mount_no, self._num_pushes, mounted))
             heapq.heapify(heap)
-            self._num_pushes = len(heap)
             if state.mounted:
                 return  # the rebuild holds it
         self._num_pushes += 1
+        state.index_no = self._num_pushes
         heapq.heappush(heap, (int(state.info.tier), -state.allocator.free_bytes, state.mount_no,
                               self._num_pushes, state))
 
@@ -287,15 +293,14 @@ class SegmentTable:
         seen: set[int] = set()
         try:
             while heap:
-                _, negative_free, mount_no, _, state = heapq.heappop(heap)
-                if not state.mounted or mount_no != state.mount_no or id(state) in seen:
-                    continue  # unmounted or remounted since, or handed out already
-                free_bytes = state.allocator.free_bytes
-                if free_bytes != -negative_free:
-                    if free_bytes < -negative_free:  # allocated from since: push its true value
-                        self._index(state)
-                        heap = self._by_free
-                    continue  # (more free: a fresher entry was pushed by the free)
+                _, negative_free, mount_no, push_no, state = heapq.heappop(heap)
+                if push_no != state.index_no or not state.mounted or mount_no != state.mount_no \
+                        or id(state) in seen:
+                    continue  # superseded, unmounted or remounted since, or handed out already
+                if state.allocator.free_bytes != -negative_free:
+                    self._index(state)  # allocated from off the index: its true value
+                    heap = self._by_free
+                    continue
                 seen.add(id(state))
                 handed.append(state)
                 yield state

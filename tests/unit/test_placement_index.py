@@ -5,7 +5,9 @@ unmounts; and its cost does not grow with the number of segments."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import kvpool_master.core.segments as segments_module
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.core.segments import SegmentState, SegmentTable
@@ -48,7 +50,9 @@ def test_the_index_order_matches_a_full_sort_after_random_operations() -> None:
             live = [x for x in live if x[0] != victim.info.segment_id]
         elif roll < 0.6:
             size = rng.choice([4096, 64 << 10, MIB, 3 * MIB])
-            placements = table.allocate(size, rng.choice([1, 1, 2]), "", "")
+            # a preferred segment now and then: an allocation made off the index
+            preferred = rng.choice(table.mounted).info.segment_id if roll < 0.2 else ""
+            placements = table.allocate(size, rng.choice([1, 1, 2]), preferred, "")
             for p in placements or ():
                 live.append((p.segment_id, p.offset, p.length))
         elif live:
@@ -80,3 +84,29 @@ def test_a_put_among_many_segments_goes_to_the_emptiest_and_the_index_stays_smal
     sevens = {f"seg-{i}" for i in range(2000) if i % 7 == 6}
     assert sevens <= taken
     assert len(segments._by_free) <= 2 * len(segments.mounted) + 64
+
+
+def test_a_put_after_many_frees_pops_the_index_about_once(monkeypatch: Any) -> None:
+    # One segment churned as a put -> remove loop does: each free pushes an entry, and a put
+    # must not wade through all of them (each entry is popped at most once, ever).
+    core = MasterCore(CoreConfig())
+    assert core.register_client(OWNER, "host", b"k" * 32, 0.0)[0] == Status.OK
+    assert core.mount_segment(SegmentInfo(SegmentId("seg"), OWNER, 256 * MIB), 0.0) == Status.OK
+    pops = [0]
+    real_pop = segments_module.heapq.heappop
+
+    def counting_pop(heap: list[Any]) -> Any:
+        pops[0] += 1
+        return real_pop(heap)
+
+    monkeypatch.setattr(segments_module.heapq, "heappop", counting_pop)
+    keys = [ObjectKey(b"k%d" % i) for i in range(192)]
+    for round_ in range(5):
+        pops[0] = 0
+        for i in range(0, len(keys), 32):
+            results = core.put_start(OWNER, keys[i:i + 32], [MIB] * 32, PutOptions(), 1.0)
+            assert [status for status, _ in results] == [Status.OK] * 32
+            core.put_end(OWNER, keys[i:i + 32], 1.0)
+        assert pops[0] <= 2 * len(keys), (round_, pops[0])
+        for key in keys:
+            assert core.remove([key], True, 2.0) == [Status.OK]
