@@ -17,10 +17,11 @@ Rules of this file:
 - Any thread may use one transport: the mapping table and the copy counts are locked;
   ``copy_batch`` copies on the calling thread (taking part in large copies), ``write_batch``
   and ``read_batch`` on an event loop (worker threads copy).
-- A peer's segment, once mapped, has its page tables filled on a background thread
+- A peer's segment, once written through, has its page tables filled on a background thread
   (``populate``, default on; ``pages.Populator``), a chunk at a time, each chunk holding the
-  mapping busy like a copy: the first pass over a cold segment then runs near the speed of the
-  second.
+  mapping busy like a copy: the first pass of puts over a cold segment then faults far less.
+  Mappings only read from are not populated: a read fault maps 16 pages at once already, and
+  populating competed with the reads for the cores (``benchmarks/first_pass.py``).
 - ``borrow`` lends a placement's bytes in the mapping to the caller (which moves them itself,
   e.g. by device DMA) and keeps the mapping alive meanwhile. ``pin_mappings`` installs a
   pin / unpin pair (page-locking for DMA) run on every mapping, present and future; a pinned
@@ -64,8 +65,8 @@ _MAX_NAME_CHARS = 255
 class _Mapping:
     """One peer segment mapped into this process."""
 
-    __slots__ = ("address", "busy", "checked_at_s", "inode", "mapping", "retired", "shm_name",
-                 "size_bytes", "unpin", "view")
+    __slots__ = ("address", "busy", "checked_at_s", "inode", "mapping", "populating", "retired",
+                 "shm_name", "size_bytes", "unpin", "view")
 
     def __init__(self, shm_name: str, mapping: mmap.mmap | None, view: memoryview,
                  inode: int, now_s: float) -> None:
@@ -78,6 +79,7 @@ class _Mapping:
         self.size_bytes = view.nbytes
         self.inode = inode
         self.busy = 0  # copies running on it
+        self.populating = mapping is None  # a mapping of our own needs no populating
         self.retired = False
         self.checked_at_s = now_s
         self.unpin: Callable[[memoryview], None] | None = None  # set while pinned
@@ -265,6 +267,9 @@ class ShmTransport:
         if mapping is None or mapping.shm_name != segment.shm_name:
             mapping = mappings[segment.segment_id] = self._mapping(segment)
         check_range(placement.offset, placement.length, mapping.size_bytes)
+        if writing and not mapping.populating and self._populator is not None:
+            mapping.populating = True
+            self._populator.add(mapping)
         cursor = placement.offset
         for view in views:
             target = mapping.view[cursor:cursor + view.nbytes]
@@ -288,8 +293,6 @@ class ShmTransport:
             mapping.checked_at_s = float("inf")  # ours: it cannot vanish under us
         else:
             mapping = self._map(segment, now_s)
-            if self._populator is not None:
-                self._populator.add(mapping)
         self._segment_id_to_mapping[segment.segment_id] = mapping
         self._pin_one(mapping)
         return mapping

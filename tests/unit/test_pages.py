@@ -123,16 +123,20 @@ def test_a_segment_that_cannot_be_backed_is_no_space_and_leaves_nothing(
     assert not [n for n in os.listdir(SHM_DIR) if f".{cluster}." in f".{n}"]
 
 
-async def test_a_peer_mapping_is_populated_in_the_background(segment: LocalSegment,
-                                                            peer: ShmTransport) -> None:
+async def test_a_peer_mapping_written_through_is_populated_in_the_background(
+        segment: LocalSegment, peer: ShmTransport) -> None:
     info = _descriptor(segment)
-    await peer.write(info, Placement(info.segment_id, 0, 4), [memoryview(b"head")])
-    assert segment.buffer[:4] == b"head"
 
     def peer_resident() -> int:
         return sum(rss for address, rss in _mappings_of(segment.shm_name).items()
                    if address != segment.address)
 
+    out = bytearray(4)
+    await peer.read(info, Placement(info.segment_id, 0, 4), [memoryview(out)])
+    time.sleep(0.2)
+    assert 0 < peer_resident() < 1 << 20  # read from only: not populated
+    await peer.write(info, Placement(info.segment_id, 0, 4), [memoryview(b"head")])
+    assert segment.buffer[:4] == b"head"
     assert _wait_for(lambda: peer_resident() >= segment.size_bytes)
     assert bytes(segment.buffer[4:4096]) == bytes(4092)  # populating wrote nothing
 
