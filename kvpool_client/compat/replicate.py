@@ -12,8 +12,9 @@ as the binding does, so a typo is not silently ignored.
 - ``soft_pin_ttl_ms`` is None or an unsigned 64-bit integer (else ``TypeError``, as the binding's
   conversion). It is accepted only with ``SoftPinAction.ENABLE``: a put with it set and another
   action answers -600, as Mooncake does; kvpool keeps a soft pin until eviction needs its space.
-- ``nof_replica_num``, ``dfs_replica_num``, ``preferred_nof_segments``, ``data_type`` and
-  ``group_ids`` (tiers and groups kvpool does not have) are kept and ignored.
+- ``nof_replica_num``, ``dfs_replica_num``, ``preferred_nof_segments``, ``data_type`` (an
+  ``ObjectDataType``; anything else is ``TypeError``, as the binding) and ``group_ids`` (tiers
+  and groups kvpool does not have) are kept and ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+from kvpool_client.compat.store_types import ObjectDataType
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Pin, PutOptions
 
@@ -40,7 +42,7 @@ class ReplicateConfig:
 
     __slots__ = ("prefer_alloc_in_same_node", "preferred_segment", "preferred_segments",
                  "replica_num", "with_hard_pin", "soft_pin_action", "_soft_pin_ttl_ms",
-                 "nof_replica_num", "dfs_replica_num", "preferred_nof_segments", "data_type",
+                 "nof_replica_num", "dfs_replica_num", "preferred_nof_segments", "_data_type",
                  "group_ids")
 
     def __init__(self, replica_num: int = 1, preferred_segment: str = "",
@@ -58,7 +60,7 @@ class ReplicateConfig:
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
         self.preferred_nof_segments: list[str] = []
-        self.data_type = 0
+        self.data_type = ObjectDataType.UNKNOWN
         self.group_ids: list[str] = []
 
     @property
@@ -73,6 +75,17 @@ class ReplicateConfig:
             raise TypeError(f"soft_pin_ttl_ms must be None or an unsigned 64-bit integer, "
                             f"got {value!r}")
         self._soft_pin_ttl_ms = value
+
+    @property
+    def data_type(self) -> ObjectDataType:
+        """What the object holds (kept, not used by kvpool)."""
+        return self._data_type
+
+    @data_type.setter
+    def data_type(self, value: ObjectDataType) -> None:
+        if not isinstance(value, ObjectDataType):
+            raise TypeError(f"data_type must be an ObjectDataType, got {type(value).__name__}")
+        self._data_type = value
 
     @property
     def with_soft_pin(self) -> bool:

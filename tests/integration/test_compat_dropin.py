@@ -25,6 +25,9 @@ def test_dropin_installs_and_serves_mooncake_store_and_engine(master: Any, tmp_p
         import ctypes, mooncake
         from mooncake.engine import TransferEngine
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import FAILED, KVCACHE, ObjectDataType, TaskStatus, TensorParallelism
+        assert KVCACHE is ObjectDataType.KVCACHE == 1 and FAILED is TaskStatus.FAILED
+        assert TensorParallelism().axes == []
         assert mooncake.__file__.startswith({str(target)!r}), mooncake.__file__
         te = TransferEngine()
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "ascend", "") == 0
@@ -35,6 +38,7 @@ def test_dropin_installs_and_serves_mooncake_store_and_engine(master: Any, tmp_p
         assert te.register_memory(ctypes.addressof(buf), 64) == 0
         config = ReplicateConfig()
         config.preferred_segment = f"127.0.0.1:{{te.get_rpc_port()}}"
+        config.data_type = ObjectDataType.KVCACHE
         assert store.put_from("k", ctypes.addressof(buf), 7, config) == 0
         assert store.get("k") == b"drop-in"
         store.remove_all(True)

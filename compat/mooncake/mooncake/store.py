@@ -6,5 +6,43 @@ from kvpool_client.compat.mooncake import (
     ReplicateConfig,
     SoftPinAction,
 )
+from kvpool_client.compat.store_types import ENUM_MEMBERS as _ENUM_MEMBERS
+from kvpool_client.compat.store_types import (
+    BufferLease,
+    BufferLeaseView,
+    BufferPool,
+    Descriptor,
+    DiskDescriptor,
+    EngramStore,
+    EngramStoreConfig,
+    MemoryDescriptor,
+    MooncakeDistributedNoFRegister,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    ParallelAxis,
+    QueryTaskResponse,
+    ReadTarget,
+    RegisteredBufferLease,
+    RegisteredBufferLeaseView,
+    RegisteredBufferPool,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    TaskStatus,
+    TaskType,
+    TensorParallelism,
+    bind_to_numa_node,
+    get_alloc_func_addr,
+    get_free_func_addr,
+)
 
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction"]
+globals().update(_ENUM_MEMBERS)  # Mooncake exports every enum member by name too
+
+__all__ = [
+    "BufferHandle", "BufferLease", "BufferLeaseView", "BufferPool", "Descriptor",
+    "DiskDescriptor", "EngramStore", "EngramStoreConfig", "MemoryDescriptor",
+    "MooncakeDistributedNoFRegister", "MooncakeDistributedStore", "MooncakeHostMemAllocator",
+    "ObjectDataType", "ParallelAxis", "QueryTaskResponse", "ReadTarget", "RegisteredBufferLease",
+    "RegisteredBufferLeaseView", "RegisteredBufferPool", "ReplicaDescriptor", "ReplicaStatus",
+    "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism",
+    "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr", *_ENUM_MEMBERS,
+]
