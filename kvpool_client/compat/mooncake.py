@@ -9,6 +9,9 @@ Rules of this file:
 - Raw pointers must lie inside a registered region (``register_buffer`` here or
   ``register_memory`` on the TransferEngine whose handle was given to ``setup``); anything else
   is -600 before a byte moves. Device regions are staged through host memory (``memory.py``).
+  One exception: Ascend's fabric-memory mode (``ASCEND_ENABLE_USE_FABRIC_MEM=1``, protocol
+  ``ascend``, no engine), where engines register nothing; each pointer is then checked against
+  this process's memory map and the device runtime instead, as MindIE's non-direct calls are.
 - An object written from several regions is their concatenation, in order; a multi-buffer get
   succeeds exactly when it fills every region (``ret == sum(sizes)``), otherwise, as Mooncake
   0.3.13 answers: -600 when the object is larger than the regions, -800 when smaller.
@@ -19,6 +22,7 @@ Rules of this file:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -50,6 +54,7 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
         self._client: Any = None
         self._registry = RegionRegistry()
         self._segment_name = ""
+        self._unregistered_ok = False  # Ascend fabric-memory mode: pointers are not registered
         self._open_sessions()
 
     # --- lifecycle ---
@@ -75,6 +80,7 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
                 self._segment_name = setup.segment_name
                 if setup.engine is not None:
                     self._registry = setup.engine.registry
+                self._unregistered_ok = _fabric_memory_mode(setup.config.protocol, setup.engine)
         except KVPoolError as exc:
             logger.error("MooncakeDistributedStore.setup failed: %s", exc)
             return codes.code_of_error(exc)
@@ -316,6 +322,7 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
             return [codes.code_of_error(exc)] * len(keys)
         results = [codes.OK] * len(keys)
         batch_keys, batch_regions, positions = [], [], []
+        registered_only = registered_only and not self._unregistered_ok
         for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
             try:
                 batch_regions.append(self._registry.sources(key_ranges,
@@ -338,6 +345,7 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
                     exact: bool, registered_only: bool = True) -> list[int]:
         results = [codes.OK] * len(keys)
         batch_keys, dests, positions = [], [], []
+        registered_only = registered_only and not self._unregistered_ok
         for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
             try:
                 dests.append(self._registry.destination(key_ranges,
@@ -361,6 +369,19 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
                     _log_failure(op, exc)
                     results[i] = codes.code_of_error(exc)
         return results
+
+
+def _fabric_memory_mode(protocol: str, engine: Any) -> bool:
+    """Whether ``setup`` was called as vllm-ascend does on A3 hosts with fabric memory: protocol
+    ``ascend``, no engine, ``ASCEND_ENABLE_USE_FABRIC_MEM=1`` (its KV caches are then never
+    registered)."""
+    if protocol != "ascend" or engine is not None or \
+            os.environ.get("ASCEND_ENABLE_USE_FABRIC_MEM", "0") != "1":
+        return False
+    logger.warning("ASCEND_ENABLE_USE_FABRIC_MEM=1: buffers are not registered in this mode; "
+                   "kvpool checks each pointer against this process's memory and the device "
+                   "runtime, and moves device memory through host memory (no fabric transfers)")
+    return True
 
 
 def _nbytes(value: Any) -> int:

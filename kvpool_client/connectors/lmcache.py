@@ -186,8 +186,28 @@ class KVPoolRemoteConnector(RemoteConnector):
         """Leading chunks in the pool, in one lookup (which leases them for the read)."""
         return await self._run(lambda: self.batched_contains(keys))
 
+    def support_batched_async_contains(self) -> bool:
+        return True
+
     def support_batched_contains(self) -> bool:
         return True
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
+        """The leading chunks that were read, in one pool call (LMCache's contract: the prefix
+        up to the first missing chunk; chunks read after it are released at once)."""
+        objs = await self._run(lambda: self._read(list(keys)))
+        prefix: list[Any] = []
+        for obj in objs:
+            if obj is None:
+                break
+            prefix.append(obj)
+        for obj in objs[len(prefix):]:
+            if obj is not None:
+                obj.ref_count_down()
+        return prefix
 
     def batched_contains(self, keys: list[Any]) -> int:
         """Leading chunks in the pool (0 when the lookup fails)."""

@@ -9,7 +9,9 @@ Rules of this file:
 - The backend has vllm-ascend's shape: ``__init__(parallel_config)``, ``set_device()``,
   ``register_buffer(ptrs, lengths)``, ``exists(keys) -> [1/0]``, ``put(keys, addrs, sizes)``,
   ``get(keys, addrs, sizes) -> [0 ok / <0]``. Its base class is vllm-ascend's ``Backend`` when
-  importable; vllm and vllm-ascend are imported only when they are already there.
+  importable (``backend/base.py`` on main, ``backend/backend.py`` up to 0.23); vllm and
+  vllm-ascend are imported only when they are already there. It needs no lookup before a put
+  (``requires_exists_before_put = False``): kvpool answers a put of an existing key at once.
 - The client config comes from ``KVPOOL_CONFIG_PATH`` (kvpool's JSON) or else the
   ``mooncake.json`` vllm-ascend already uses (``MOONCAKE_CONFIG_PATH``), read with
   vllm-ascend's meanings: ``preferred_segment: true`` puts into this worker's own segment,
@@ -21,6 +23,7 @@ Rules of this file:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -54,18 +57,29 @@ def register() -> None:
 
 
 def _backend_base() -> type:
-    try:
-        module = importlib.import_module(f"{_BACKEND_PACKAGE}.backend")
-    except ImportError:
-        return object
-    base: type = module.Backend
-    return base
+    """vllm-ascend's ``Backend``: in ``backend/base.py`` on main, in ``backend/backend.py`` up
+    to 0.23; ``object`` without vllm-ascend."""
+    for module_name in ("base", "backend"):
+        try:
+            module = importlib.import_module(f"{_BACKEND_PACKAGE}.{module_name}")
+        except ImportError:
+            continue
+        base = getattr(module, "Backend", None)
+        if isinstance(base, type):
+            return base
+    if importlib.util.find_spec(_BACKEND_PACKAGE.split(".")[0]) is not None:
+        logger.warning("vllm-ascend is installed but its pool Backend class was found in neither "
+                       "%s.base nor %s.backend; kvpool's backend stands alone",
+                       _BACKEND_PACKAGE, _BACKEND_PACKAGE)
+    return object
 
 
 class KVPoolBackend(_backend_base()):  # type: ignore[misc]
     """A vllm-ascend pool backend whose objects live in a kvpool cluster."""
 
     store: Any = None  # vllm-ascend's GVA (memcache) paths use .store; kvpool has none
+    # A put of an existing key answers at once without moving bytes: no lookup needed first.
+    requires_exists_before_put = False
 
     def __init__(self, parallel_config: Any, lazy_init: bool = False,
                  contribute_memory: bool = True) -> None:

@@ -202,3 +202,28 @@ def test_session_calls_save_and_load_layer_by_layer(store: MooncakeDistributedSt
     assert store.is_exist("small") == 0               # a revoked session left nothing
     assert store.batch_put_session_start(["block0"], [page]) == [-705]   # it exists
     assert store.batch_put_session_end(["block0"]) == [-600]
+
+
+@pytest.mark.parametrize("fabric", ["1", "0"])
+def test_ascend_fabric_memory_mode_takes_unregistered_buffers(
+        start_master: Any, monkeypatch: pytest.MonkeyPatch, fabric: str) -> None:
+    # vllm-ascend on A3 with ASCEND_ENABLE_USE_FABRIC_MEM=1: setup without an engine and with
+    # no local buffer, and no buffer is ever registered.
+    monkeypatch.setenv("ASCEND_ENABLE_USE_FABRIC_MEM", fabric)
+    master = start_master()
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 0, "ascend", "", master.address) == 0
+    try:
+        src = ctypes.create_string_buffer(b"fabric-kv" * 100, 900)
+        dst = ctypes.create_string_buffer(900)
+        put = s.batch_put_from_multi_buffers(["k"], [[ctypes.addressof(src)]], [[900]])
+        got = s.batch_get_into_multi_buffers(["k"], [[ctypes.addressof(dst)]], [[900]])
+        if fabric == "1":
+            assert (put, got) == ([0], [900]) and dst.raw == src.raw
+            # still checked: a pointer into nothing this process maps moves no byte
+            assert s.batch_put_from_multi_buffers(["bad"], [[8]], [[900]]) == [-600]
+        else:
+            assert (put, got) == ([-600], [-600])  # unregistered memory is refused
+        assert s.is_exist("bad") == 0
+    finally:
+        s.close()

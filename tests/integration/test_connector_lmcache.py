@@ -186,6 +186,13 @@ def test_remote_connector_protocol(lmcache_module: Any, master: Any) -> None:
         out["partial_exact"] = bytes(batch[2].byte_array) == bytes(objs[3].byte_array)
         out["released"] = sorted(o.refs for o in backend.allocated)
         out["missing"] = await connector.get(Key(0xEE))
+        out["async_contains"] = connector.support_batched_async_contains()
+        before = len(backend.allocated)
+        prefix = await connector.batched_get_non_blocking("l2", [keys[0], keys[2], Key(0xFF),
+                                                                 keys[3]])
+        out["prefix"] = [bytes(o.byte_array) for o in prefix] == [bytes(objs[0].byte_array),
+                                                                  bytes(objs[2].byte_array)]
+        out["after_prefix_released"] = [o.refs for o in backend.allocated[before + 2:]]
         out["remove"] = [connector.remove_sync(keys[1]), connector.remove_sync(keys[1])]
         out["list"] = await connector.list()
         await connector.close()
@@ -199,6 +206,8 @@ def test_remote_connector_protocol(lmcache_module: Any, master: Any) -> None:
     assert out["partial_tokens"] == 5 and out["partial_exact"]
     assert out["released"][0] == 0  # the buffer allocated for the missing chunk went back
     assert out["missing"] is None
+    assert out["async_contains"] and out["prefix"]
+    assert out["after_prefix_released"] == [0, 0]  # the missing chunk's and the one after it
     assert out["remove"] == [True, False]
     assert out["list"] == []
 

@@ -88,3 +88,65 @@ def test_sglang_extra_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("KVPOOL_CONFIG_PATH", write(tmp_path / "k.json",
                                                    {"master_server_address": "10.0.0.9:1"}))
     assert sglang_config({"kvpool": {"transport": "tcp"}}).master_server_address == "10.0.0.9:1"
+
+
+#: vllm-ascend's pool backend module on main (``kv_pool/ascend_store/backend/base.py``, read at
+#: commit 1913307 of vllm-project/vllm-ascend): an abstract ``Backend`` with
+#: ``requires_exists_before_put``. Up to 0.23 the same class lived in ``backend/backend.py``
+#: (tests/integration/test_connector_vllm_ascend.py runs 0.23.0's own code). vllm-ascend needs
+#: an NPU to import, so this stand-in has the interface of that file and nothing else.
+_BASE_PY = '''
+from abc import ABC, abstractmethod
+
+class Backend(ABC):
+    store = None
+    requires_exists_before_put = True
+
+    @abstractmethod
+    def __init__(self, parallel_config, lazy_init=False): ...
+    @abstractmethod
+    def set_device(self): ...
+    @abstractmethod
+    def register_buffer(self, ptrs, lengths): ...
+    @abstractmethod
+    def exists(self, keys): ...
+    @abstractmethod
+    def put(self, keys, addrs, sizes): ...
+    @abstractmethod
+    def get(self, keys, addrs, sizes): ...
+'''
+
+
+@pytest.mark.parametrize("module_file", ["base.py", "backend.py", None])
+def test_vllm_ascend_backend_base_is_found_on_main_and_on_releases(
+        tmp_path: Path, module_file: str | None) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    package = tmp_path / "vllm_ascend/distributed/kv_transfer/kv_pool/ascend_store/backend"
+    package.mkdir(parents=True)
+    for folder in [package, *package.parents][:6]:
+        (folder / "__init__.py").touch()
+    (package / "__init__.py").write_text("backend_map = {}\n")
+    if module_file:
+        (package / module_file).write_text(_BASE_PY)
+    script = textwrap.dedent("""
+        import inspect
+        from kvpool_client.connectors import vllm_ascend as connector
+        base = connector.KVPoolBackend.__mro__[1]
+        print(base.__module__.rsplit(".", 1)[-1], inspect.isabstract(connector.KVPoolBackend),
+              connector.KVPoolBackend.requires_exists_before_put)
+        connector.register()
+        import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend as b
+        print(b.backend_map["kvpool"]["name"])
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.split("\n")[:2]
+    expected = {"base.py": "base", "backend.py": "backend", None: "builtins"}[module_file]
+    assert first == f"{expected} False False"  # every abstract method is implemented
+    assert second == "KVPoolBackend"
+    if module_file is None:
+        assert "found in neither" in run.stderr
