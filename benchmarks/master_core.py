@@ -3,7 +3,8 @@
 Prints keys/s for put_start+put_end, get_replicas, exist and query_prefix at batch sizes 1, 32
 and 1000; one eviction pass over a full pool; resident memory per million objects; snapshot
 and restore times; time to drop a segment; the allocator's fragmentation on a KV-like workload;
-placement with up to 50,000 segments, and puts into a segment emptied by single removes.
+placement with up to 50,000 segments, and puts into a segment emptied by single removes; the
+cyclic collector's pauses while the table fills, with and without the master's freeze policy.
 
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
@@ -225,6 +226,32 @@ def bench_many_segments() -> None:
         print(f"  {num_segments:>6,} segments: {elapsed / len(keys) * 1e6:7.1f} us a put")
 
 
+def bench_gc_pauses(num_objects: int) -> None:
+    """The collector's pauses while a core fills, as it runs and with the master's policy
+    (``kvpool_master.gcpause``: freeze what survives a full collection)."""
+    from kvpool_master.gcpause import GcPauses
+
+    print(f"\ncyclic collector while filling {num_objects:,} objects (longest pause, total, "
+          "then one full collection)")
+    for freeze in (False, True):
+        gc.collect()
+        pauses = GcPauses(freeze=freeze)
+        pauses.install()
+        try:
+            core = make_core(num_objects, 0.9)
+            fill(core, keys_of(0, num_objects))
+            started = time.perf_counter()
+            gc.collect()
+            full_ms = (time.perf_counter() - started) * 1e3
+        finally:
+            pauses.uninstall()
+        label = "frozen after full collections" if freeze else "as Python runs it"
+        print(f"  {label:<30} longest {max(pauses.longest_pause_s) * 1e3:6.1f} ms, total "
+              f"{sum(pauses.pause_s) * 1e3:7.1f} ms, full collection {full_ms:6.1f} ms")
+        del core
+    gc.unfreeze()
+
+
 def bench_put_after_removes() -> None:
     """32-key puts into one segment, fresh and after each of its objects was removed alone (a
     put -> get -> remove churn: every free pushes a placement-index entry)."""
@@ -261,6 +288,7 @@ def main() -> None:
     bench_fragmentation()
     bench_many_segments()
     bench_put_after_removes()
+    bench_gc_pauses(1_000_000 if args.full else 200_000)
 
 
 if __name__ == "__main__":

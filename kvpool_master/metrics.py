@@ -101,6 +101,10 @@ class MasterMetrics:
         """Count one refused connection or call."""
         self.refusals.labels(transport, reason).inc()
 
+    def watch_gc(self, pauses: Any) -> None:
+        """Export the collector pauses of ``pauses`` (a gcpause.GcPauses)."""
+        self.registry.register(_GcCollector(pauses))
+
     def watch_busy_poll(self, poller: Any) -> None:
         """Export the lingers of ``poller`` (a busypoll.BusyPoller)."""
         self.registry.register(_BusyPollCollector(poller))
@@ -242,6 +246,35 @@ class _BusyPollCollector(Collector):
         lingers.add_metric(["hit"], self._poller.num_hits)
         lingers.add_metric(["miss"], self._poller.num_misses)
         yield lingers
+
+
+class _GcCollector(Collector):
+    """How long Python's cyclic collector paused the master, per generation."""
+
+    def __init__(self, pauses: Any) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._pauses
+        collections = CounterMetricFamily("kvpool_master_gc_collections",
+                                          "Cyclic garbage collections", labels=["generation"])
+        paused = CounterMetricFamily("kvpool_master_gc_pause_seconds",
+                                     "Time the master spent in cyclic garbage collections",
+                                     labels=["generation"])
+        longest = GaugeMetricFamily("kvpool_master_gc_longest_pause_seconds",
+                                    "Longest single collection since start",
+                                    labels=["generation"])
+        for generation in range(3):
+            label = [str(generation)]
+            collections.add_metric(label, p.collections[generation])
+            paused.add_metric(label, p.pause_s[generation])
+            longest.add_metric(label, p.longest_pause_s[generation])
+        yield collections
+        yield paused
+        yield longest
+        yield GaugeMetricFamily("kvpool_master_gc_frozen_objects",
+                                "Objects frozen out of the collector's reach (they survived a "
+                                "full collection)", value=p.frozen_objects)
 
 
 def core_metrics(stats: CoreStats) -> Iterator[Metric]:

@@ -39,6 +39,7 @@ from kvpool_master.clock import ServingClock
 from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.gcpause import GcPauses
 from kvpool_master.metrics import HttpEndpoint, MasterMetrics
 from kvpool_master.persist import StateStore
 from kvpool_master.rpc.lean import LeanServer
@@ -99,6 +100,8 @@ class MasterServer:
         self._lean: LeanServer | None = None
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        self.gc_pauses = GcPauses()
+        self.metrics.watch_gc(self.gc_pauses)
         self._stop = asyncio.Event()
         self.grpc_port = 0
         self.fast_port = 0
@@ -119,6 +122,7 @@ class MasterServer:
             raise
 
     async def _start(self) -> None:
+        self.gc_pauses.install()
         self._restore()
         await self._start_grpc()
         if self.config.fast_port >= 0:
@@ -372,6 +376,7 @@ class MasterServer:
         if self.config.ready_file:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.ready_file)
+        self.gc_pauses.uninstall()
         log.info("stopped")
 
 

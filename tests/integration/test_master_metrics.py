@@ -74,8 +74,12 @@ async def test_metrics_follow_traffic(master) -> None:
     for name in ("kvpool_evicted_objects_total", "kvpool_evicted_bytes_total",
                  "kvpool_eviction_passes_total", "kvpool_pending_reclaimed_total",
                  "kvpool_clients_expired_total", "kvpool_leases_granted_total",
-                 "kvpool_leases_expired_total", "kvpool_master_stalled_seconds_total"):
+                 "kvpool_leases_expired_total", "kvpool_master_stalled_seconds_total",
+                 "kvpool_master_gc_frozen_objects"):
         assert re.search(rf"^{name} ", text, re.M), name
+    for generation in "012":  # the collector's pauses, per generation
+        assert _value(text, f'kvpool_master_gc_collections_total{{generation="{generation}"}}'
+                      ) >= 0
 
 
 async def test_promtool_accepts_the_exposition(master) -> None:

@@ -1,0 +1,63 @@
+"""Keep Python's cyclic garbage collector from stalling the master, and count its pauses.
+
+Rules of this file:
+- After every full (generation 2) collection, everything that survived it is frozen
+  (``gc.freeze``): it is live, and the object table is most of it. Later collections walk only
+  what was allocated since, so a pause is bounded by the allocations between collections and
+  not by the size of the table (``benchmarks/master_core.py`` measures it; figures in the
+  README).
+- The price: a reference cycle among frozen objects that later becomes garbage is never
+  collected. The master's tables hold no cycles (restore freezes them for the same reason,
+  ``persist.py``); what could leak is a cycle the event loop had in flight at the instant of a
+  freeze and dropped later, a few objects per full collection.
+- Pauses are counted per generation (count, total and longest seconds) and exported as
+  ``kvpool_master_gc_*`` metrics with the number of frozen objects.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+
+class GcPauses:
+    """Times every collection; with ``freeze``, freezes the survivors of each full one."""
+
+    def __init__(self, *, freeze: bool = True) -> None:
+        self.freeze = freeze
+        self.collections = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self.longest_pause_s = [0.0, 0.0, 0.0]
+        self._started_s = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        """Start timing (idempotent)."""
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        """Stop timing (idempotent); what was frozen stays frozen."""
+        if self._installed:
+            gc.callbacks.remove(self._on_gc)
+            self._installed = False
+
+    @property
+    def frozen_objects(self) -> int:
+        """Objects in the permanent generation."""
+        return gc.get_freeze_count()
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started_s = time.perf_counter()
+            return
+        generation = int(info.get("generation", 2))
+        paused_s = time.perf_counter() - self._started_s
+        self.collections[generation] += 1
+        self.pause_s[generation] += paused_s
+        if paused_s > self.longest_pause_s[generation]:
+            self.longest_pause_s[generation] = paused_s
+        if self.freeze and generation == 2:
+            gc.freeze()
