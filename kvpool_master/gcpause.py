@@ -5,7 +5,8 @@ Rules of this file:
   (``gc.freeze``): it is live, and the object table is most of it. Later collections walk only
   what was allocated since, so a pause is bounded by the allocations between collections and
   not by the size of the table (``benchmarks/master_core.py`` measures it; figures in the
-  README).
+  README). It does not help a table that churns: objects living seconds are allocated since
+  the last full collection, and the next one walks them all.
 - The price: a reference cycle among frozen objects that later becomes garbage is never
   collected. The master's tables hold no cycles (restore freezes them for the same reason,
   ``persist.py``); what could leak is a cycle the event loop had in flight at the instant of a
