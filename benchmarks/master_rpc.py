@@ -35,12 +35,12 @@ TARGET_KEYS_PER_S = 1_000_000
 TARGET_P50_US = 150.0
 
 
-def start_master(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def start_master(workdir: Path, *flags: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     ready = workdir / "ready.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool_master.cli", "--host", "127.0.0.1", "--port", "0",
          "--fast-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
-         "--log-level", "warning"], stdin=subprocess.DEVNULL)
+         "--log-level", "warning", *flags], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if ready.exists():

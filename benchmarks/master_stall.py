@@ -1,0 +1,179 @@
+"""Loop stalls of a real master while its heaviest operations run: a probe's latency.
+
+A probe process calls single-key ``Exist`` over the lean framing back to back and records the
+start time and latency of every call. Meanwhile this process fills the master with ``--objects``
+objects (raw ``PutStart`` / ``PutEnd`` into a segment no memory backs: the master never touches
+bytes), then runs one operation on them and notes when it started and ended:
+
+- ``remove_all``: ``RemoveAll(force)`` of every object;
+- ``unmount``: the owner unmounts the segment that holds them;
+- ``unregister``: the owner leaves the pool;
+- ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
+- ``fill``: the fill itself (batched puts of 1,000 keys), as a baseline.
+
+Per operation it prints how long the operation took and the probe's p50 / p99 / p99.9 / max
+while it ran: the goal is no stall over 10 ms. Every process it starts listens on 127.0.0.1 and
+is stopped by pid.
+
+    .venv/bin/python benchmarks/master_stall.py [--objects 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from master_rpc import BATCH_KEYS, start_master  # noqa: E402  (a sibling benchmark)
+
+from kvpool_client.rpc import MasterRpc  # noqa: E402
+from kvpool_wire.status import Status  # noqa: E402
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo  # noqa: E402
+
+SCENARIOS = ("fill", "remove_all", "unmount", "unregister", "expiry")
+CLIENT_TTL_S = 1.0
+
+
+# -- the probe, in its own process ----------------------------------------------------------------
+
+async def probe(address: str, out_path: str) -> None:
+    """Exist one key back to back until stdin closes; write [(start, seconds)] to out_path."""
+    rpc = MasterRpc(address, timeout_s=30)
+    await rpc.register_client("probe", "probe-host", "")
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(sys.stdin.fileno(), stop.set)
+    last_beat = time.monotonic()
+    while not stop.is_set() and len(samples) < 5_000_000:
+        started = time.monotonic()
+        await rpc.exist("probe", [b"probe-key"])
+        samples.append((started, time.monotonic() - started))
+        if started - last_beat > 0.3:
+            await rpc.heartbeat("probe")
+            last_beat = started
+    with open(out_path, "w") as f:
+        json.dump(samples, f)
+    await rpc.close()
+
+
+# -- the operations --------------------------------------------------------------------------------
+
+async def owner(address: str, name: str, num_objects: int) -> MasterRpc:
+    rpc = MasterRpc(address, timeout_s=120)
+    await rpc.register_client(name, "bench-host", "")
+    # twice what the objects take: no eviction while they go in
+    size_bytes = num_objects * 8192 + (1 << 20)
+    segment = SegmentInfo(SegmentId(f"{name}-seg"), ClientId(name), size_bytes)
+    assert await rpc.mount_segment(name, segment) == Status.OK
+    return rpc
+
+
+async def fill(rpc: MasterRpc, name: str, num_objects: int) -> None:
+    for i in range(0, num_objects, BATCH_KEYS):
+        chunk = [f"{name}-{j:09d}".encode() for j in range(i, min(i + BATCH_KEYS, num_objects))]
+        started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
+        assert all(s == Status.OK for s, _ in started), started[:3]
+        assert all(s == Status.OK for s in await rpc.put_end(name, chunk))
+
+
+async def scenario(address: str, kind: str, num_objects: int) -> tuple[float, float]:
+    """Run one scenario; return the (start, end) monotonic times of its operation."""
+    name = f"owner-{kind}"
+    rpc = await owner(address, name, num_objects)
+    beating = asyncio.get_running_loop().create_task(heartbeat(rpc, name))
+    try:
+        if kind == "fill":
+            started = time.monotonic()
+            await fill(rpc, name, num_objects)
+            return started, time.monotonic()
+        await fill(rpc, name, num_objects)
+        await asyncio.sleep(0.5)  # let the probe settle
+        started = time.monotonic()
+        if kind == "remove_all":
+            removed = await rpc.remove_all(name, force=True)
+            assert removed == num_objects, removed
+        elif kind == "unmount":
+            assert await rpc.unmount_segment(name, f"{name}-seg") == Status.OK
+        elif kind == "unregister":
+            assert await rpc.unregister_client(name) == Status.OK
+        elif kind == "expiry":
+            beating.cancel()
+            while await rpc.exist("probe", [f"{name}-000000000".encode()]) != (
+                    [Status.NOT_FOUND], [0]):
+                await asyncio.sleep(0.005)  # expired once its objects are gone
+        return started, time.monotonic()
+    finally:
+        beating.cancel()
+        if kind in ("fill", "remove_all", "unmount"):
+            await rpc.unregister_client(name)
+        await rpc.close()
+
+
+async def heartbeat(rpc: MasterRpc, name: str) -> None:
+    while True:
+        await asyncio.sleep(CLIENT_TTL_S / 4)
+        await rpc.heartbeat(name)
+
+
+# -- orchestration ---------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--objects", type=int, default=200_000)
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="scenarios, comma-separated")
+    ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._probe:
+        asyncio.run(probe(*args._probe))
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="kvpool-stall-"))
+    master, ready = start_master(workdir, "--client-ttl", str(CLIENT_TTL_S))
+    address = f"127.0.0.1:{ready['grpc_port']}"
+    probe_out = workdir / "probe.json"
+    prober = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_probe", address,
+                               str(probe_out)], stdin=subprocess.PIPE)
+    windows: dict[str, tuple[float, float]] = {}
+    try:
+        time.sleep(1.0)
+        for kind in args.only.split(","):
+            windows[kind] = asyncio.run(scenario(address, kind, args.objects))
+            time.sleep(0.5)
+    finally:
+        assert prober.stdin is not None
+        prober.stdin.close()
+        prober.wait(60)
+        master.send_signal(signal.SIGTERM)
+        try:
+            master.wait(30)
+        except subprocess.TimeoutExpired:
+            master.kill()
+    samples = json.loads(probe_out.read_text())
+    print(f"master loop stalls, {args.objects:,} objects: a probe's single-key Exist (lean "
+          "framing) while each operation ran")
+    print(f"  {'operation':<12} {'took':>9} {'calls':>8} {'p50 µs':>8} {'p99 µs':>8} "
+          f"{'p99.9 µs':>9} {'max ms':>8}")
+    for kind, (started, ended) in windows.items():
+        during = sorted(s for t, s in samples if started <= t <= ended or
+                        (t < started and t + s > started))
+        print(f"  {kind:<12} {ended - started:>8.2f}s {len(during):>8} "
+              f"{percentile(during, 0.5) * 1e6:>8.0f} {percentile(during, 0.99) * 1e6:>8.0f} "
+              f"{percentile(during, 0.999) * 1e6:>9.0f} {max(during, default=0) * 1e3:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
