@@ -40,6 +40,7 @@ from kvpool_client.buffers import (
     to_key,
 )
 from kvpool_client.config import ClientConfig
+from kvpool_client.core.read_plan import KeyReplicas
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.aio import AsyncDataPath
 from kvpool_client.drivers.parts import Consumer, Done, Filler
@@ -405,6 +406,12 @@ class AsyncKVPoolClient:
         """The object's size in bytes, or None when it does not exist."""
         statuses, sizes = await self._path().rpc.exist(self.client_id, [to_key(key)])
         return sizes[0] if statuses[0] == Status.OK else None
+
+    async def batch_replicas(self, keys: Sequence[KeyLike]) -> list[KeyReplicas]:
+        """Per key where it lies: ``(size_bytes, [(placement, segment descriptor or None)])``,
+        or None when it does not exist. Nothing is read; the read lease of the lookup is given
+        back with the next call. Raises KVPoolError when the master cannot be reached."""
+        return await self._path().replicas([to_key(k) for k in keys])
 
     async def query_prefix(self, keys: Sequence[KeyLike]) -> int:
         """The number of leading keys that exist (each of them gets a read lease)."""

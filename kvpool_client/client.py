@@ -31,6 +31,7 @@ from kvpool_client.api import (
 )
 from kvpool_client.buffers import KeyLike, byte_view, regions_of, slice_view, to_key
 from kvpool_client.config import ClientConfig
+from kvpool_client.core.read_plan import KeyReplicas
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.blocking import BlockingDataPath
 from kvpool_client.drivers.parts import Consumer, Done, Filler
@@ -369,6 +370,14 @@ class KVPoolClient:
             return size
         statuses, sizes = path.rpc.exist(self.client_id, [to_key(key)])
         return sizes[0] if statuses[0] == Status.OK else None
+
+    def batch_replicas(self, keys: Sequence[KeyLike]) -> list[KeyReplicas]:
+        """See AsyncKVPoolClient.batch_replicas."""
+        path = self._blocking()
+        if path is None:
+            found: list[KeyReplicas] = self._thread.run(self._client.batch_replicas(keys))
+            return found
+        return path.replicas([to_key(k) for k in keys])
 
     def query_prefix(self, keys: Sequence[KeyLike]) -> int:
         """See AsyncKVPoolClient.query_prefix."""

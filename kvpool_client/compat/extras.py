@@ -30,6 +30,7 @@ from typing import Any
 
 from kvpool_client.compat import codes
 from kvpool_client.compat.replicate import ReplicateConfig, put_options
+from kvpool_client.compat.store_types import ReplicaDescriptor
 from kvpool_wire.status import KVPoolError
 
 logger = logging.getLogger(__name__)
@@ -38,12 +39,12 @@ NOT_SUPPORTED = -1012
 
 #: Mooncake 0.3.13 calls that need a feature kvpool does not have.
 UNSUPPORTED_CALLS = (
-    "alloc_from_mem_pool", "allocate_and_mount_segment", "append", "batch_get_replica_desc",
+    "alloc_from_mem_pool", "allocate_and_mount_segment", "append",
     "batch_get_tensor_into_cuda", "batch_get_tensor_with_parallelism",
     "batch_get_tensor_with_parallelism_into", "batch_put_tensor_with_parallelism",
     "batch_put_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
     "batch_upsert_tensor_with_parallelism_from", "create_copy_task", "create_move_task",
-    "get_offload_rpc_read_count", "get_replica_desc", "get_tensor_into_cuda",
+    "get_offload_rpc_read_count", "get_tensor_into_cuda",
     "get_tensor_with_parallelism", "get_tensor_with_parallelism_into", "init_all",
     "load_tensor_from_safetensor", "mount_segment", "put_from_with_metadata",
     "put_tensor_with_parallelism", "put_tensor_with_parallelism_from", "query_task",
@@ -180,6 +181,27 @@ class StoreExtras:
             return set()
         return {self._segment_name, client.hostname,  # type: ignore[attr-defined]
                 *client.segment_ids} - {""}
+
+    # --- where objects lie ---
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The replicas of ``key`` (empty when it is missing)."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """The replicas of each key that exists (missing keys are left out, as Mooncake does).
+        Nothing is read; the lookup's read lease is given back with the next call."""
+        found = self._one("batch_get_replica_desc",  # type: ignore[attr-defined]
+                          lambda c: c.batch_replicas(list(keys)))
+        if isinstance(found, int):
+            return {}
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key, where in zip(keys, found, strict=True):
+            if where is not None:
+                out[key] = [ReplicaDescriptor.in_memory(p.offset, p.length,
+                                                        info.tcp_endpoint if info else "")
+                            for p, info in where[1]]
+        return out
 
     # --- reads into memory this process owns ---
 

@@ -10,8 +10,8 @@ Rules of this file:
   binding does.
 - Types of features kvpool does not have (buffer pools, Engram stores, NoF registration, a
   host-memory allocator for torch) exist and refuse construction with ``NotImplementedError``
-  naming the feature; descriptors, which only ``get_replica_desc`` hands out (-1012 here), have
-  no constructor, as in Mooncake.
+  naming the feature. Descriptors are handed out by ``get_replica_desc`` and have no public
+  constructor, as in Mooncake.
 - ``bind_to_numa_node(node)`` pins the calling thread to that node's CPUs;
   ``get_alloc_func_addr`` / ``get_free_func_addr`` (function addresses for torch's pluggable
   allocator) raise ``NotImplementedError``: no address would be safe to hand out.
@@ -175,8 +175,57 @@ def _not_in_kvpool(name: str, feature: str) -> type:
                                                           "which kvpool does not have."})
 
 
-ReplicaDescriptor = _no_constructor("ReplicaDescriptor")
-MemoryDescriptor = _no_constructor("MemoryDescriptor")
+class MemoryDescriptor:
+    """Where a memory replica lies (``buffer_descriptor``); handed out, never built."""
+
+    __slots__ = ("buffer_descriptor",)
+    buffer_descriptor: Descriptor
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("mooncake.store.MemoryDescriptor: No constructor defined!")
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``get_replica_desc`` hands it out. kvpool keeps objects in
+    memory segments only: every replica is a COMPLETE memory replica whose buffer descriptor
+    gives its offset in its segment (kvpool has no global addresses), its length, and the
+    owner's data-server endpoint."""
+
+    __slots__ = ("status", "_memory")
+    status: ReplicaStatus
+    _memory: MemoryDescriptor
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("mooncake.store.ReplicaDescriptor: No constructor defined!")
+
+    @classmethod
+    def in_memory(cls, offset: int, length: int, endpoint: str) -> ReplicaDescriptor:
+        """The descriptor of a committed replica of ``length`` bytes at ``offset``."""
+        buffer = Descriptor()
+        buffer.buffer_address, buffer.size, buffer.transport_endpoint = offset, length, endpoint
+        memory = object.__new__(MemoryDescriptor)
+        memory.buffer_descriptor = buffer
+        replica = object.__new__(cls)
+        replica.status = ReplicaStatus.COMPLETE
+        replica._memory = memory
+        return replica
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self) -> Any:
+        raise RuntimeError("Expected DiskDescriptor")
+
+
 DiskDescriptor = _no_constructor("DiskDescriptor")
 BufferLease = _no_constructor("BufferLease")
 BufferLeaseView = _no_constructor("BufferLeaseView")

@@ -18,6 +18,7 @@ CHECKSUM_MISMATCH: the bytes may have been overwritten.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias
 
 from kvpool_client.core.put_plan import check_answers
 from kvpool_client.core.regions import Regions, checksum
@@ -33,6 +34,9 @@ LEASE_MARGIN_MIN_S = 0.001
 DstFor = Callable[[int, int], "Regions | Status"]
 #: (segment, placement, destination) of one copy.
 ReadItem = tuple[SegmentInfo, Placement, Regions]
+#: Where one object lies: its size and each replica with its segment's descriptor (None where
+#: the segment is not known); None for a key that is not READY.
+KeyReplicas: TypeAlias = tuple[int, list[tuple[Placement, SegmentInfo | None]]] | None
 
 
 def lease_deadline(sent_s: float, lease_ttl_s: float) -> float:
@@ -74,6 +78,13 @@ class ReadPlan:
         keys = [key for key, reply in zip(self.keys, self.replies, strict=True)
                 if reply.status == Status.OK]
         return self.lease_id, keys
+
+    def replicas(self, infos: Mapping[str, SegmentInfo]) -> list[KeyReplicas]:
+        """Per key (its size, each replica with its segment's descriptor, None where the
+        segment is not known), or None when the key was not granted: where the objects lie,
+        with nothing read."""
+        return [(reply.size_bytes, [(p, infos.get(p.segment_id)) for p in reply.placements])
+                if reply.status == Status.OK else None for reply in self.replies]
 
     @property
     def segment_ids(self) -> set[str]:

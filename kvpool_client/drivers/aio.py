@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from kvpool_client.core.put_plan import PutPlan
-from kvpool_client.core.read_plan import DstFor, ReadItem, ReadPlan
+from kvpool_client.core.read_plan import DstFor, KeyReplicas, ReadItem, ReadPlan
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
 from kvpool_client.rpc import MasterRpc
@@ -176,6 +176,13 @@ class AsyncDataPath:
             *(self._read(keys[a:b], _shifted(dst_for, a)) for a, b in spans),
             return_exceptions=True)
         return [int(x) for x in joined(results, spans)]
+
+    async def replicas(self, keys: Sequence[bytes]) -> list[KeyReplicas]:
+        """Where each object lies (``ReadPlan.replicas``); the read lease the lookup took is
+        given back at once, as nothing is read."""
+        plan, infos = await self._grant(keys)
+        self.rpc.session.end_lease(*plan.lease())
+        return plan.replicas(infos)
 
     async def _grant(self, keys: Sequence[bytes]) -> tuple[ReadPlan, dict[str, SegmentInfo]]:
         plan = self.parts.read_plan(keys)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool_client.core.put_plan import PutPlan
-from kvpool_client.core.read_plan import DstFor, ReadItem, ReadPlan
+from kvpool_client.core.read_plan import DstFor, KeyReplicas, ReadItem, ReadPlan
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
 from kvpool_client.rpc import BlockingMasterRpc, Registration
@@ -190,6 +190,13 @@ class BlockingDataPath:
             plan.attempted(statuses, time.monotonic())
         self.rpc.session.end_lease(*plan.lease())
         return plan.results
+
+    def replicas(self, keys: Sequence[bytes]) -> list[KeyReplicas]:
+        """Where each object lies (``ReadPlan.replicas``); the read lease the lookup took is
+        given back at once, as nothing is read."""
+        plan, infos = self._grant(keys)
+        self.rpc.session.end_lease(*plan.lease())
+        return plan.replicas(infos)
 
     def _grant(self, keys: Sequence[bytes]) -> tuple[ReadPlan, dict[str, SegmentInfo]]:
         plan = self.parts.read_plan(keys)

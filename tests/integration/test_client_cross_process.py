@@ -4,8 +4,10 @@ segment), over shared memory and over forced TCP, checked byte for byte."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,3 +158,34 @@ def test_a_client_its_process_never_closed_leaves_the_pool_at_exit(start_master:
     config = ClientConfig.from_dict({"master_server_address": master.address})
     with KVPoolClient(config) as reader:
         assert reader.exists("left-behind") is False
+
+
+@pytest.mark.parametrize("commit_nowait", [False, True])  # the blocking and the asyncio driver
+def test_replicas_say_where_objects_lie_and_read_nothing(master: Any, writer: Any,
+                                                         commit_nowait: bool) -> None:
+    a_segment = writer.info["segment_ids"][0]
+    keys = [f"where-{commit_nowait}-{i}" for i in range(3)]
+    answer = writer.call("put", keys=keys, size=5000, segment=a_segment, api="put_batch")
+    assert answer["statuses"] == ["OK"] * 3, answer
+    config = ClientConfig.from_dict({"master_server_address": master.address,
+                                     "commit_nowait": commit_nowait})
+    with KVPoolClient(config) as reader:
+        found = reader.batch_replicas([*keys, "where-missing"])
+        assert found[3] is None
+        for where in found[:3]:
+            assert where is not None
+            size, replicas = where
+            assert size == 5000 and len(replicas) == 1
+            placement, segment = replicas[0]
+            assert placement.segment_id == a_segment and placement.length == 5000
+            assert segment is not None and segment.tcp_endpoint == writer.info["hostname"]
+        offsets = sorted(w[1][0][0].offset for w in found[:3] if w is not None)
+        assert len(set(offsets)) == 3  # three distinct extents
+        assert not any(reader.metrics.transfer_bytes.values())  # no byte was read
+        # the lookup took a read lease, as a read does (Mooncake's lookup too) ...
+        assert reader.batch_remove(keys[:1]) == [Status.HAS_LEASE]
+        # ... and gave its holds back with that very call
+        with urllib.request.urlopen(master.metrics_url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        ended = re.search(r"^kvpool_leases_ended_total (\S+)", text, re.M)
+        assert ended is not None and float(ended.group(1)) >= 3

@@ -227,3 +227,24 @@ def test_ascend_fabric_memory_mode_takes_unregistered_buffers(
         assert s.is_exist("bad") == 0
     finally:
         s.close()
+
+
+def test_replica_descriptors_say_where_objects_lie(store: MooncakeDistributedStore) -> None:
+    from kvpool_client.compat.store_types import ReplicaStatus
+
+    assert store.put("a", b"x" * 1000) == 0 and store.put("b", b"y" * 10) == 0
+    (replica,) = store.get_replica_desc("a")
+    assert replica.status == ReplicaStatus.COMPLETE and replica.is_memory_replica()
+    assert not replica.is_disk_replica() and not replica.is_local_disk_replica()
+    buffer = replica.get_memory_descriptor().buffer_descriptor
+    assert buffer.size == 1000 and buffer.transport_endpoint == store.get_hostname()
+    with pytest.raises(RuntimeError, match="Expected DiskDescriptor"):
+        replica.get_disk_descriptor()
+    assert store.get_replica_desc("missing") == []
+    found = store.batch_get_replica_desc(["a", "missing", "b"])
+    assert sorted(found) == ["a", "b"]  # missing keys are left out, as Mooncake does
+    assert found["b"][0].get_memory_descriptor().buffer_descriptor.size == 10
+    a_at = found["a"][0].get_memory_descriptor().buffer_descriptor.buffer_address
+    b_at = found["b"][0].get_memory_descriptor().buffer_descriptor.buffer_address
+    assert a_at != b_at  # each its own extent of the segment
+    assert store.get("a") == b"x" * 1000  # nothing was consumed by looking
