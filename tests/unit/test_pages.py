@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -203,3 +204,38 @@ def test_populator_stops_for_good_on_a_kernel_without_populate(
     populator.add("second")
     time.sleep(0.05)
     assert released == ["first"] and len(calls) == 1
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A 64 MiB tmpfs mounted ``huge=advise`` where this process may mount one (root), as the
+    directory segments are made in; skipped elsewhere. Unmounted after."""
+    import subprocess
+
+    import kvpool_client.segments as segments_module
+
+    mountpoint = str(tmp_path / "shm")
+    os.mkdir(mountpoint)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,huge=advise,mode=700",
+                              "kvpool-test", mountpoint], capture_output=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    monkeypatch.setattr(segments_module, "SHM_DIR", mountpoint)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", mountpoint], capture_output=True, timeout=30)
+
+
+def test_huge_pages_where_tmpfs_allows_them_and_no_space_when_it_is_full(
+        small_tmpfs: str, cluster: str) -> None:
+    with LocalSegment.create(cluster, "fits", 0, 32 << 20, huge_pages=True) as seg:
+        assert seg.huge_bytes == seg.size_bytes  # huge=advise and MADV_HUGEPAGE: 2 MiB pages
+        seg.buffer[-4:] = b"tail"
+        assert bytes(seg.buffer[:4096]) == bytes(4096)
+    for huge_pages in (True, False):  # populating a full tmpfs fails cleanly, as fallocate does
+        with pytest.raises(KVPoolError) as caught:
+            LocalSegment.create(cluster, f"too-big-{huge_pages}", 0, 128 << 20,
+                                huge_pages=huge_pages)
+        assert caught.value.status == Status.NO_SPACE
+    assert os.listdir(small_tmpfs) == []
