@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,8 +112,8 @@ class ClientConfig:
     copy_threads: int = 0  # threads copying one large shared-memory batch; 0 = auto
     # segments on 2 MiB pages where /dev/shm gives them, 4 KiB pages (and a warning) where not
     use_hugepage: bool = False
-    # fill the page tables of a peer's segment on a background thread once it is mapped, so the
-    # first pass over it does not fault on every 4 KiB page (segments.py, pages.py)
+    # fill the page tables of a peer's segment on a background thread once this client writes
+    # into it, so the first pass of puts does not fault on every 4 KiB page (transfer/shm.py)
     populate_peer_segments: bool = True
 
     @classmethod
@@ -359,16 +359,28 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _with_env_overrides(values: dict[str, Any], environ: Mapping[str, str] | None,
-                        source: str) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str] | None = None,
+                  names: Sequence[str] = tuple(ENV_OVERRIDES)) -> dict[str, Any]:
+    """The keys the environment variables ``names`` (of ``ENV_OVERRIDES``) set, parsed.
+
+    Raises :class:`ConfigError` naming the variable and its key for a bad value.
+    """
     env = os.environ if environ is None else environ
-    merged = dict(values)
-    for name, key in ENV_OVERRIDES.items():
+    overrides: dict[str, Any] = {}
+    for name in names:
+        key = ENV_OVERRIDES[name]
         if env.get(name):
             try:
-                merged[key] = _PARSERS[key](env[name])
+                overrides[key] = _PARSERS[key](env[name])
             except ValueError as exc:
                 raise ConfigError(f"environment variable {name} (overrides key {key!r}): "
                                   f"{exc}") from None
-            logger.debug("%s: %s overrides key %r", source, name, key)
-    return merged
+    return overrides
+
+
+def _with_env_overrides(values: dict[str, Any], environ: Mapping[str, str] | None,
+                        source: str) -> dict[str, Any]:
+    overrides = env_overrides(environ)
+    for key in overrides:
+        logger.debug("%s: the environment overrides key %r", source, key)
+    return {**values, **overrides}

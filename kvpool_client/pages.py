@@ -9,8 +9,9 @@ Rules of this file:
     touch; tmpfs then backs the file with 2 MiB folios where its mount allows it (``huge=advise``,
     ``within_size`` or ``always``, or ``shmem_enabled`` set to ``force``), and every process
     that maps the file maps them 2 MiB at a time;
-  - a process mapping a peer's segment fills its page tables with ``MADV_POPULATE_WRITE``
-    (Linux 5.14) on a background thread, in chunks, far cheaper per page than faults.
+  - a process writing into a peer's segment fills its page tables with
+    ``MADV_POPULATE_WRITE`` (Linux 5.14) on a background thread, in chunks, far cheaper per
+    page than faults.
 - ``madvise`` is called through ctypes, which lets go of the GIL while the kernel works.
 - Nothing here raises for an old kernel or a mount without huge pages: callers learn what they
   got from :func:`huge_bytes` (the kernel's own account, from ``/proc/self/smaps``).

@@ -40,6 +40,7 @@ import re
 import socket
 import stat
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,6 +54,7 @@ _PREFIX = "kvpool"
 _SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_PART_CHARS = 48
 _PARALLEL_PREFAULT_BYTES = 64 << 20
+_HUGE_PAGE_BYTES = 2 << 20  # where two threads split a range: a 2 MiB (and page) boundary
 _STALE_NAME = re.compile(r"kvpool\.([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.\d+\.(\d+)\.(\d+)")
 #: The header page after a segment's bytes: magic, then the owner's proof.
 HEADER_BYTES = mmap.PAGESIZE
@@ -115,7 +117,8 @@ def _allocate(fd: int, total_bytes: int, huge_pages: bool) -> mmap.mmap:
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     pages.advise_huge(address, total_bytes)
-    code = _populate_in_halves(address, total_bytes)
+    code = _in_two_halves(total_bytes, lambda start, stop: pages.populate(
+        address + start, stop - start))
     if code == errno.EINVAL:  # a kernel without MADV_POPULATE_WRITE: allocate as without
         log.warning("this kernel cannot populate a mapping (MADV_POPULATE_WRITE); the segment "
                     "is allocated on 4 KiB pages")
@@ -127,20 +130,20 @@ def _allocate(fd: int, total_bytes: int, huge_pages: bool) -> mmap.mmap:
     return mapping
 
 
-def _populate_in_halves(address: int, total_bytes: int) -> int:
-    """``pages.populate`` over the whole range, split across two threads for a large one.
-    Returns 0 or the first errno."""
+def _in_two_halves(total_bytes: int, work: Callable[[int, int], int | None]) -> int:
+    """Run ``work(start, stop)`` over ``[0, total_bytes)``, split across two threads when the
+    range is large (page work in the kernel, the GIL let go). Returns 0 or the first nonzero
+    result."""
     if total_bytes < _PARALLEL_PREFAULT_BYTES:
-        return pages.populate(address, total_bytes)
-    half = (total_bytes // 2) // (2 << 20) * (2 << 20)
-    codes: list[int] = []
-    worker = threading.Thread(
-        target=lambda: codes.append(pages.populate(address + half, total_bytes - half)),
-        name="kvpool-prefault")
+        return work(0, total_bytes) or 0
+    half = (total_bytes // 2) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    results: list[int | None] = []
+    worker = threading.Thread(target=lambda: results.append(work(half, total_bytes)),
+                              name="kvpool-prefault")
     worker.start()
-    first = pages.populate(address, half)
+    first = work(0, half)
     worker.join()
-    return first or codes[0]
+    return first or next(iter(results), 0) or 0
 
 
 def _prefault(mapping: mmap.mmap, size_bytes: int) -> None:
@@ -150,15 +153,7 @@ def _prefault(mapping: mmap.mmap, size_bytes: int) -> None:
     releases the GIL): measured here about 0.4 s per GiB with the fallocate, against 0.6 s with
     MAP_POPULATE, which faults on one thread.
     """
-    if size_bytes < _PARALLEL_PREFAULT_BYTES:
-        _touch_pages(mapping, 0, size_bytes)
-        return
-    half = (size_bytes // 2) // mmap.PAGESIZE * mmap.PAGESIZE
-    worker = threading.Thread(target=_touch_pages, args=(mapping, half, size_bytes),
-                              name="kvpool-prefault")
-    worker.start()
-    _touch_pages(mapping, 0, half)
-    worker.join()
+    _in_two_halves(size_bytes, lambda start, stop: _touch_pages(mapping, start, stop))
 
 
 def _touch_pages(mapping: mmap.mmap, start: int, stop: int) -> None:

@@ -60,6 +60,14 @@ class Region:
         """True when ``[address, address+size_bytes)`` lies inside this region."""
         return self.address <= address and address + size_bytes <= self.address + self.size_bytes
 
+    def host_view(self, address: int, size_bytes: int) -> memoryview | None:
+        """The bytes ``[address, address+size_bytes)`` of this host region (a range inside it),
+        or None for device memory."""
+        if self.view is None:
+            return None
+        offset = address - self.address
+        return self.view[offset:offset + size_bytes]
+
 
 @dataclass(frozen=True, slots=True)
 class ProcessMaps:
@@ -375,9 +383,9 @@ class RegionRegistry:
             if writing and not region.writable:
                 raise KVPoolError(Status.INVALID_ARGUMENT,
                                   f"range 0x{address:x}+{size_bytes} is read-only memory")
-            if region.view is not None:
-                offset = address - region.address
-                views.append(region.view[offset:offset + size_bytes])
+            view = region.host_view(address, size_bytes)
+            if view is not None:
+                views.append(view)
             else:
                 assert region.device is not None
                 pending.append((len(views), region.device, address, size_bytes, object_offset))

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.config import ClientConfig, ConfigError
+from kvpool_client.config import ClientConfig, ConfigError, env_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         "master_server_address": values.get("master_server_addr", DEFAULT_MASTER),
     }
     env = os.environ if environ is None else environ
-    if env.get("MC_STORE_USE_HUGEPAGE"):
-        overrides["use_hugepage"] = _flag("MC_STORE_USE_HUGEPAGE", env["MC_STORE_USE_HUGEPAGE"])
+    overrides.update(env_overrides(env, ("MC_STORE_USE_HUGEPAGE",)))
     return StoreSetup(_base_config(env).replace(**overrides), segment_name, engine)
 
 
@@ -135,14 +134,6 @@ def _text(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"setup: {name} must be a string, got {type(value).__name__}")
     return value
-
-
-def _flag(name: str, value: str) -> bool:
-    text = value.strip().lower()
-    if text not in ("1", "0", "true", "false"):
-        raise ConfigError(f"environment variable {name}: expected 1, 0, true or false, got "
-                          f"{value!r}")
-    return text in ("1", "true")
 
 
 def _base_config(env: Mapping[str, str]) -> ClientConfig:

@@ -288,17 +288,16 @@ class StoreTensors:
         owners: list[int] = []  # per shard: the index of its base key
         results = [codes.OK] * len(base_keys)
         for index, (key, tensor) in enumerate(zip(base_keys, tensors, strict=True)):
-            shards = _refused(op, key, lambda t=tensor: _shards(t, tp_size, split_dim)) \
-                if isinstance(tensor, _torch().Tensor) else codes.INVALID_PARAMS
+            shards = _refused(op, key, lambda t=tensor: _shards(t, tp_size, split_dim))
             if isinstance(shards, int):
                 results[index] = shards
                 continue
             keys += [_shard_key(key, rank, tp_size) for rank in range(tp_size)]
             objects += shards
             owners += [index] * tp_size
-        for index, code in zip(owners, self._write_objects(  # type: ignore[attr-defined]
-            op, keys, objects, config,
-                                                         replace=False), strict=True):
+        written = self._write_objects(  # type: ignore[attr-defined]
+            op, keys, objects, config, replace=False)
+        for index, code in zip(owners, written, strict=True):
             if results[index] == codes.OK:
                 results[index] = code
         return results
@@ -347,16 +346,15 @@ class StoreTensors:
             region = self._registry.find(ptr, size)  # type: ignore[attr-defined]
         except KVPoolError:
             return None
-        if region.view is None:
-            return None
-        start = ptr - region.address
-        return region.view[start:start + size]  # type: ignore[no-any-return]
+        return region.host_view(ptr, size)  # type: ignore[no-any-return]
 
     def _tensor_at(self, ptr: int, size: int) -> Any:
         """The tensor whose object lies at ``ptr`` in registered host memory, or None."""
         view = self._host_view(ptr, size)
-        header = decode(view, size) if view is not None else None
-        return _tensor_over(view, header) if view is not None and header is not None else None
+        if view is None:
+            return None
+        header = decode(view, size)
+        return None if header is None else _tensor_over(view, header)
 
     @staticmethod
     def _tensor_or_none(key: str, header: TensorHeader | None, data: Any) -> Any:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpool_client.compat.memory import RegionRegistry, staged
-from kvpool_client.config import ENV_OVERRIDES, ClientConfig, ConfigError
+from kvpool_client.config import ClientConfig, ConfigError, env_overrides
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions
 
@@ -224,7 +224,7 @@ def backend_config(environ: Mapping[str, str] | None = None) -> tuple[ClientConf
         raise ConfigError(f"{path}: enable_ssd_offload is not supported by kvpool")
     values.pop("ssd_offload_path", None)
     config = ClientConfig.from_dict(values, source=path)
-    overrides = {key: env[name] for name, key in ENV_OVERRIDES.items() if env.get(name)}
+    overrides = env_overrides(env)
     return (config.replace(**overrides) if overrides else config), prefer_own
 
 
