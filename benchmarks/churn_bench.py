@@ -195,6 +195,16 @@ def run_backend(backend: str, python: str, args: argparse.Namespace, logdir: str
             return result
 
 
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark run beside Mooncake, and the hidden ones of its roles."""
+    ap.add_argument("--mooncake", default="auto",
+                    help="'auto' (the peer venv when present), 'off', or a python with Mooncake")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--_role", help=argparse.SUPPRESS)
+    ap.add_argument("--_backend", help=argparse.SUPPRESS)
+    ap.add_argument("--_master", help=argparse.SUPPRESS)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,12 +212,7 @@ def main() -> int:
     ap.add_argument("--through-gib", type=float, default=4.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--object-mib", type=float, default=1.0)
-    ap.add_argument("--mooncake", default="auto",
-                    help="'auto' (the peer venv when present), 'off', or a python with Mooncake")
-    ap.add_argument("--timeout-s", type=float, default=600.0)
-    ap.add_argument("--_role", help=argparse.SUPPRESS)
-    ap.add_argument("--_backend", help=argparse.SUPPRESS)
-    ap.add_argument("--_master", help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     args = ap.parse_args()
     if args._role == "owner":
         role_owner(args._backend, args._master, int(args.segment_gib * GiB))

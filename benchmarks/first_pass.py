@@ -38,6 +38,7 @@ from churn_bench import (  # noqa: E402  (a sibling benchmark: its orchestration
     PEER_PYTHON,
     GiB,
     MiB,
+    add_common_arguments,
     master_command,
     started,
     wait_port,
@@ -91,39 +92,28 @@ class Worker:
             if rc != 0:
                 raise RuntimeError(f"register_buffer returned {rc}")
 
-    def put(self, keys: list[str]) -> None:
+    def _spans(self, count: int) -> tuple[Any, ...]:
+        """Where ``count`` objects lie in the buffer, as each store's batch calls take it."""
+        offsets = [i * OBJECT_BYTES for i in range(count)]
         if self.backend == "kvpool":
-            statuses = self.store.batch_put_from(keys, self.buffer, [i * OBJECT_BYTES for i in
-                                                                     range(len(keys))],
-                                                 [OBJECT_BYTES] * len(keys))
-            failed = [int(s) for s in statuses if int(s) != 0]
-        else:
-            codes = self.store.batch_put_from(keys, [self.address + i * OBJECT_BYTES
-                                                     for i in range(len(keys))],
-                                              [OBJECT_BYTES] * len(keys))
-            failed = [int(c) for c in codes if int(c) != 0]
+            return self.buffer, offsets, [OBJECT_BYTES] * count
+        return [self.address + offset for offset in offsets], [OBJECT_BYTES] * count
+
+    def put(self, keys: list[str]) -> None:
+        failed = [int(c) for c in self.store.batch_put_from(keys, *self._spans(len(keys)))
+                  if int(c) != 0]
         if failed:
             raise RuntimeError(f"{len(failed)} puts failed: {sorted(set(failed))}")
 
     def get(self, keys: list[str]) -> None:
-        if self.backend == "kvpool":
-            sizes = self.store.batch_get_into(keys, self.buffer, [i * OBJECT_BYTES for i in
-                                                                  range(len(keys))],
-                                              [OBJECT_BYTES] * len(keys))
-        else:
-            sizes = self.store.batch_get_into(keys, [self.address + i * OBJECT_BYTES
-                                                     for i in range(len(keys))],
-                                              [OBJECT_BYTES] * len(keys))
-        short = [s for s in sizes if s != OBJECT_BYTES]
+        short = [s for s in self.store.batch_get_into(keys, *self._spans(len(keys)))
+                 if s != OBJECT_BYTES]
         if short:
             raise RuntimeError(f"{len(short)} gets failed: {sorted(set(short))}")
 
     def remove(self, keys: list[str]) -> None:
         for key in keys:
-            if self.backend == "kvpool":
-                self.store.remove(key, force=True)
-            else:
-                self.store.remove(key, True)
+            self.store.remove(key, True)  # force: both stores take it second
 
     def timed_pass(self, batches: list[list[str]], op: str) -> float:
         """GB/s of one pass of ``op`` over every batch."""
@@ -220,12 +210,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--segment-gib", type=float, default=2.0)
     ap.add_argument("--fill", type=float, default=0.75, help="share of the segment put per pass")
-    ap.add_argument("--mooncake", default="auto",
-                    help="'auto' (the peer venv when present), 'off', or a python with Mooncake")
-    ap.add_argument("--timeout-s", type=float, default=600.0)
-    ap.add_argument("--_role", help=argparse.SUPPRESS)
-    ap.add_argument("--_backend", help=argparse.SUPPRESS)
-    ap.add_argument("--_master", help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     ap.add_argument("--_options", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     segment_bytes = int(args.segment_gib * GiB)

@@ -71,9 +71,13 @@ def test_bind_to_numa_node_pins_the_thread_to_the_nodes_cpus() -> None:
     try:
         if os.path.exists("/sys/devices/system/node/node0"):
             with open("/sys/devices/system/node/node0/cpulist", encoding="ascii") as f:
-                first = int(f.read().split(",")[0].split("-")[0])
+                node0: set[int] = set()
+                for part in f.read().strip().split(","):
+                    low, _, high = part.partition("-")
+                    node0.update(range(int(low), int(high or low) + 1))
+            os.sched_setaffinity(0, {max(before)})  # narrowed first: the bind must change it
             t.bind_to_numa_node(0)
-            assert first in os.sched_getaffinity(0)
+            assert os.sched_getaffinity(0) == node0 & before
         with pytest.raises(ValueError, match="NUMA node 4095"):
             t.bind_to_numa_node(4095)
     finally:
