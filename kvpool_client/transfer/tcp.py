@@ -6,9 +6,9 @@ Server rules:
   op, segment id, bounds (``offset + length <= segment size``), request inside the capability's
   range, capability MAC (the segment owner's key and the master epoch it registered in) and
   expiry (against an upper bound of the master's capability clock, ``clock``: skew between
-  the hosts' wall clocks plays no part). Only then is a WRITE's payload
-  received, directly into the segment (``recv_into`` on a view of it, no intermediate copy),
-  or a READ's answer sent straight from the segment (``sendmsg``).
+  the hosts' wall clocks plays no part). Only then is a WRITE's payload moved into the segment
+  (what the connection had read ahead is copied from its buffer, the rest received straight
+  into the segment with ``recv_into``), or a READ's answer sent from the segment (``sendmsg``).
 - A refused request (SEGMENT_NOT_FOUND, INVALID_ARGUMENT for bounds, PERMISSION_DENIED for the
   capability) is answered and counted in ``refused_total``; the connection stays usable. A
   refused WRITE's payload is read into a scratch buffer and dropped, never into a segment; one
@@ -38,7 +38,9 @@ The server runs threads with blocking sockets: one accepts, one serves each conn
 (``benchmarks/dataplane_bench.py --io-models`` compares that with a uvloop server). Threads
 keep serving while the owner's event loop is busy and make every time limit a plain
 socket option; the GIL is released during the large ``recv_into`` (one MSG_WAITALL call per
-payload) and ``sendmsg`` calls that dominate.
+payload) and ``sendmsg`` calls that dominate. Each connection reads ahead and answers
+pipelined requests together (``tcp_conn``): a batch of small requests costs a few system
+calls, not several per request.
 """
 
 from __future__ import annotations
@@ -46,13 +48,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from kvpool_client.segments import LocalSegment
+from kvpool_client.transfer.tcp_conn import Closed, Connection
 from kvpool_client.transfer.tcp_frames import (
     MAX_SEGMENT_ID_BYTES,
     REQUEST,
@@ -68,17 +69,11 @@ from kvpool_wire.types import Op
 log = logging.getLogger(__name__)
 
 MAX_DRAIN_BYTES = 64 << 20  # payload of a refused WRITE read and dropped to keep the stream
-_DRAIN_CHUNK_BYTES = 256 << 10
 _OPS = frozenset(int(op) for op in Op)
-_TIMEVAL = struct.Struct("@ll")
 
 
 def _wall_ms() -> int:
     return int(time.time() * 1000)
-
-
-class _Closed(Exception):
-    """The connection is done (peer gone, timed out, or closed after an error)."""
 
 
 class DataServer:
@@ -258,64 +253,57 @@ class DataServer:
                 del self._peer_to_count[peer]
 
     def _set_unproven(self, sock: socket.socket, unproven: bool) -> None:
-        """Mark the connection's current request as (not) yet checked; raise _Closed when the
+        """Mark the connection's current request as (not) yet checked; raise Closed when the
         connection was closed to make room for another."""
         with self._lock:
             if sock not in self._sock_to_thread:
-                raise _Closed
+                raise Closed
             if unproven:
                 self._unproven[sock] = None
             else:
                 self._unproven.pop(sock, None)
 
     def _serve(self, sock: socket.socket) -> None:
-        header = bytearray(REQUEST.size)
+        conn = Connection(sock, lambda: self._count(timeouts_total=1))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(sock)
-            first_deadline_s = time.monotonic() + self.first_request_timeout_s
-            self._serve_one(sock, memoryview(header), first_deadline_s)
+            self._serve_one(conn, time.monotonic() + self.first_request_timeout_s)
             while not self._closing:
-                self._serve_one(sock, memoryview(header), None)
-        except _Closed:
+                self._serve_one(conn, None)
+            conn.flush()
+        except Closed:
             pass
         except Exception:  # a bug must cost one connection, never the server
             log.exception("data connection failed")
         finally:
+            conn.release()
             with self._lock:
                 self._forget(sock)
             sock.close()
 
-    def _serve_one(self, sock: socket.socket, header: memoryview,
-                   first_deadline_s: float | None) -> None:
-        """Read one request and answer it; raise _Closed when the connection must end.
+    def _serve_one(self, conn: Connection, first_deadline_s: float | None) -> None:
+        """Read one request and answer it (the answer may wait in the queue while more
+        requests are buffered); raise Closed when the connection must end.
         ``first_deadline_s``: for the first request, when its header must have arrived."""
-        self._set_unproven(sock, True)
-        idle_s = (self.idle_timeout_s if first_deadline_s is None
-                  else max(first_deadline_s - time.monotonic(), 0.0))
-        _set_timeout(sock, socket.SO_RCVTIMEO, idle_s)
-        first = _recv_some(sock, header)
-        if first <= 0:
-            raise _Closed  # the peer closed, or stayed idle too long, between frames
+        self._set_unproven(conn.sock, True)
+        conn.wait_frame(self.idle_timeout_s if first_deadline_s is None
+                        else first_deadline_s - time.monotonic())
         deadline_s = time.monotonic() + self.frame_timeout_s
         header_deadline_s = min(deadline_s, first_deadline_s or deadline_s)
-        self._recv_exact(sock, header[first:], header_deadline_s)
         (magic, version, op, seg_len, request_id, offset, length, cap_offset, cap_length,
-         cap_expiry_ms, put_id, cap) = REQUEST.unpack(header)
+         cap_expiry_ms, put_id, cap) = REQUEST.unpack(conn.take(REQUEST.size, header_deadline_s))
         if (magic != REQUEST_MAGIC or version != VERSION or op not in _OPS
                 or not 1 <= seg_len <= MAX_SEGMENT_ID_BYTES):
-            self._answer_refusal(sock, deadline_s, Status.INVALID_ARGUMENT, 0,
-                                 "malformed request header", bad_frame=True)
-            raise _Closed
-        seg_raw = bytearray(seg_len)
-        self._recv_exact(sock, memoryview(seg_raw), header_deadline_s)
+            self._refuse(conn, deadline_s, Status.INVALID_ARGUMENT, 0,
+                         "malformed request header", bad_frame=True, closing=True)
+            raise Closed
         try:
-            segment_id = seg_raw.decode()
+            segment_id = str(conn.take(seg_len, header_deadline_s), "utf-8")
         except UnicodeDecodeError:
-            self._answer_refusal(sock, deadline_s, Status.INVALID_ARGUMENT, request_id,
-                                 "segment id is not UTF-8", bad_frame=True)
-            raise _Closed from None
-        self._count(requests_total=1)
+            self._refuse(conn, deadline_s, Status.INVALID_ARGUMENT, request_id,
+                         "segment id is not UTF-8", bad_frame=True, closing=True)
+            raise Closed from None
         target, error, cap_deadline_s = self._authorise(
             segment_id, Op(op), offset, length, cap_offset, cap_length, cap_expiry_ms, cap,
             put_id)
@@ -323,24 +311,24 @@ class DataServer:
             assert error is not None
             if op == Op.WRITE:  # its payload follows: drop it (or give up the connection)
                 if length > MAX_DRAIN_BYTES:
-                    self._answer_refusal(sock, deadline_s, error.status, request_id,
-                                         error.message)
-                    raise _Closed
-                self._drain(sock, length, deadline_s)
-            self._answer_refusal(sock, deadline_s, error.status, request_id, error.message)
+                    self._refuse(conn, deadline_s, error.status, request_id, error.message,
+                                 closing=True)
+                    raise Closed
+                conn.discard(length, deadline_s)
+            self._refuse(conn, deadline_s, error.status, request_id, error.message)
             return
-        with target:
-            self._set_unproven(sock, False)
-            if op == Op.WRITE:
+        self._set_unproven(conn.sock, False)
+        if op == Op.WRITE:
+            with target:
                 # Not one byte lands after the capability expired: the master may have given
                 # the range to another object by then.
-                self._recv_exact(sock, target, min(deadline_s, cap_deadline_s))
-                self._count(bytes_written_total=length)
-                self._send_all(sock, [encode_response(Status.OK, request_id)], deadline_s)
-            else:
-                self._send_all(sock, [encode_response(Status.OK, request_id, length), target],
-                               deadline_s)
-                self._count(bytes_read_total=length)
+                conn.receive_into(target, min(deadline_s, cap_deadline_s))
+            self._count(requests_total=1, bytes_written_total=length)
+            conn.answer([encode_response(Status.OK, request_id)], deadline_s)
+        else:
+            self._count(requests_total=1, bytes_read_total=length)
+            conn.answer([encode_response(Status.OK, request_id, length), target], deadline_s,
+                        hold=target)
 
     def _authorise(self, segment_id: str, op: Op, offset: int, length: int, cap_offset: int,
                    cap_length: int, cap_expiry_ms: int, cap: bytes, put_id: int = 0,
@@ -373,68 +361,16 @@ class DataServer:
         except KVPoolError as exc:  # closed since the lookup
             return None, exc, 0.0
 
-    def _answer_refusal(self, sock: socket.socket, deadline_s: float, status: Status,
-                        request_id: int, message: str, *, bad_frame: bool = False) -> None:
-        """Count a refused request or bad frame and answer it (best effort)."""
-        self._count(**{"bad_frames_total" if bad_frame else "refused_total": 1})
-        with contextlib.suppress(_Closed, OSError):
-            self._send_all(sock, [encode_response(status, request_id, message=message)],
-                           deadline_s)
-
-    def _recv_exact(self, sock: socket.socket, view: memoryview, deadline_s: float) -> None:
-        """Fill ``view`` from the socket before ``deadline_s``; raise _Closed otherwise."""
-        received = 0
-        while received < view.nbytes:
-            remaining_s = deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                self._count(timeouts_total=1)
-                raise _Closed
-            _set_timeout(sock, socket.SO_RCVTIMEO, remaining_s)
-            count = _recv_some(sock, view[received:], socket.MSG_WAITALL)
-            if count == 0:
-                raise _Closed
-            received += max(count, 0)
-
-    def _drain(self, sock: socket.socket, length: int, deadline_s: float) -> None:
-        """Read and drop ``length`` payload bytes (of a refused WRITE) into a scratch buffer."""
-        scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK_BYTES)))
-        while length > 0:
-            part = scratch[:min(length, scratch.nbytes)]
-            self._recv_exact(sock, part, deadline_s)
-            length -= part.nbytes
-
-    def _send_all(self, sock: socket.socket, parts: list[Any], deadline_s: float) -> None:
-        """Send every part before ``deadline_s`` (sendmsg, no joining); raise _Closed
-        otherwise."""
-        views = [memoryview(part) for part in parts]
-        while views:
-            remaining_s = deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                self._count(timeouts_total=1)
-                raise _Closed
-            _set_timeout(sock, socket.SO_SNDTIMEO, remaining_s)
-            try:
-                sent = sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
-                continue  # SO_SNDTIMEO passed with nothing sent: the deadline decides
-            except OSError:
-                raise _Closed from None
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
-
-
-def _recv_some(sock: socket.socket, view: memoryview, flags: int = 0) -> int:
-    """recv_into returning the byte count, 0 at end of stream (or reset), -1 when the socket's
-    receive timeout passed with nothing received."""
-    try:
-        return sock.recv_into(view, view.nbytes, flags)
-    except (BlockingIOError, InterruptedError, TimeoutError):
-        return -1
-    except OSError:
-        return 0
+    def _refuse(self, conn: Connection, deadline_s: float, status: Status, request_id: int,
+                message: str, *, bad_frame: bool = False, closing: bool = False) -> None:
+        """Count a refused request or bad frame and queue its answer; ``closing``: the
+        connection ends after it, so send what is queued at once (best effort)."""
+        self._count(**{"bad_frames_total" if bad_frame else "refused_total": 1},
+                    requests_total=0 if bad_frame else 1)
+        conn.answer([encode_response(status, request_id, message=message)], deadline_s)
+        if closing:
+            with contextlib.suppress(Closed, OSError):
+                conn.flush()
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -444,13 +380,3 @@ def _keepalive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-
-
-def _set_timeout(sock: socket.socket, option: int, timeout_s: float) -> None:
-    """Set SO_RCVTIMEO / SO_SNDTIMEO: the socket stays blocking, so MSG_WAITALL and large
-    sendmsg calls run in one system call each, and still cannot block past the deadline."""
-    whole_s = int(timeout_s)
-    micros = int((timeout_s - whole_s) * 1e6)
-    if whole_s == 0 and micros == 0:
-        micros = 1  # an all-zero timeval would mean "wait forever"
-    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole_s, micros))

@@ -2,7 +2,7 @@
 (``tcp_client``, ``tcp_blocking``). Pure: no sockets, no threads.
 
 Wire format, version 2 (integers little-endian). One TCP connection carries a sequence of
-requests; the server answers them one at a time, in order, so a client may pipeline.
+requests; the server answers them in order, so a client may pipeline.
 
 Request = header (80 bytes) + segment id (UTF-8) + payload (WRITE only, ``length`` bytes)::
 
