@@ -621,7 +621,7 @@ def main() -> int:
         return min(n, max(BATCH, int(0.4 * seg / size) // BATCH * BATCH))
 
     lat_n = 200 if args.quick else 1000
-    zc_bytes = BATCH * max(sizes)
+    zc_bytes = BATCH * max(*sizes, MiB)  # the latency phases put 64 KiB and 1 MiB objects
     res: dict[str, Any] = {
         "meta": {"date_utc": date.isoformat(timespec="seconds"),
                  "python": platform.python_version(),
@@ -928,11 +928,11 @@ def print_table(res: dict[str, Any]) -> None:
     if sc.get("latency"):
         print("\n## c. Single-op latency, one client, own segment (us)")
         print(f"  {'size':>7} {'api':<10} {'n':>5} | {'put p50':>8} {'put p99':>8} | "
-              f"{'get p50':>8} {'get p99':>8}")
+              f"{'get p50':>8} {'get p99':>8} | fails")
         for r in sc["latency"]:
             print(f"  {fmt_size(r['size']):>7} {r['api']:<10} {r['n_ops']:>5} | "
                   f"{r['put_p50_us']:8.0f} {r['put_p99_us']:8.0f} | {r['get_p50_us']:8.0f} "
-                  f"{r['get_p99_us']:8.0f}")
+                  f"{r['get_p99_us']:8.0f} | {r['failed']}")
     two = res.get("two_clients") or {}
     if two.get("throughput"):
         print("\n## d. Two client processes, every transfer crosses processes "
@@ -954,10 +954,11 @@ def print_table(res: dict[str, Any]) -> None:
         print("\n## d. Cross-process single-op latency (us): B gets from A's segment, A puts "
               "into B's")
         print(f"  {'case':<22} {'size':>7} | {'put p50':>8} {'put p99':>8} | {'get p50':>8} "
-              f"{'get p99':>8}")
+              f"{'get p99':>8} | fails")
         for r in two["latency"]:
             print(f"  {r['case']:<22} {fmt_size(r['size']):>7} | {r['put_p50_us']:8.0f} "
-                  f"{r['put_p99_us']:8.0f} | {r['get_p50_us']:8.0f} {r['get_p99_us']:8.0f}")
+                  f"{r['put_p99_us']:8.0f} | {r['get_p50_us']:8.0f} {r['get_p99_us']:8.0f} | "
+                  f"{r['failed']}")
     mc = res.get("mooncake")
     if mc:
         print_mooncake(res, mc)

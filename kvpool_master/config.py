@@ -38,7 +38,7 @@ class MasterConfig:
     port: int = 50051
     fast_port: int = 50052
     local_socket: bool = True
-    busy_poll_us: int = 100
+    busy_poll_us: int = 300
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9003
     eviction_high_watermark_ratio: float = 0.95
@@ -182,7 +182,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("busy_poll_us", "busy_poll_us", _int(0, 10_000),
            "after serving lean calls, poll the lean connections this many MICROSECONDS before "
            "sleeping: a client's next call then skips a process wake-up (about 25 us on a VM); "
-           "costs at most that much CPU per burst of calls (0 disables; default 100)", "US"),
+           "long enough to span a put's data transfer between its two calls; costs at most "
+           "that much CPU per burst of calls (0 disables; default 300)", "US"),
     Option("metrics_host", "metrics_host", _text,
            "address of the HTTP /metrics, /healthz, /status endpoint (default 127.0.0.1)", "ADDR"),
     Option("metrics_port", "metrics_port", _port_or_off,
