@@ -1,11 +1,14 @@
-"""SGLang HiCache storage backend ``KVPoolHiCacheStorage`` (``--hicache-storage-backend dynamic``
-with ``interface_v1``), driven as SGLang's cache controller drives it, in its own process.
+"""SGLang HiCache storage backend ``KVPoolHiCacheStorage`` (``--hicache-storage-backend dynamic``),
+driven as SGLang's cache controllers drive it, in its own process: ``interface_v1``
+(``sglang_driver.py``) and the v2 interface of hybrid models (``sglang_v2_driver.py``).
 
 SGLang does not install lightly here (its package imports its GPU kernels and a long list of
-dependencies), so the default test checks the class against the interface_v1 shape with SGLang
-absent. With marker ``network``, the SGLang 0.5.23 wheel is downloaded at test time and its own
+dependencies), so the default tests check the class with SGLang absent. With marker
+``network``, the SGLang 0.5.23 wheel is downloaded at test time and its own
 ``hicache_storage.py`` and ``storage/backend_factory.py`` build the backend (``issubclass``
-check, ``cls(storage_config, kwargs)``) and are its base class.
+check, ``cls(storage_config, kwargs)``) and are its base class; the v2 calls use SGLang's own
+``PoolTransfer`` and also run against SGLang's reference backend ``HiCacheFile``, which must
+answer the same.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ WHEEL = "sglang==0.5.23"
 FILES = ("sglang/srt/mem_cache/hicache_storage.py", "sglang/srt/mem_cache/storage/")
 
 
-def run_driver(master: Any, src: Path | None) -> dict[str, Any]:
-    command = [sys.executable, str(HERE / "sglang_driver.py"), "--master", master.address]
+def run_driver(master: Any, src: Path | None, driver: str = "sglang_driver.py") -> dict[str, Any]:
+    command = [sys.executable, str(HERE / driver), "--master", master.address]
     if src is not None:
         command += ["--src", str(src)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240,
@@ -47,6 +50,35 @@ def check(result: dict[str, Any]) -> None:
     assert result["legacy_set"] is True and result["legacy_get_missing"] is True
     assert result["after_clear"] == [0, 6]  # clear() removed rank 0's pages only
     assert result["bad_pages"] == [False, False]
+
+
+# SGLang's rules for these calls (hicache_storage.py, 0.5.23): 8 KV pages stored; Mamba states
+# after pages 2 and 7 with a trailing window of one page restore prefixes of 3 and 8 pages;
+# indexer pages 0..4 with ALL_PAGES restore up to 5; together only 3 remains.
+V2_SHARED = {
+    "kv_set": True,
+    "set_v2": {"mamba": [True, True], "indexer": [True] * 5},
+    "exists_mamba": [8, {"kv": 8, "mamba": 8}, [3, 8]],
+    "exists_both": [3, {"kv": 8, "mamba": 8, "indexer": 5}, [3]],
+    "exists_indexer_first": [3, {"kv": 8, "indexer": 5, "mamba": 8}, [3]],
+    "exists_none": [8, {"kv": 8}, list(range(1, 9))],
+    "get_v2": {"mamba": [True, False], "indexer": [True, True, False]},
+    "get_exact": [True, True, True],
+}
+V2_KVPOOL_ONLY = {
+    "exists_groups": [8, {"kv": 8, "indexer": 4}, list(range(1, 9))],  # two whole groups of 2
+    "bad_indices": {"indexer": [False, False]},  # 2 keys, one page of host indices
+    "anchorless_exists": [5, {"kv": 10, "indexer": 5}, list(range(1, 6))],
+    "anchorless_v1": [True, True],
+}
+
+
+def check_v2(result: dict[str, Any]) -> None:
+    assert result == {**V2_SHARED, **V2_KVPOOL_ONLY}
+
+
+def test_hicache_storage_interface_v2_hit_policies_and_side_pools(master: Any) -> None:
+    check_v2(run_driver(master, None, "sglang_v2_driver.py")["kvpool"])
 
 
 def test_hicache_storage_interface_v1_shape(master: Any) -> None:
@@ -73,3 +105,11 @@ def test_hicache_storage_with_sglangs_own_base_and_factory(master: Any, sglang_s
     result = run_driver(master, sglang_src)
     assert result["base"] == "HiCacheStorage"
     check(result)
+
+
+@pytest.mark.network
+def test_hicache_storage_v2_answers_as_sglangs_own_file_backend(master: Any,
+                                                                sglang_src: Path) -> None:
+    results = run_driver(master, sglang_src, "sglang_v2_driver.py")
+    check_v2(results["kvpool"])
+    assert results["file"] == V2_SHARED  # SGLang's reference backend, same calls
