@@ -13,7 +13,7 @@ Rules of this file:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -236,9 +236,11 @@ def encode_statuses(response_type: type[Message], statuses: Sequence[int]) -> Me
     return response_type(statuses=statuses)
 
 
-def decode_ended_leases(request: Any) -> list[tuple[int, list[ObjectKey]]]:
-    """(lease id, keys) of each lease the request's client says it finished reading under."""
-    return [(int(ended.lease_id), list(ended.keys)) for ended in request.ended_leases]
+def decode_ended_leases(request: Any) -> Iterator[tuple[int, Sequence[ObjectKey]]]:
+    """(lease id, keys) of each lease the request's client says it finished reading under
+    (the keys as the message holds them: a sequence of bytes)."""
+    for ended in request.ended_leases:
+        yield ended.lease_id, ended.keys
 
 
 def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,

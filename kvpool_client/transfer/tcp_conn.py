@@ -148,7 +148,7 @@ class Connection:
         """Send every queued answer (before the earliest of their deadlines) and release the
         views they held."""
         views = self._answers
-        flags: int = socket.MSG_DONTWAIT  # first without waiting: no timeout to set when room exists
+        flags: int = socket.MSG_DONTWAIT  # first without waiting: no timeout to set if room
         try:
             while views:
                 if not flags and not self._settimeout(socket.SO_SNDTIMEO,

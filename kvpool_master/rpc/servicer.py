@@ -254,9 +254,10 @@ class Servicer:
     def _get_replicas(self, request: Any) -> Any:
         client_id, keys = convert.decode_keys(request)
         reader = self._proven_reader(request)
+        now = self._clock.now()
         if reader is not None and request.ended_leases:
-            self._end_leases(reader, request)
-        results = self._core.get_replicas(keys, self._clock.now(), reader)
+            self._end_leases(reader, request, now)
+        results = self._core.get_replicas(keys, now, reader)
         lease_ttl_s = self._core.config.default_lease_ttl_s
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
         return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms,
@@ -271,8 +272,8 @@ class Servicer:
         client_id, token = convert.decode_caller(request)
         return client_id if self._core.authenticate(client_id, token) == Status.OK else None
 
-    def _end_leases(self, reader: ClientId, request: Any) -> None:
-        now = self._clock.now()
+    def _end_leases(self, reader: ClientId, request: Any, now: float | None = None) -> None:
+        now = self._clock.now() if now is None else now
         for lease_id, keys in convert.decode_ended_leases(request):
             self._core.end_leases(reader, lease_id, keys, now)
 
