@@ -24,6 +24,7 @@ printed. Every process started here is stopped by pid at the end (also on error,
 SIGTERM), and children die with the orchestrator (PR_SET_PDEATHSIG). Everything is on 127.0.0.1.
 
 Usage:  python benchmarks/client_bench.py [--quick] [--reps N] [--only limits,a,c,d] [--out FILE]
+        [--sizes 4KiB,1MiB] [--master-busy-poll-us US] [--mooncake auto|off|PYTHON]
 """
 
 from __future__ import annotations
@@ -393,12 +394,15 @@ def _sigterm(signum: int, frame: Any) -> None:
 
 
 class Master:
+    extra_args: list[str] = []  # --master-busy-poll-us
+
     def __init__(self, procs: Procs, logdir: str, name: str) -> None:
         self.log = os.path.join(logdir, f"{name}.log")
         ready = os.path.join(logdir, f"{name}.ready.json")
         args = [sys.executable, "-m", "kvpool_master.cli", "--host", HOST, "--port", "0",
                 "--fast-port", "0", "--metrics-port", "-1", "--ready-file", ready,
-                "--log-level", "warning", "--default-kv-lease-ttl", str(LEASE_TTL_MS)]
+                "--log-level", "warning", "--default-kv-lease-ttl", str(LEASE_TTL_MS),
+                *self.extra_args]
         with open(self.log, "ab") as lf:
             self.p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=lf,
                                       stderr=subprocess.STDOUT, preexec_fn=set_pdeathsig,
@@ -591,7 +595,11 @@ def main() -> int:
         "KVPOOL_PEER_BENCH", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                           "shared", "peer", "mooncake_bench.py")),
                     help="path of mooncake_bench.py")
+    ap.add_argument("--master-busy-poll-us", type=int, default=None,
+                    help="the master's --busy-poll-us (default: the master's own default)")
     args = ap.parse_args()
+    if args.master_busy_poll_us is not None:
+        Master.extra_args = ["--busy-poll-us", str(args.master_busy_poll_us)]
     if args.quick:
         args.reps = 1
         args.segment_gib = min(args.segment_gib, 2.0)
