@@ -91,7 +91,8 @@ def install_sglang(src: Path) -> None:
     module("sglang.srt.environ", envs=_Envs())
 
 
-def main() -> int:
+def parse_arguments() -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The drivers' arguments (``--src``, ``--master``) and the extra config SGLang passes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--src", type=Path)
     parser.add_argument("--master", required=True)
@@ -99,6 +100,11 @@ def main() -> int:
     extra = {"backend_name": "kvpool", "module_path": "kvpool_client.connectors.sglang",
              "class_name": "KVPoolHiCacheStorage", "interface_v1": 1,
              "kvpool": {"master_server_address": args.master, "global_segment_size": "32mb"}}
+    return args, extra
+
+
+def main() -> int:
+    args, extra = parse_arguments()
     page_size, num_pages = 4, 16
     pools = [PageFirstHostPool(num_pages * page_size, page_size, 3, 2, 8, seed=rank)
              for rank in (0, 1)]

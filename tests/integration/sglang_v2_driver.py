@@ -18,17 +18,15 @@ Prints ``RESULT {json}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from sglang_driver import ConfigShape, PageFirstHostPool, install_sglang
+from sglang_driver import ConfigShape, PageFirstHostPool, install_sglang, parse_arguments
 
 
 class SlotPool:
@@ -83,13 +81,7 @@ def stub_utils() -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--src", type=Path)
-    parser.add_argument("--master", required=True)
-    args = parser.parse_args()
-    extra = {"backend_name": "kvpool", "module_path": "kvpool_client.connectors.sglang",
-             "class_name": "KVPoolHiCacheStorage", "interface_v1": 1,
-             "kvpool": {"master_server_address": args.master, "global_segment_size": "32mb"}}
+    args, extra = parse_arguments()
     files = tempfile.TemporaryDirectory(prefix="kvpool-sglang-file-")
     names: dict[str, Any] = {"mamba": "mamba", "indexer": "indexer", "kv": "kv"}
     policies: dict[str, Any] = {p: p for p in ("all_pages", "trailing_pages", "block_groups")}
