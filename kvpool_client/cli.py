@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("kvpool_client.cli_status", "show the master's clients, segments, usage, objects"),
     "replay": ("kvpool_client.replay", "replay a request trace against a pool (or --simulate)"),
     "bench": ("kvpool_client.cli_bench", "quick put/get throughput check against a live pool"),
+    "plan": ("kvpool_client.cli_plan", "size an Ascend pool's HCCL link memory and MindIE's "
+                                       "device-memory factor"),
 }
 
 
