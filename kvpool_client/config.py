@@ -183,6 +183,19 @@ class ClientConfig:
         raise ConfigError("no client config: set KVPOOL_CONFIG_PATH or MOONCAKE_CONFIG_PATH to a "
                           "JSON file (or MOONCAKE_MASTER to the master's host:port)")
 
+    @classmethod
+    def from_env_with(cls, overrides: Mapping[str, Any], *, source: str) -> ClientConfig:
+        """The environment's config (``from_env``) with ``overrides`` laid over it, or, where
+        the environment names none, ``overrides`` alone (``source`` names them in errors).
+        What an engine plugin does with the keys its engine's own config passes."""
+        try:
+            base = cls.from_env()
+        except ConfigError:
+            if not overrides:
+                raise
+            return cls.from_dict(overrides, source=source)
+        return base.replace(**overrides) if overrides else base
+
     def replace(self, **changes: Any) -> ClientConfig:
         """Return a validated copy with ``changes`` applied (values parsed like file values)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvpool_client.config import ClientConfig, ConfigError
+from kvpool_client.config import ClientConfig
 from kvpool_wire.status import KVPoolError, Status
 
 logger = logging.getLogger(__name__)
@@ -49,15 +49,9 @@ def client_config(extra_config: dict[str, Any] | None, plugin_name: str = PLUGIN
                if isinstance(k, str) and k.startswith(prefix)}
     overrides = {k: v for k, v in entries.items() if k not in _LOADER_KEYS}
     path = entries.get("config_path")
-    if path:
-        base = ClientConfig.from_file(path)
-    else:
-        try:
-            base = ClientConfig.from_env()
-        except ConfigError:
-            if not overrides:
-                raise
-            return ClientConfig.from_dict(overrides, source=f"extra_config {prefix}*")
+    if not path:
+        return ClientConfig.from_env_with(overrides, source=f"extra_config {prefix}*")
+    base = ClientConfig.from_file(path)
     return base.replace(**overrides) if overrides else base
 
 

@@ -39,7 +39,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from kvpool_client.config import ClientConfig, ConfigError
+from kvpool_client.config import ClientConfig
 from kvpool_wire.status import KVPoolError, Status
 
 logger = logging.getLogger(__name__)
@@ -49,14 +49,8 @@ _ADAPTER_KEYS = ("key_prefix", "workers")
 
 def client_config(params: dict[str, Any]) -> ClientConfig:
     """The kvpool client config of ``adapter_params`` (see the module rules)."""
-    overrides = {k: v for k, v in params.items() if k not in _ADAPTER_KEYS}
-    try:
-        base = ClientConfig.from_env()
-    except ConfigError:
-        if not overrides:
-            raise
-        return ClientConfig.from_dict(overrides, source="l2 adapter_params")
-    return base.replace(**overrides) if overrides else base
+    return ClientConfig.from_env_with(
+        {k: v for k, v in params.items() if k not in _ADAPTER_KEYS}, source="l2 adapter_params")
 
 
 def object_key_name(prefix: str, key: Any) -> str:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client.compat.memory import RegionRegistry, staged
-from kvpool_client.config import ClientConfig, ConfigError
+from kvpool_client.config import ClientConfig
 from kvpool_client.connectors._tensors import pointer_range
 from kvpool_client.connectors.sglang_pools import (
     KV_POOL,
@@ -63,14 +63,8 @@ def _storage_base() -> type:
 
 def client_config(extra_config: dict[str, Any] | None) -> ClientConfig:
     """Return the client config for a storage backend's extra config (see the module doc)."""
-    overrides = dict((extra_config or {}).get("kvpool") or {})
-    try:
-        base = ClientConfig.from_env()
-    except ConfigError:
-        if not overrides:
-            raise
-        return ClientConfig.from_dict(overrides, source="extra_config.kvpool")
-    return base.replace(**overrides) if overrides else base
+    return ClientConfig.from_env_with(dict((extra_config or {}).get("kvpool") or {}),
+                                      source="extra_config.kvpool")
 
 
 class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
