@@ -69,6 +69,12 @@ _MAX_CHECKSUM = (1 << 64) - 1
 PutResult = tuple[Status, tuple[Placement, ...]]
 
 
+
+#: Entries of a segment's key list examined per put while it is compacted: more than the one
+#: each put appends, so a pass ends (see SegmentState).
+COMPACT_STEP = 8
+
+
 class Mutations:
     """Puts, removes and eviction; mixed into ``MasterCore``."""
 
@@ -382,8 +388,43 @@ class Mutations:
     def _note_key(self, state: SegmentState, key: ObjectKey) -> None:
         keys = state.keys
         keys.append(key)
-        if len(keys) > 2 * state.allocator.num_extents + 1024:
-            state.keys = [k for k, _ in self._live_on(state)]
+        if state.compact_seen is None:
+            if len(keys) <= 2 * state.allocator.num_extents + 1024:
+                return
+            state.compact_seen = set()
+            state.compact_read = state.compact_write = 0
+        self._compact_keys(state, COMPACT_STEP)
+
+    def _compact_keys(self, state: SegmentState, budget: int) -> None:
+        """Advance the in-place compaction of ``state.keys`` by ``budget`` entries: live keys
+        on this segment are kept (once), stale ones and repeats dropped (see SegmentState)."""
+        keys = state.keys
+        seen = state.compact_seen
+        assert seen is not None
+        get = self._objects.key_to_object.get
+        segment_id = state.info.segment_id
+        read, write = state.compact_read, state.compact_write
+        stop = min(len(keys), read + budget)
+        while read < stop:
+            key = keys[read]
+            read += 1
+            if key in seen:
+                continue
+            entry = get(key)
+            if entry is None:
+                continue
+            placements = entry.placements
+            if (placements[0].segment_id != segment_id if len(placements) == 1
+                    else all(p.segment_id != segment_id for p in placements)):
+                continue
+            seen.add(key)
+            keys[write] = key
+            write += 1
+        if read >= len(keys):
+            del keys[write:]
+            state.compact_seen = None
+        else:
+            state.compact_read, state.compact_write = read, write
 
     def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
                   same_host_id: str, now: float,

@@ -46,13 +46,16 @@ class SegmentState:
     """One segment: its descriptor, its allocator, whether it is mounted, and the keys of the
     objects placed on it.
 
-    ``keys`` is append-only and may hold stale keys (objects removed or re-put elsewhere since)
-    and duplicates; ``note_key`` rebuilds it when stale keys outnumber live extents, so it stays
-    O(live objects) and losing a segment visits only its own objects.
+    ``keys`` is appended to and may hold stale keys (objects removed or re-put elsewhere since)
+    and duplicates; once they outnumber live extents it is compacted in place, a few entries
+    per append (``compact_read``/``compact_write``/``compact_seen``: the pass in progress,
+    ``compact_seen`` None when none is), so it stays O(live objects), losing a segment visits
+    only its own objects, and no single put pays for the whole list. Mid-pass, every live key
+    is still in the list at least once.
     """
 
     __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
-                 "mount_no", "index_no")
+                 "mount_no", "index_no", "compact_read", "compact_write", "compact_seen")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -64,6 +67,9 @@ class SegmentState:
         self.freed_seq = 0  # number of the latest free on this segment (SegmentTable.free_seq)
         self.mount_no = 0  # order of its latest mount (placement ties go to the earlier)
         self.index_no = 0  # push number of its current placement-index entry
+        self.compact_read = 0
+        self.compact_write = 0
+        self.compact_seen: set[ObjectKey] | None = None
 
 
 def segment_info_error(info: SegmentInfo) -> str:
