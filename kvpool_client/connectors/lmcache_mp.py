@@ -100,7 +100,8 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- tasks ------------------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
-        return self._submit(self._store, keys, objects)
+        return self._submit(self._stored, self._store_fd, L2StoreResult(False, 0),
+                            self._store, keys, objects)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -109,7 +110,8 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None
                                     ) -> L2TaskId:
-        return self._submit(self._lookup, keys)
+        return self._submit(self._looked_up, self._lookup_fd, Bitmap(len(keys)),
+                            self._lookup, keys)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -119,7 +121,8 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         """Nothing to do: the leases the lookup took run out by themselves."""
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
-        return self._submit(self._load, keys, objects)
+        return self._submit(self._loaded, self._load_fd, Bitmap(len(keys)),
+                            self._load, keys, objects)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -156,70 +159,57 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     # -- the work, on the adapter's threads -------------------------------------------------------
 
-    def _submit(self, work: Callable[..., None], *args: Any) -> L2TaskId:
+    def _submit(self, done: dict[L2TaskId, Any], notifier: Any, failure: Any,
+                work: Callable[..., Any], *args: Any) -> L2TaskId:
+        """Run ``work(*args)`` on the adapter's threads; its result (``failure`` when it
+        raised: a task must always complete, or LMCache waits for it forever) goes to ``done``
+        under a new task id, and ``notifier`` is signalled."""
         with self._lock:
             task_id = self._next_id
             self._next_id += 1
-        self._pool.submit(self._run, work, task_id, *args)
+        self._pool.submit(self._run, done, notifier, failure, task_id, work, *args)
         return task_id
 
-    def _run(self, work: Callable[..., None], task_id: L2TaskId, *args: Any) -> None:
+    def _run(self, done: dict[L2TaskId, Any], notifier: Any, failure: Any, task_id: L2TaskId,
+             work: Callable[..., Any], *args: Any) -> None:
         try:
-            work(task_id, *args)
-        except Exception:  # a task must always complete, or LMCache waits for it forever
+            result = work(*args)
+        except KVPoolError as exc:
+            logger.warning("kvpool L2 task %d failed: %s", task_id, exc)
+            result = failure
+        except Exception:
             logger.exception("kvpool L2 task %d failed", task_id)
-            self._complete_failed(work, task_id, *args)
-
-    def _complete_failed(self, work: Callable[..., None], task_id: L2TaskId,
-                         keys: list[Any], *_: Any) -> None:
-        if work == self._store:
-            self._finish(self._stored, task_id, L2StoreResult(False, 0), self._store_fd)
-        else:
-            done, notifier = ((self._looked_up, self._lookup_fd) if work == self._lookup
-                              else (self._loaded, self._load_fd))
-            self._finish(done, task_id, Bitmap(len(keys)), notifier)
-
-    def _finish(self, done: dict[L2TaskId, Any], task_id: L2TaskId, result: Any,
-                notifier: Any) -> None:
+            result = failure
         with self._lock:
             done[task_id] = result
         notifier.notify()
 
-    def _store(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+    def _store(self, keys: list[Any], objects: list[Any]) -> L2StoreResult:
         names = [object_key_name(self._prefix, key) for key in keys]
-        try:
-            statuses = self._client.batch_put_regions(names,
-                                                      [[obj.byte_array] for obj in objects])
-        except KVPoolError as exc:
-            logger.warning("kvpool: storing %d L2 objects failed: %s", len(keys), exc)
-            statuses = [exc.status] * len(keys)
+        statuses = self._client.batch_put_regions(names, [[obj.byte_array] for obj in objects])
         stored = [(key, name, obj.get_size()) for key, name, obj, status
                   in zip(keys, names, objects, statuses, strict=True) if status == Status.OK]
-        ok = all(status in (Status.OK, Status.ALREADY_EXISTS) for status in statuses)
         with self._lock:
             self._name_to_size.update((name, size) for _, name, size in stored)
         if stored:
             self._notify_keys_stored([key for key, _, _ in stored],
                                      [size for _, _, size in stored])
-        self._finish(self._stored, task_id,
-                     L2StoreResult(ok, sum(size for _, _, size in stored)), self._store_fd)
+        return L2StoreResult(all(status in (Status.OK, Status.ALREADY_EXISTS)
+                                 for status in statuses),
+                             sum(size for _, _, size in stored))
 
-    def _lookup(self, task_id: L2TaskId, keys: list[Any]) -> None:
+    def _lookup(self, keys: list[Any]) -> Bitmap:
         found = self._client.batch_exists([object_key_name(self._prefix, k) for k in keys])
         bitmap = Bitmap(len(keys))
         for index, hit in enumerate(found):
             if hit:
                 bitmap.set(index)
-        self._finish(self._looked_up, task_id, bitmap, self._lookup_fd)
+        return bitmap
 
-    def _load(self, task_id: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+    def _load(self, keys: list[Any], objects: list[Any]) -> Bitmap:
         names = [object_key_name(self._prefix, key) for key in keys]
+        read = self._client.batch_get_regions(names, [[obj.byte_array] for obj in objects])
         bitmap = Bitmap(len(keys))
-        try:
-            read = self._client.batch_get_regions(names, [[obj.byte_array] for obj in objects])
-        except KVPoolError as exc:
-            logger.warning("kvpool: loading %d L2 objects failed: %s", len(keys), exc)
-            read = [int(exc.status)] * len(keys)
         loaded = []
         for index, (key, obj, nbytes) in enumerate(zip(keys, objects, read, strict=True)):
             if nbytes == obj.get_size():
@@ -227,4 +217,4 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 loaded.append(key)
         if loaded:
             self._notify_keys_accessed(loaded)
-        self._finish(self._loaded, task_id, bitmap, self._load_fd)
+        return bitmap
