@@ -37,7 +37,7 @@ class _StoreLoader(importlib.abc.Loader):
         names = list(surface.__all__)
         module.__dict__.update({name: getattr(surface, name) for name in names})
         module.__dict__["__all__"] = names
-        module.__dict__["BACKEND"] = "kvpool"
+        module.__dict__["BACKEND"] = surface.BACKEND
 
 
 class StoreFinder(importlib.abc.MetaPathFinder):
