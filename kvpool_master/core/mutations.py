@@ -379,9 +379,7 @@ class Mutations:
             entry = get(key)
             if entry is None:
                 continue
-            placements = entry.placements
-            if (placements[0].segment_id == segment_id if len(placements) == 1
-                    else any(p.segment_id == segment_id for p in placements)):
+            if _on_segment(entry.placements, segment_id):
                 live.append((key, entry))
         return live
 
@@ -411,11 +409,7 @@ class Mutations:
             if key in seen:
                 continue
             entry = get(key)
-            if entry is None:
-                continue
-            placements = entry.placements
-            if (placements[0].segment_id != segment_id if len(placements) == 1
-                    else all(p.segment_id != segment_id for p in placements)):
+            if entry is None or not _on_segment(entry.placements, segment_id):
                 continue
             seen.add(key)
             keys[write] = key
@@ -509,3 +503,9 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
     except ValueError:
         return None, 0
 
+
+def _on_segment(placements: tuple[Placement, ...], segment_id: str) -> bool:
+    """True when one of ``placements`` is on ``segment_id`` (one replica: the common case)."""
+    if len(placements) == 1:
+        return placements[0].segment_id == segment_id
+    return any(p.segment_id == segment_id for p in placements)
