@@ -49,11 +49,6 @@ class Connection:
         self._send_deadline_s = float("inf")
         self._idle_timeout_s = 0.0  # SO_RCVTIMEO when it was last set for an idle wait
 
-    @property
-    def buffered(self) -> int:
-        """Bytes received and not consumed yet."""
-        return self._end - self._start
-
     # -- receiving --------------------------------------------------------------------------------
 
     def wait_frame(self, idle_s: float) -> None:
@@ -82,7 +77,7 @@ class Connection:
                 self._view[:left] = self._view[self._start:self._end]
                 self._start, self._end = 0, left
             while self._end < size:
-                if self._fill(size - self._end, deadline_s) <= 0:
+                if self._fill(deadline_s) <= 0:
                     raise Closed
         view = self._view[self._start:self._start + size]
         self._start += size
@@ -110,13 +105,13 @@ class Connection:
         while length > 0:
             if self._end == self._start:
                 self._start = self._end = 0
-                if self._fill(1, deadline_s) <= 0:
+                if self._fill(deadline_s) <= 0:
                     raise Closed
             step = min(length, self._end - self._start)
             self._start += step
             length -= step
 
-    def _fill(self, need: int, deadline_s: float) -> int:
+    def _fill(self, deadline_s: float) -> int:
         """One receive into the free end of the buffer (answers sent first); the bytes
         received, -1 after a deadline passed without any, 0 at the end of the stream."""
         self.flush()
