@@ -394,15 +394,14 @@ def _sigterm(signum: int, frame: Any) -> None:
 
 
 class Master:
-    extra_args: list[str] = []  # --master-busy-poll-us
-
-    def __init__(self, procs: Procs, logdir: str, name: str) -> None:
+    def __init__(self, procs: Procs, logdir: str, name: str,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.log = os.path.join(logdir, f"{name}.log")
         ready = os.path.join(logdir, f"{name}.ready.json")
         args = [sys.executable, "-m", "kvpool_master.cli", "--host", HOST, "--port", "0",
                 "--fast-port", "0", "--metrics-port", "-1", "--ready-file", ready,
                 "--log-level", "warning", "--default-kv-lease-ttl", str(LEASE_TTL_MS),
-                *self.extra_args]
+                *extra_args]
         with open(self.log, "ab") as lf:
             self.p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=lf,
                                       stderr=subprocess.STDOUT, preexec_fn=set_pdeathsig,
@@ -598,8 +597,8 @@ def main() -> int:
     ap.add_argument("--master-busy-poll-us", type=int, default=None,
                     help="the master's --busy-poll-us (default: the master's own default)")
     args = ap.parse_args()
-    if args.master_busy_poll_us is not None:
-        Master.extra_args = ["--busy-poll-us", str(args.master_busy_poll_us)]
+    master_args = (() if args.master_busy_poll_us is None
+                   else ("--busy-poll-us", str(args.master_busy_poll_us)))
     if args.quick:
         args.reps = 1
         args.segment_gib = min(args.segment_gib, 2.0)
@@ -668,7 +667,7 @@ def main() -> int:
                 "zc_bytes": zc_bytes}
 
     def run_single() -> None:
-        m = Master(procs, logdir, "master-single")
+        m = Master(procs, logdir, "master-single", master_args)
         w = Worker(procs, logdir, "client-single", client_cfg(m))
         single: dict[str, Any] = {"worker": w.info}
         res["single_client"] = single
@@ -716,7 +715,7 @@ def main() -> int:
         procs.stop(m.p)
 
     def run_two(transport: str) -> None:
-        m = Master(procs, logdir, f"master-two-{transport}")
+        m = Master(procs, logdir, f"master-two-{transport}", master_args)
         A = Worker(procs, logdir, f"client-A-{transport}", client_cfg(m, transport))
         B = Worker(procs, logdir, f"client-B-{transport}", client_cfg(m, transport))
         a_seg, b_seg = A.info["segment_ids"][0], B.info["segment_ids"][0]
