@@ -13,7 +13,8 @@ Rules of this file:
 - Hybrid models (Mamba, sliding window, DeepSeek V4, draft models) add pools with
   ``register_mem_host_pool_v2`` and move them with ``batch_exists_v2`` / ``batch_get_v2`` /
   ``batch_set_v2`` (``PoolTransfer``: a pool's page keys and host indices, and its hit policy);
-  a lookup is one pool call, and so is every read or write of all the pools of a batch. An
+  a read or write of all the pools of a batch is one pool call, a lookup two (the KV prefix,
+  then every side pool's pages at once). An
   anchor host pool without a ``kv_buffer`` (DeepSeek V4) holds no bytes: its pages count as
   present and moved, the side pools carry the data.
 - The client config is ``KVPOOL_CONFIG_PATH`` / ``MOONCAKE_CONFIG_PATH`` when set, with the
