@@ -34,6 +34,7 @@ from kvpool_client.api import (
 from kvpool_client.buffers import (
     BufferRegistry,
     KeyLike,
+    address_of,
     byte_view,
     regions_of,
     slice_view,
@@ -49,6 +50,7 @@ from kvpool_client.member import Member
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterSession
 from kvpool_client.segments import host_id
+from kvpool_client.transfer.engine import EngineTransport
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import PutOptions
 
@@ -61,8 +63,11 @@ class AsyncKVPoolClient:
     """A kvpool client on the running event loop. Build, then ``await start()`` (or use
     ``async with``, or ``await AsyncKVPoolClient.from_config(path)``)."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, *, engine: Any = None) -> None:
+        """``engine``: a Mooncake ``TransferEngine`` the caller built and initialised (with the
+        ``P2PHANDSHAKE`` metadata) for this client to move bytes with, instead of its own."""
         self.config = config
+        self._engine = engine
         self.metrics = ClientMetrics()
         self.buffers = BufferRegistry()
         name = config.client_id or f"{socket.gethostname()[:32]}-{os.getpid()}-" \
@@ -102,7 +107,7 @@ class AsyncKVPoolClient:
             return
         self._started = True
         member = await Member.join(self.config, self.client_id, self.host_id, self._master,
-                                   self._session, self.metrics)
+                                   self._session, self.metrics, self._engine)
         if self.config.metrics_port >= 0:
             try:
                 self._start_metrics_server(self.config.metrics_port, self.config.metrics_host)
@@ -156,6 +161,13 @@ class AsyncKVPoolClient:
         """``"ip:port"`` of this client's data server (``local_hostname`` when it serves none)."""
         member = self._member
         return member.hostname if member is not None else self.config.local_hostname
+
+    @property
+    def engine_session(self) -> str:
+        """The session id (``"host:port"``) of this client's transfer engine, "" when it has
+        none (shared memory and kvpool's TCP move its bytes)."""
+        member = self._member
+        return member.engine.session_id if member is not None and member.engine else ""
 
     @property
     def segment_ids(self) -> list[str]:
@@ -448,12 +460,40 @@ class AsyncKVPoolClient:
     # -- buffers, async writes, metrics -----------------------------------------------------------
 
     async def register_buffer(self, buf: Any) -> None:
-        """Register a buffer used by put_from/get_into (optional; saves deriving its view)."""
-        self.buffers.register(buf)
+        """Register a buffer used by put_from/get_into (optional; saves deriving its view, and
+        with a transfer engine lets it move the buffer's bytes in place)."""
+        view = self.buffers.register(buf)
+        engine = self.member.engine
+        if engine is not None and not view.readonly and view.nbytes:
+            address = address_of(view)
+            if not engine.registered(address, view.nbytes):
+                engine.register(address, view.nbytes)
 
     async def unregister_buffer(self, buf: Any) -> None:
         """Forget a registered buffer. Raises KVPoolError INVALID_ARGUMENT if it was not."""
+        view = self.buffers.view(buf)
         self.buffers.unregister(buf)
+        engine = self.member.engine
+        if engine is not None and view.nbytes and not view.readonly:
+            engine.unregister(address_of(view))
+
+    async def register_memory(self, address: int, nbytes: int) -> None:
+        """Let this client's transfer engine move ``[address, address + nbytes)`` in place
+        (host or device memory, e.g. a KV-cache tensor): regions ``AddressRange(address, n)``
+        inside it then go straight between it and the pool. Raises KVPoolError
+        INVALID_ARGUMENT when this client has no transfer engine."""
+        self._engine_or_raise().register(address, nbytes)
+
+    async def unregister_memory(self, address: int) -> None:
+        """Withdraw a range ``register_memory`` registered at ``address``."""
+        self._engine_or_raise().unregister(address)
+
+    def _engine_or_raise(self) -> EngineTransport:
+        engine = self.member.engine
+        if engine is None:
+            raise KVPoolError(Status.INVALID_ARGUMENT, "this client has no transfer engine "
+                              "(see the config keys 'transport' and 'protocol')")
+        return engine
 
     async def flush(self, timeout_s: float | None = None) -> None:
         """Wait for async writes and pipelined commits. Raises KVPoolError TIMEOUT, or the first

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_client.core.regions import Regions
+from kvpool_client.core.regions import AddressRange, AnyRegions, Regions  # noqa: F401 (re-exported)
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import MAX_KEY_BYTES
 
@@ -78,11 +78,13 @@ def slice_view(view: memoryview, offset: int, size: int) -> memoryview:
     return view[offset:offset + size]
 
 
-def regions_of(parts: Sequence[Any], *, writable: bool = False) -> Regions:
-    """Return the byte views of one object's regions; ``INVALID_ARGUMENT`` for a bad region."""
+def regions_of(parts: Sequence[Any], *, writable: bool = False) -> AnyRegions:
+    """Return the byte views of one object's regions (``AddressRange`` ones as they are);
+    ``INVALID_ARGUMENT`` for a bad region."""
     if isinstance(parts, str | bytes | bytearray | memoryview) or not isinstance(parts, Sequence):
         raise KVPoolError(Status.INVALID_ARGUMENT, "the regions of a key are a list of buffers")
-    return [byte_view(part, writable=writable) for part in parts]
+    return [part if type(part) is AddressRange else byte_view(part, writable=writable)
+            for part in parts]
 
 
 # --- fresh bytes filled in place ---

@@ -63,13 +63,14 @@ def _close_at_exit(thread: LoopThread, client: AsyncKVPoolClient,
 class KVPoolClient:
     """Synchronous kvpool client; see :class:`AsyncKVPoolClient` for every method's contract."""
 
-    def __init__(self, config: ClientConfig) -> None:
-        """Join the pool described by ``config`` (segments created, registered, mounted).
+    def __init__(self, config: ClientConfig, *, engine: Any = None) -> None:
+        """Join the pool described by ``config`` (segments created, registered, mounted);
+        ``engine`` as for AsyncKVPoolClient.
 
         Raises KVPoolError (RPC_FAILED / TIMEOUT when the master cannot be reached, ...).
         """
         self._thread = LoopThread("kvpool-client")
-        self._client = AsyncKVPoolClient(config)
+        self._client = AsyncKVPoolClient(config, engine=engine)
         self._path: BlockingDataPath | None = None
         try:
             self._thread.run(self._client.start())
@@ -132,6 +133,16 @@ class KVPoolClient:
     def hostname(self) -> str:
         """``"ip:port"`` of this client's data server."""
         return self._client.hostname
+
+    @property
+    def engine_session(self) -> str:
+        """See AsyncKVPoolClient.engine_session."""
+        return self._client.engine_session
+
+    @property
+    def has_engine(self) -> bool:
+        """Whether a transfer engine moves this client's bytes between hosts."""
+        return bool(self._client.engine_session)
 
     @property
     def segment_ids(self) -> list[str]:
@@ -431,11 +442,19 @@ class KVPoolClient:
 
     def register_buffer(self, buf: Any) -> None:
         """See AsyncKVPoolClient.register_buffer."""
-        self._client.buffers.register(buf)
+        self._thread.run(self._client.register_buffer(buf))
 
     def unregister_buffer(self, buf: Any) -> None:
         """See AsyncKVPoolClient.unregister_buffer."""
-        self._client.buffers.unregister(buf)
+        self._thread.run(self._client.unregister_buffer(buf))
+
+    def register_memory(self, address: int, nbytes: int) -> None:
+        """See AsyncKVPoolClient.register_memory."""
+        self._thread.run(self._client.register_memory(address, nbytes))
+
+    def unregister_memory(self, address: int) -> None:
+        """See AsyncKVPoolClient.unregister_memory."""
+        self._thread.run(self._client.unregister_memory(address))
 
     def flush(self, timeout_s: float | None = None) -> None:
         """See AsyncKVPoolClient.flush."""

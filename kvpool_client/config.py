@@ -31,8 +31,10 @@ from kvpool_wire.types import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("tcp", "rdma", "ascend", "ascend_no_transport")
-TRANSPORTS = ("auto", "shm", "tcp")
+#: Mooncake's protocols; any but "tcp" and "ascend_no_transport" asks for the engine transport
+PROTOCOLS = ("tcp", "rdma", "ascend", "ascend_no_transport", "nvlink", "efa", "hip", "cxl",
+             "barex")
+TRANSPORTS = ("auto", "shm", "tcp", "engine")
 
 #: Keys some Mooncake client or integration reads that kvpool has no use for (accepted, ignored).
 MOONCAKE_IGNORED_KEYS = frozenset(
@@ -84,7 +86,10 @@ class ClientConfig:
     prefer_alloc_in_same_node: bool = False  # default PutOptions.prefer_same_host
     replica_num: int = 1  # default PutOptions.replica_num
     # kvpool keys
-    transport: str = "auto"  # auto: shm on the same host, tcp otherwise; shm/tcp force one
+    # auto: shm on the same host, else the transfer engine when ``protocol`` names one (and it
+    # is installed), else kvpool's TCP; shm/tcp force one; engine: the transfer engine with
+    # ``protocol`` (its own "tcp" included) wherever a peer has one, shm on the same host
+    transport: str = "auto"
     heartbeat_interval_s: float = 0.0  # 0: a third of the master's client_ttl
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0

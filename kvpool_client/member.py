@@ -2,7 +2,8 @@
 
 ``await Member.join(...)`` is the client's start:
 1. remove shared memory left by dead processes of the cluster, create this client's segments;
-2. serve them (the data server refuses every request until the master's key is known);
+2. serve them (the data server refuses every request until the master's key is known), and
+   register them with the transfer engine when this client uses one;
 3. register (waiting for an id whose previous holder is dying), stamp the ownership proof into
    the segments, mount them;
 4. build the parts both drivers share, the asyncio driver and the async writer; start
@@ -33,6 +34,7 @@ from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, MasterSession
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, split_sizes
 from kvpool_client.transfer.copy import ParallelCopier
+from kvpool_client.transfer.engine import DEFAULT_STAGING_BYTES, EngineTransport, open_engine
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_client.transfer.tcp import DataServer
 from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
@@ -78,6 +80,7 @@ class Member:
     session: MasterSession
     segments: dict[str, LocalSegment]
     server: DataServer | None  # None: this client contributes no memory
+    engine: EngineTransport | None  # None: no transfer engine (shm and kvpool's TCP only)
     rpc: MasterRpc
     liveness: Liveness
     parts: Parts
@@ -90,13 +93,16 @@ class Member:
     @classmethod
     async def join(cls, config: ClientConfig, client_id: str, host_id: str,
                    master: MasterAddress, session: MasterSession,
-                   metrics: ClientMetrics) -> Member:
-        """Join the pool (see the module's steps). Raises KVPoolError (RPC_FAILED / TIMEOUT
-        when the master cannot be reached, NO_SPACE when /dev/shm cannot hold the segments,
-        ...), after undoing what was done."""
+                   metrics: ClientMetrics, engine: object = None) -> Member:
+        """Join the pool (see the module's steps); ``engine``: a TransferEngine the caller
+        built and initialised, used instead of one of this client's own. Raises KVPoolError
+        (RPC_FAILED / TIMEOUT when the master cannot be reached, NO_SPACE when /dev/shm cannot
+        hold the segments, PERMISSION_DENIED when the master's ``--engine-transport`` refuses
+        this client's choice, ...), after undoing what was done."""
         undo = contextlib.AsyncExitStack()
         try:
-            return await cls._join(config, client_id, host_id, master, session, metrics, undo)
+            return await cls._join(config, client_id, host_id, master, session, metrics, undo,
+                                   engine)
         except BaseException:
             await undo.aclose()
             raise
@@ -104,8 +110,9 @@ class Member:
     @classmethod
     async def _join(cls, config: ClientConfig, client_id: str, host_id: str,
                     master: MasterAddress, session: MasterSession, metrics: ClientMetrics,
-                    undo: contextlib.AsyncExitStack) -> Member:
+                    undo: contextlib.AsyncExitStack, handed_engine: object) -> Member:
         segments = await _create_segments(config, client_id, undo)
+        engine = await _engine_transport(config, handed_engine, segments, undo)
         huge_bytes = sum(s.huge_bytes for s in segments.values())
         metrics.segment_page_bytes.update({
             "2MiB": huge_bytes, "4KiB": sum(s.size_bytes for s in segments.values()) - huge_bytes})
@@ -114,7 +121,8 @@ class Member:
 
         def descriptors() -> list[SegmentInfo]:
             endpoint = server.endpoint if server is not None else ""
-            return [s.describe(host_id, endpoint) for s in segments.values()]
+            session_id = engine.session_id if engine is not None else ""
+            return [s.describe(host_id, endpoint, session_id) for s in segments.values()]
 
         def stamp_segments(key: bytes) -> None:
             """Write the ownership proof of ``key`` into every segment (before mounting)."""
@@ -134,6 +142,10 @@ class Member:
         mounted = descriptors()
         for descriptor in mounted:
             status = await rpc.mount_segment(client_id, descriptor)
+            if status == Status.PERMISSION_DENIED:
+                raise KVPoolError(status, f"the master refused segment {descriptor.segment_id}"
+                                  f" {'with' if engine else 'without'} a transfer engine "
+                                  "(its --engine-transport setting)")
             if status not in _OK_STATUSES:
                 # SEGMENT_ALREADY_EXISTS: another live client mounted a segment of this id.
                 raise KVPoolError(status, f"mounting segment {descriptor.segment_id} failed")
@@ -148,7 +160,7 @@ class Member:
             shm=ShmTransport(segments, copier=ParallelCopier(
                 config.copy_threads or copy_threads()), populate=config.populate_peer_segments),
             checksum_max_bytes=checksum_max_bytes(config.checksum), metrics=metrics,
-            liveness=liveness, session=session)
+            liveness=liveness, session=session, engine=engine)
         parts.remember(mounted)
         undo.push_async_callback(parts.shm.close)
 
@@ -172,7 +184,7 @@ class Member:
                     client_id, config.master_server_address, len(segments),
                     config.global_segment_size, hostname)
         return cls(config=config, client_id=client_id, host_id=host_id, master=master,
-                   session=session, segments=segments, server=server, rpc=rpc,
+                   session=session, segments=segments, server=server, engine=engine, rpc=rpc,
                    liveness=liveness, parts=parts, datapath=datapath, writer=writer,
                    _undo=undo)
 
@@ -222,6 +234,43 @@ async def _create_segments(config: ClientConfig, client_id: str,
         undo.callback(segment.close)
         segments[segment.segment_id] = segment
     return segments
+
+
+def wants_engine(config: ClientConfig) -> bool:
+    """Whether the config asks for the engine transport: ``"transport": "engine"``, or
+    ``"auto"`` with a ``protocol`` only a transfer engine speaks."""
+    return config.transport == "engine" or (
+        config.transport == "auto" and config.protocol not in ("tcp", "ascend_no_transport"))
+
+
+async def _engine_transport(config: ClientConfig, handed: object,
+                            segments: dict[str, LocalSegment],
+                            undo: contextlib.AsyncExitStack) -> EngineTransport | None:
+    """The engine transport with every segment registered, or None when the config does not
+    ask for one. With ``"transport": "auto"`` an engine that is not installed or does not start
+    is a warning (kvpool's TCP moves the bytes); with ``"engine"`` it is an error."""
+    if not wants_engine(config) and handed is None:
+        return None
+    host = config.data_host
+    try:
+        engine = handed if handed is not None else \
+            await asyncio.to_thread(open_engine, host, config.protocol, config.device_name)
+        transport = EngineTransport(engine, host, owned=handed is None,
+                                    staging_bytes=config.local_buffer_size
+                                    or DEFAULT_STAGING_BYTES)
+    except KVPoolError as exc:
+        if config.transport == "engine":
+            raise
+        logger.warning("protocol %r: no transfer engine (%s); kvpool's TCP moves the bytes "
+                       "between hosts", config.protocol, exc.message)
+        return None
+    undo.callback(transport.close)
+    for segment in segments.values():
+        transport.register(segment.address, segment.size_bytes)
+        undo.callback(transport.unregister, segment.address)
+    logger.info("transfer engine %s (protocol %s) reaches %d segments", transport.session_id,
+                config.protocol, len(segments))
+    return transport
 
 
 def _serve(config: ClientConfig, segments: dict[str, LocalSegment], session: MasterSession,

@@ -265,11 +265,16 @@ class LocalSegment:
         """True after close()."""
         return self._view is None
 
-    def describe(self, host_id: str, tcp_endpoint: str = "") -> SegmentInfo:
-        """Return the SegmentInfo a peer needs to reach this segment (what gets mounted)."""
+    def describe(self, host_id: str, tcp_endpoint: str = "",
+                 engine_endpoint: str = "") -> SegmentInfo:
+        """Return the SegmentInfo a peer needs to reach this segment (what gets mounted); with
+        ``engine_endpoint``, the segment is registered with that transfer engine at its
+        address."""
         return SegmentInfo(segment_id=self.segment_id, client_id=self.client_id,
                            size_bytes=self.size_bytes, tier=Tier.DRAM, host_id=host_id,
-                           shm_name=self.shm_name, tcp_endpoint=tcp_endpoint)
+                           shm_name=self.shm_name, tcp_endpoint=tcp_endpoint,
+                           engine_endpoint=engine_endpoint,
+                           engine_base_address=self.address if engine_endpoint else 0)
 
     def close(self) -> None:
         """Unlink the name and unmap (idempotent).

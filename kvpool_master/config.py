@@ -50,6 +50,7 @@ class MasterConfig:
     write_capability_ttl_s: float = 10.0
     max_segments_per_client: int = 1024
     max_batch_keys: int = 100_000
+    engine_transport: str = "allow"
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
     max_connections: int = 4096
@@ -214,6 +215,10 @@ OPTIONS: tuple[Option, ...] = (
            "N"),
     Option("max_batch_keys", "max_batch_keys", _int(1, 10_000_000),
            "most keys in one call; longer batches answer INVALID_ARGUMENT (default 100000)", "N"),
+    Option("engine_transport", "engine_transport", _choice("allow", "refuse", "require"),
+           "segments a transfer engine reaches one-sidedly (no capability check by the owner, "
+           "see README 'Engine transport'): allow them, refuse them (their MountSegment answers "
+           "PERMISSION_DENIED), or require them of every segment (default allow)", "POLICY"),
     Option("max_key_bytes", "max_key_bytes", _int(1, MAX_KEY_BYTES),
            f"longest key in bytes; longer keys answer INVALID_KEY (default {MAX_KEY_BYTES})", "N"),
     Option("max_message_bytes", "max_message_bytes", _size(4096, 2**31 - 1),

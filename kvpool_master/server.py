@@ -74,6 +74,7 @@ def core_config(config: MasterConfig) -> CoreConfig:
         eviction_policy=config.eviction_policy,
         max_key_bytes=config.max_key_bytes,
         max_batch_keys=config.max_batch_keys,
+        engine_transport=config.engine_transport,
     )
 
 

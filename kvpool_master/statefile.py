@@ -161,7 +161,7 @@ class Overlay:
                 self.clients[row[1]] = row[1:]
             elif code == _CLIENT_GONE and len(row) == 2:
                 self.clients.pop(row[1], None)
-            elif code == _SEGMENT_MOUNTED and len(row) == 9:
+            elif code == _SEGMENT_MOUNTED and len(row) in (9, 10):  # 9: before engine bases
                 self.segments[row[1]] = row[1:]
             elif code == _SEGMENT_UNMOUNTED and len(row) == 2:
                 self.segments.pop(row[1], None)

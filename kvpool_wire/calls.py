@@ -88,7 +88,7 @@ def segment_info_of(d: Any) -> SegmentInfo:
     return SegmentInfo(SegmentId(d.segment_id), ClientId(d.client_id), d.size_bytes,
                        Tier(d.tier) if d.tier in Tier._value2member_map_ else Tier.DRAM,
                        d.host_id, d.shm_name, d.tcp_endpoint, d.engine_endpoint,
-                       d.ownership_proof)
+                       d.engine_base_address, d.ownership_proof)
 
 
 def _status_field(response: Any) -> Status:

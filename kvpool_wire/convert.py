@@ -132,6 +132,7 @@ def _segment_info(descriptor: Any, client_id: str) -> SegmentInfo:
         tcp_endpoint=_name(descriptor.tcp_endpoint, "segment.tcp_endpoint", required=False),
         engine_endpoint=_name(descriptor.engine_endpoint, "segment.engine_endpoint",
                               required=False),
+        engine_base_address=int(descriptor.engine_base_address),
     )
 
 
@@ -160,7 +161,7 @@ def descriptor_of(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.Segment
         segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
         tier=_pb(int(info.tier)), host_id=info.host_id, shm_name=info.shm_name,
         tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint,
-        ownership_proof=ownership_proof)
+        engine_base_address=info.engine_base_address, ownership_proof=ownership_proof)
 
 
 def encode_get_segments(infos: Sequence[SegmentInfo | None],

@@ -35,6 +35,7 @@ from kvpool_client.compat.devices import (
     default_runtimes,
     locate_device,
 )
+from kvpool_client.core.regions import AddressRange
 from kvpool_wire.status import KVPoolError, Status
 
 #: a transfer region as Mooncake passes it: (address, size in bytes)
@@ -326,6 +327,20 @@ class RegionRegistry:
         raise KVPoolError(Status.INVALID_ARGUMENT,
                           f"range 0x{address:x}+{size_bytes} is not inside a registered buffer "
                           "(call register_buffer(ptr, size) on the memory first)")
+
+    def device_ranges(self, ranges: Sequence[PointerRange]) -> list[AddressRange] | None:
+        """The ranges as ``AddressRange`` regions when every one lies in a registered device
+        region (a transfer engine then moves them in place), else None."""
+        out: list[AddressRange] = []
+        for address, size_bytes in ranges:
+            try:
+                region = self.find(address, size_bytes)
+            except KVPoolError:
+                return None
+            if region.device is None:
+                return None
+            out.append(AddressRange(address, size_bytes))
+        return out or None
 
     def sources(self, ranges: Sequence[PointerRange], *,
                 registered_only: bool = True) -> list[memoryview]:

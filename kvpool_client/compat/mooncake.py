@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from kvpool_client.compat import codes
 from kvpool_client.compat.engine import EngineHandle, TransferEngine
 from kvpool_client.compat.extras import BufferHandle, StoreExtras
-from kvpool_client.compat.memory import RegionRegistry, staged
+from kvpool_client.compat.memory import Destination, RegionRegistry, staged
 from kvpool_client.compat.replicate import ReplicateConfig, SoftPinAction, put_options
 from kvpool_client.compat.sessions import StoreSessions
 from kvpool_client.compat.setup_args import parse_setup
@@ -68,19 +68,20 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
 
         try:
             setup = parse_setup(args, kwargs)
-            if setup.engine is not None and not isinstance(setup.engine, EngineHandle):
-                raise KVPoolError(Status.INVALID_ARGUMENT,
-                                  "engine must come from mooncake.engine.TransferEngine()"
-                                  ".get_engine() of this package")
+            engine = _real_engine(setup.engine)
             with self._lock:
                 if self._client is not None:
                     raise KVPoolError(Status.INVALID_ARGUMENT, "setup was already called")
-                client = KVPoolClient(setup.config)
+                client = KVPoolClient(setup.config, engine=engine)
                 self._client = client
                 self._segment_name = setup.segment_name
-                if setup.engine is not None:
+                if isinstance(setup.engine, EngineHandle):
                     self._registry = setup.engine.registry
-                self._unregistered_ok = _fabric_memory_mode(setup.config.protocol, setup.engine)
+                # A real engine's caller registers its memory there, out of this store's
+                # sight: pointers are checked against the process's memory instead.
+                self._unregistered_ok = _fabric_memory_mode(setup.config.protocol,
+                                                            setup.engine) or \
+                    (setup.engine is not None and not isinstance(setup.engine, EngineHandle))
         except KVPoolError as exc:
             logger.error("MooncakeDistributedStore.setup failed: %s", exc)
             return codes.code_of_error(exc)
@@ -110,9 +111,13 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
     # --- memory ---
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Register ``[buffer_ptr, buffer_ptr+size)`` (host, CUDA or NPU memory); 0 or -600."""
+        """Register ``[buffer_ptr, buffer_ptr+size)`` (host, CUDA or NPU memory); 0 or -600.
+        With a transfer engine, the engine registers it too: its bytes then move in place."""
         try:
             self._registry.register(buffer_ptr, size)
+            client = self._client
+            if client is not None and client.has_engine:
+                client.register_memory(buffer_ptr, size)
         except KVPoolError as exc:
             logger.error("register_buffer: %s", exc.message)
             return codes.code_of_error(exc)
@@ -122,6 +127,9 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
         """Forget the buffer registered at ``buffer_ptr``; 0, or -600 when there is none."""
         try:
             self._registry.unregister(buffer_ptr)
+            client = self._client
+            if client is not None and client.has_engine:
+                client.unregister_memory(buffer_ptr)
         except KVPoolError as exc:
             logger.error("unregister_buffer: %s", exc.message)
             return codes.code_of_error(exc)
@@ -297,6 +305,14 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
             return str(ids[0]) if ids else ""
         return name
 
+    def _by_address(self, ranges: list[tuple[int, int]]) -> list[Any] | None:
+        """Device ranges the client's transfer engine moves in place (no host staging), when
+        it has one and every range lies in a registered device region; else None."""
+        client = self._client
+        if client is None or not client.has_engine:
+            return None
+        return self._registry.device_ranges(ranges)
+
     def _one(self, op: str, call: Callable[[Any], T]) -> T | int:
         client = self._client
         if client is None:
@@ -325,8 +341,8 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
         registered_only = registered_only and not self._unregistered_ok
         for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
             try:
-                batch_regions.append(self._registry.sources(key_ranges,
-                                                            registered_only=registered_only))
+                batch_regions.append(self._by_address(key_ranges) or self._registry.sources(
+                    key_ranges, registered_only=registered_only))
             except KVPoolError as exc:
                 _log_failure(op, exc)
                 results[i] = codes.code_of_error(exc)
@@ -348,7 +364,9 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
         registered_only = registered_only and not self._unregistered_ok
         for i, (key, key_ranges) in enumerate(zip(keys, ranges, strict=True)):
             try:
-                dests.append(self._registry.destination(key_ranges,
+                addressed = self._by_address(key_ranges)
+                dests.append(Destination(addressed, []) if addressed else
+                             self._registry.destination(key_ranges,
                                                         registered_only=registered_only))
             except KVPoolError as exc:
                 _log_failure(op, exc)
@@ -369,6 +387,24 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
                     _log_failure(op, exc)
                     results[i] = codes.code_of_error(exc)
         return results
+
+
+def _real_engine(engine: Any) -> Any:
+    """What of ``setup``'s ``engine`` the client can drive: a real Mooncake ``TransferEngine``
+    object, used as the client's engine; None for kvpool's own handle, or for the handle a
+    real engine's ``get_engine()`` returns (it has no Python surface: the client then starts
+    an engine of its own when its config asks for one). Raises KVPoolError INVALID_ARGUMENT for
+    anything else."""
+    if engine is None or isinstance(engine, EngineHandle):
+        return None
+    if hasattr(engine, "batch_transfer_sync_write") and hasattr(engine, "get_rpc_port"):
+        return engine
+    if type(engine).__name__ == "InnerTransferEngine":
+        logger.info("setup: the engine handle of mooncake.engine cannot be driven from Python; "
+                    "kvpool moves bytes with an engine of its own where its config asks")
+        return None
+    raise KVPoolError(Status.INVALID_ARGUMENT,
+                      "engine must come from mooncake.engine.TransferEngine().get_engine()")
 
 
 def _fabric_memory_mode(protocol: str, engine: Any) -> bool:

@@ -1,13 +1,36 @@
 """Regions: an object is the concatenation of its regions (``list[memoryview]`` of unsigned
-bytes, in order), and its checksum."""
+bytes, in order), and its checksum.
+
+A region may also be an ``AddressRange``: memory known by address only (a device tensor, or
+host memory registered with the transfer engine), which only the engine transport moves. An
+object with such a region gets no checksum (its bytes are not readable here).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
+
+@dataclass(frozen=True, slots=True)
+class AddressRange:
+    """``nbytes`` bytes at ``address`` in this process, registered with the transfer engine
+    (``register_memory``); the engine moves them in place, no other transport can."""
+
+    address: int
+    nbytes: int
+
+
 Regions = list[memoryview]
+#: what callers may hand in: host views, or ranges known by address (``AddressRange``)
+AnyRegions = list[memoryview | AddressRange]
+
+
+def by_address(regions: Sequence[object]) -> bool:
+    """Whether any region is an ``AddressRange``."""
+    return any(type(r) is AddressRange for r in regions)
 
 
 def total_bytes(regions: Regions) -> int:
@@ -27,7 +50,12 @@ def trim_regions(regions: Regions, size_bytes: int) -> Regions:
             break
         take = min(left, region.nbytes)
         if take:
-            out.append(region if take == region.nbytes else region[:take])
+            if take == region.nbytes:
+                out.append(region)
+            elif isinstance(region, AddressRange):  # an AnyRegions list
+                out.append(AddressRange(region.address, take))
+            else:
+                out.append(region[:take])
         left -= take
     return out
 

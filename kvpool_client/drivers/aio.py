@@ -63,10 +63,10 @@ class AsyncDataPath:
         return parts.learn(missing, await self.rpc.get_segments(missing) if missing else [])
 
     async def transfer(self, items: Sequence[ReadItem], *, writing: bool) -> list[Status]:
-        """Move every item through its transport (shared memory and TCP concurrently)."""
+        """Move every item through its transport (shared memory, the engine and TCP
+        concurrently)."""
         parts = self.parts
-        statuses, shm_part, tcp_part = parts.route(items)
-        jobs = [(name, part) for name, part in (("shm", shm_part), ("tcp", tcp_part)) if part]
+        statuses, jobs = parts.route(items)
         runs = [self._run_part(name, [items[i] for i in part], writing) for name, part in jobs]
         results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         for (_, part), part_statuses in zip(jobs, results, strict=True):
@@ -75,6 +75,12 @@ class AsyncDataPath:
 
     async def _run_part(self, name: str, chosen: list[ReadItem], writing: bool) -> list[Status]:
         started = time.perf_counter()
+        engine = self.parts.engine
+        if name == "engine" and engine is not None:  # blocking calls: on a worker thread
+            call = engine.write_batch if writing else engine.read_batch
+            statuses = await asyncio.to_thread(call, chosen)
+            self.parts.observe(name, writing, chosen, statuses, started)
+            return statuses
         transport: Any = self.parts.shm if name == "shm" else self.tcp
         if writing:
             statuses = await transport.write_batch(chosen)

@@ -88,16 +88,18 @@ class BlockingDataPath:
         return parts.learn(missing, self.rpc.get_segments(missing) if missing else [])
 
     def transfer(self, items: Sequence[ReadItem], *, writing: bool) -> list[Status]:
-        """Move every item through its transport (shared memory first, then TCP)."""
+        """Move every item through its transport (shared memory, the engine, then TCP)."""
         parts = self.parts
-        statuses, shm_part, tcp_part = parts.route(items)
-        for name, part in (("shm", shm_part), ("tcp", tcp_part)):
-            if not part:
-                continue
+        statuses, routes = parts.route(items)
+        for name, part in routes:
             chosen = [items[i] for i in part]
             started = time.perf_counter()
             if name == "shm":
                 part_statuses = parts.shm.copy_batch(chosen, writing=writing)
+            elif name == "engine":
+                assert parts.engine is not None
+                part_statuses = parts.engine.write_batch(chosen) if writing else \
+                    parts.engine.read_batch(chosen)
             elif writing:
                 part_statuses = self.tcp.write_batch(chosen)
             else:

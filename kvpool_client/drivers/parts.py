@@ -2,7 +2,10 @@
 
 Rules of this file:
 - Transport per placement: shared memory when the segment is on this host (unless the config
-  forces ``tcp``), TCP otherwise (refused when the config forces ``shm``).
+  forces ``tcp``) and the regions are host memory; else the transfer engine when this client
+  has one and the segment advertises one; else TCP (refused when the config forces ``shm``).
+  Regions known only by address (``AddressRange``, e.g. device memory) go through the engine
+  or fail with INVALID_ARGUMENT: no other transport reaches them.
 - A transfer failing with SEGMENT_NOT_FOUND, TRANSFER_FAILED or PERMISSION_DENIED (a refused
   ownership proof, which an owner that re-registered under a new key has replaced) drops what
   this client knows of the segment: the next use asks the master again.
@@ -24,8 +27,9 @@ from typing import Protocol
 
 from kvpool_client.core.put_plan import WRITE_MARGIN_S, PutPlan, WriteJob, WriteWindow
 from kvpool_client.core.read_plan import ReadItem, ReadPlan
-from kvpool_client.core.regions import Regions, checksum
+from kvpool_client.core.regions import Regions, by_address, checksum
 from kvpool_client.metrics import ClientMetrics
+from kvpool_client.transfer.engine import EngineTransport
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_wire.capability import MasterClock
 from kvpool_wire.status import KVPoolError, Status
@@ -66,7 +70,8 @@ class Parts:
 
     def __init__(self, *, client_id: str, local_host_id: str, transport: str,
                  shm: ShmTransport, checksum_max_bytes: int, metrics: ClientMetrics,
-                 liveness: LivenessView, session: ClockView) -> None:
+                 liveness: LivenessView, session: ClockView,
+                 engine: EngineTransport | None = None) -> None:
         self.client_id = client_id
         self.local_host_id = local_host_id
         self.force_tcp = transport == "tcp"
@@ -78,6 +83,7 @@ class Parts:
         self.metrics = metrics
         self.liveness = liveness
         self.session = session
+        self.engine = engine
         self._segment_id_to_info: dict[str, SegmentInfo] = {}
 
     # -- segment directory ------------------------------------------------------------------------
@@ -112,19 +118,28 @@ class Parts:
 
     # -- transfers --------------------------------------------------------------------------------
 
-    def route(self, items: Sequence[ReadItem]) -> tuple[list[Status], list[int], list[int]]:
-        """(statuses so far, indices for shared memory, indices for TCP)."""
+    def route(self, items: Sequence[ReadItem]
+              ) -> tuple[list[Status], list[tuple[str, list[int]]]]:
+        """(statuses so far, [(transport name, indices)] of the non-empty parts: "shm", then
+        "engine", then "tcp")."""
         statuses = [Status.OK] * len(items)
-        shm_part: list[int] = []
-        tcp_part: list[int] = []
-        for index, item in enumerate(items):
-            if self.prefers(item[0]):
-                shm_part.append(index)
+        parts: dict[str, list[int]] = {"shm": [], "engine": [], "tcp": []}
+        engine = self.engine is not None
+        for index, (info, _, regions) in enumerate(items):
+            addressed = by_address(regions)
+            if not addressed and self.prefers(info):
+                parts["shm"].append(index)
+            elif engine and info.engine_endpoint:
+                parts["engine"].append(index)
+            elif addressed:
+                statuses[index] = Status.INVALID_ARGUMENT  # only an engine reaches them
+                logger.warning("segment %s has no transfer engine (or this client has none): "
+                               "device memory cannot reach it", info.segment_id)
             elif self.shm_only:
                 statuses[index] = Status.TRANSFER_FAILED  # transport "shm" forbids tcp
             else:
-                tcp_part.append(index)
-        return statuses, shm_part, tcp_part
+                parts["tcp"].append(index)
+        return statuses, [(name, part) for name, part in parts.items() if part]
 
     def merge(self, items: Sequence[ReadItem], statuses: list[Status], part: list[int],
               part_statuses: Sequence[Status]) -> None:
@@ -153,7 +168,7 @@ class Parts:
             return PutPlan(keys, sizes, None)
         if regions is None:
             return PutPlan(keys, sizes, [0] * len(keys))
-        return PutPlan(keys, sizes, [checksum(r) if size <= limit else 0
+        return PutPlan(keys, sizes, [checksum(r) if size <= limit and not by_address(r) else 0
                                      for r, size in zip(regions, sizes, strict=True)])
 
     def read_plan(self, keys: Sequence[bytes]) -> ReadPlan:

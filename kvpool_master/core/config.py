@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from kvpool_master.core.eviction import POLICIES
 from kvpool_wire.types import MAX_KEY_BYTES
 
+#: what the pool does with segments a transfer engine reaches (README, "Engine transport"):
+#: allow them, refuse them, or require every segment to have one
+ENGINE_TRANSPORT_POLICIES = ("allow", "refuse", "require")
+
 
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
@@ -22,6 +26,7 @@ class CoreConfig:
     eviction_policy: str = "lru"          # or "prefix-lru"
     max_key_bytes: int = 1024
     max_batch_keys: int = 100_000
+    engine_transport: str = "allow"
 
     def __post_init__(self) -> None:
         for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s",
@@ -44,3 +49,6 @@ class CoreConfig:
                              f"got {self.max_segments_per_client!r}")
         if not isinstance(self.max_batch_keys, int) or self.max_batch_keys < 1:
             raise ValueError(f"max_batch_keys must be >= 1, got {self.max_batch_keys!r}")
+        if self.engine_transport not in ENGINE_TRANSPORT_POLICIES:
+            raise ValueError(f"engine_transport must be one of {ENGINE_TRANSPORT_POLICIES}, "
+                             f"got {self.engine_transport!r}")

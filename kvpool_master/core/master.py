@@ -149,11 +149,15 @@ class MasterCore(Mutations):
         different descriptor they are dropped first (the memory behind it is new).
         Fails with INVALID_ARGUMENT (malformed, or larger than 2**46 bytes), UNKNOWN_CLIENT
         (owner not registered), SEGMENT_ALREADY_EXISTS (a mounted segment with this id and
-        another descriptor, or a restored one of another owner) or RESOURCE_EXHAUSTED (the
-        owner already has ``max_segments_per_client`` segments).
+        another descriptor, or a restored one of another owner), RESOURCE_EXHAUSTED (the
+        owner already has ``max_segments_per_client`` segments) or PERMISSION_DENIED (an
+        engine endpoint where ``engine_transport`` is "refuse", none where it is "require").
         """
         if not isinstance(segment, SegmentInfo) or segment_info_error(segment):
             return Status.INVALID_ARGUMENT
+        policy = self._config.engine_transport
+        if policy != "allow" and bool(segment.engine_endpoint) != (policy == "require"):
+            return Status.PERMISSION_DENIED
         if self._clients.live(segment.client_id) is None:
             return Status.UNKNOWN_CLIENT
         existing = self._segments.get(segment.segment_id)

@@ -83,6 +83,22 @@ def segment_info_error(info: SegmentInfo) -> str:
         return f"size_bytes must be in (0, 2**46], got {info.size_bytes!r}"
     if not isinstance(info.tier, Tier):
         return f"unknown tier {info.tier!r}"
+    return engine_error(info)
+
+
+def engine_error(info: SegmentInfo) -> str:
+    """Why the engine fields of ``info`` are malformed, or "": none at all, or a
+    ``"host:port"`` session with a base address that leaves room for the whole segment."""
+    base = info.engine_base_address
+    if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+        return f"engine_base_address must be an unsigned integer, got {base!r}"
+    if not info.engine_endpoint:
+        return "" if base == 0 else "engine_base_address given without engine_endpoint"
+    host, _, port = info.engine_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"engine_endpoint must be 'host:port', got {info.engine_endpoint!r}"
+    if base == 0 or base + info.size_bytes > 1 << 64:
+        return f"engine_base_address 0x{base:x} cannot hold {info.size_bytes} bytes"
     return ""
 
 

@@ -33,7 +33,8 @@ from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, Se
 #: (client_id, host_id, capability_key)
 ClientRow = tuple[str, str, bytes]
 #: SegmentInfo fields in declaration order, tier as an int.
-SegmentRow = tuple[str, str, int, int, str, str, str, str]
+#: rows written before the engine base address have 8 fields; both restore
+SegmentRow = tuple[str, str, int, int, str, str, str, str, int]
 #: (key, size_bytes, [segment_id, offset, length, ...] flattened, checksum, pin, parent_key)
 ObjectRow = tuple[bytes, int, list[Any], int, int, bytes | None]
 
@@ -61,7 +62,7 @@ class RestoreCounts:
 def segment_row(info: SegmentInfo) -> SegmentRow:
     """Return the row of a segment descriptor."""
     return (info.segment_id, info.client_id, info.size_bytes, int(info.tier), info.host_id,
-            info.shm_name, info.tcp_endpoint, info.engine_endpoint)
+            info.shm_name, info.tcp_endpoint, info.engine_endpoint, info.engine_base_address)
 
 
 def object_row(key: bytes, size_bytes: int, placements: tuple[Placement, ...], checksum: int,
@@ -177,9 +178,12 @@ def _overlapping(objects: ObjectTable,
 
 def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
     try:
-        segment_id, client_id, size_bytes, tier, host_id, shm, tcp, engine = row
+        segment_id, client_id, size_bytes, tier, host_id, shm, tcp, engine, *rest = row
+        base_address = rest[0] if rest else 0
+        if len(rest) > 1 or not isinstance(base_address, int):
+            return None
         info = SegmentInfo(SegmentId(segment_id), ClientId(client_id), size_bytes, Tier(tier),
-                           host_id, shm, tcp, engine)
+                           host_id, shm, tcp, engine, base_address)
     except (TypeError, ValueError):
         return None
     if segment_info_error(info) or not all(isinstance(s, str) for s in (host_id, shm, tcp,

@@ -112,7 +112,7 @@ METHOD_GET_STATS: Method
 METHOD_ERROR: Method
 
 class SegmentDescriptor(_message.Message):
-    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint", "ownership_proof")
+    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint", "ownership_proof", "engine_base_address")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class SegmentDescriptor(_message.Message):
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     OWNERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     client_id: str
     size_bytes: int
@@ -131,7 +132,8 @@ class SegmentDescriptor(_message.Message):
     tcp_endpoint: str
     engine_endpoint: str
     ownership_proof: bytes
-    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., ownership_proof: _Optional[bytes] = ...) -> None: ...
+    engine_base_address: int
+    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., ownership_proof: _Optional[bytes] = ..., engine_base_address: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("segment_id", "offset", "length", "capability_expiry_ms", "capability", "put_id")

@@ -117,7 +117,11 @@ def _serve(config_json: str) -> None:
     from kvpool_wire.status import KVPoolError, Status
     from kvpool_wire.types import PutOptions
 
-    client = KVPoolClient(ClientConfig.from_dict(json.loads(config_json)))
+    try:
+        client = KVPoolClient(ClientConfig.from_dict(json.loads(config_json)))
+    except KVPoolError as exc:  # the test reads why it did not start
+        _reply({"error": exc.status.name, "message": str(exc)})
+        return
     _reply({"ready": True, "client_id": client.client_id, "segment_ids": client.segment_ids,
             "hostname": client.hostname, "pid": os.getpid()})
 
@@ -151,10 +155,28 @@ def _serve(config_json: str) -> None:
                 _reply({"statuses": [s.name for s in statuses]})
             elif op == "check":
                 keys, size = cmd["keys"], cmd["size"]
-                values = client.get_batch(keys)
-                _reply({"results": ["missing" if v is None else
-                                    ("ok" if v == payload(k, size) else "mismatch")
-                                    for k, v in zip(keys, values, strict=True)]})
+                _reply({"results": _check(client, keys, size, cmd.get("api", "get_batch"))})
+            elif op == "check_loop":
+                # Read the keys again and again; count what each read gave (never 'mismatch').
+                counts: dict[str, int] = {}
+                deadline = time.monotonic() + cmd["seconds"]
+                _reply({"looping": True})
+                while time.monotonic() < deadline:
+                    try:
+                        results = _check(client, cmd["keys"], cmd["size"], "get_batch")
+                    except KVPoolError as exc:
+                        results = [exc.status.name]
+                    for result in results:
+                        counts[result] = counts.get(result, 0) + 1
+                _reply({"counts": counts})
+            elif op == "transports":
+                _reply({"used": sorted({f"{t}:{o}" for (t, o) in client.metrics.transfer_bytes})})
+            elif op == "engine_drop_segments":
+                # Inject transfer errors: the engine stops reaching this client's segments.
+                member = client._client.member  # the test reaches in: a fault to inject
+                for segment in member.segments.values():
+                    member.engine.unregister(segment.address)
+                _reply({"dropped": len(member.segments)})
             elif op == "put_loop":
                 # Put batches until killed; report each batch once it returned.
                 size, batch = cmd["size"], cmd["batch"]
@@ -173,6 +195,31 @@ def _serve(config_json: str) -> None:
                 _reply({"error": "INVALID_ARGUMENT", "message": f"unknown op {op!r}"})
         except KVPoolError as exc:
             _reply({"error": exc.status.name, "message": str(exc)})
+
+
+def _check(client: Any, keys: list[str], size: int, api: str) -> list[str]:
+    """Per key: 'ok', 'missing' or 'mismatch' (another status: its name)."""
+    if api == "batch_get_into":  # into one registered buffer
+        dst = np.zeros(len(keys) * size, dtype=np.uint8)
+        client.register_buffer(dst)
+        try:
+            sizes = client.batch_get_into(keys, dst, [i * size for i in range(len(keys))],
+                                          [size] * len(keys))
+        finally:
+            client.unregister_buffer(dst)
+        values = [dst[i * size:(i + 1) * size].tobytes() if n == size else n
+                  for i, n in enumerate(sizes)]
+    else:
+        values = client.get_batch(keys)
+    out = []
+    for key, value in zip(keys, values, strict=True):
+        if value is None:
+            out.append("missing")
+        elif isinstance(value, int):
+            out.append("missing" if value == -704 else f"status {value}")
+        else:
+            out.append("ok" if value == payload(key, size) else "mismatch")
+    return out
 
 
 def _reply(answer: dict[str, Any]) -> None:

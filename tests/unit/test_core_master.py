@@ -143,6 +143,44 @@ def test_mount_is_idempotent_and_conflicts_are_refused() -> None:
     assert core.stats().tier_to_capacity_bytes[0] == MIB
 
 
+def engine_seg(name: str, client: ClientId, endpoint: str = "10.0.0.1:15001",
+               base: int = 0x7F0000000000) -> SegmentInfo:
+    return SegmentInfo(SegmentId(name), client, MIB, host_id="host-1",
+                       engine_endpoint=endpoint, engine_base_address=base)
+
+
+def test_mount_checks_the_engine_endpoint_and_base_address() -> None:
+    core = core_with(A)
+    for endpoint, base in (("10.0.0.1:15001", 0),          # an engine needs a base
+                           ("", 0x1000),                   # a base needs an engine
+                           ("10.0.0.1", 0x1000),           # no port
+                           ("10.0.0.1:0", 0x1000),
+                           ("10.0.0.1:70000", 0x1000),
+                           (":15001", 0x1000),
+                           ("10.0.0.1:15001", (1 << 64) - 10),  # the segment would wrap
+                           ("10.0.0.1:15001", -1)):
+        assert core.mount_segment(engine_seg("e", A, endpoint, base), 1.0) == \
+            Status.INVALID_ARGUMENT, (endpoint, base)
+    assert core.mount_segment(engine_seg("e", A), 1.0) == Status.OK
+    # the base address is part of what the segment is: a different one is another segment
+    assert core.mount_segment(engine_seg("e", A, base=0x7F0000100000), 1.0) == \
+        Status.SEGMENT_ALREADY_EXISTS
+
+
+@pytest.mark.parametrize("policy", ["allow", "refuse", "require"])
+def test_the_engine_transport_policy_admits_or_refuses_segments(policy: str) -> None:
+    core = MasterCore(CoreConfig(engine_transport=policy))
+    assert core.register_client(A, "host-1", KEY, 0.0) == (Status.OK, KEY)
+    core_engine = core.mount_segment(engine_seg("with-engine", A), 1.0)
+    core_plain = core.mount_segment(seg("plain", A), 1.0)
+    assert (core_engine, core_plain) == {
+        "allow": (Status.OK, Status.OK),
+        "refuse": (Status.PERMISSION_DENIED, Status.OK),
+        "require": (Status.OK, Status.PERMISSION_DENIED)}[policy]
+    with pytest.raises(ValueError, match="engine_transport"):
+        CoreConfig(engine_transport="sometimes")
+
+
 def test_unmount_checks_owner_and_drops_only_sole_replicas() -> None:
     core = core_with(A, B)
     assert put(core, A, [b"two"], replica_num=2) == [Status.OK]
