@@ -25,6 +25,7 @@ SIGTERM), and children die with the orchestrator (PR_SET_PDEATHSIG). Everything 
 
 Usage:  python benchmarks/client_bench.py [--quick] [--reps N] [--only limits,a,c,d] [--out FILE]
         [--sizes 4KiB,1MiB] [--master-busy-poll-us US] [--mooncake auto|off|PYTHON]
+        [--engine-site DIR]   (with --only d-engine,d-tcp: the engine transport beside TCP)
 """
 
 from __future__ import annotations
@@ -418,14 +419,15 @@ class Master:
 
 
 class Worker:
-    def __init__(self, procs: Procs, logdir: str, name: str, cfg: dict[str, Any]) -> None:
+    def __init__(self, procs: Procs, logdir: str, name: str, cfg: dict[str, Any],
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = os.path.join(logdir, f"{name}.log")
         parent, child = socket.socketpair()
         self.p = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--_worker", str(child.fileno()),
              self.log, str(os.getpid())], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **(env or {})})
         child.close()
         procs.add(name, self.p)
         self.chan = Chan(parent)
@@ -569,8 +571,9 @@ class PairedBaselines:
         self._dst = np.zeros_like(self._src)
 
     def gbps(self, transport: str) -> float:
-        """The limit of ``transport`` ("auto": memcpy, "tcp": loopback TCP), in GB/s."""
-        if transport == "tcp":
+        """The limit of ``transport`` ("auto": memcpy, "tcp" and "engine" over the engine's
+        tcp protocol: loopback TCP), in GB/s."""
+        if transport in ("tcp", "engine"):
             return tcp_loopback(self._procs, self._tcp_bytes, 1, 0)[0][0]
         return memcpy_gbps(self._src, self._dst)
 
@@ -583,7 +586,12 @@ def main() -> int:
     ap.add_argument("--segment-gib", type=float, default=4.0, help="segment per client")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="limits,a,c,d",
-                    help="comma list of phases (d-shm / d-tcp: one transport of d)")
+                    help="comma list of phases (d-shm / d-tcp: one transport of d; d-engine: "
+                         "two clients on different host ids through Mooncake's TransferEngine "
+                         "over its tcp protocol, not part of d)")
+    ap.add_argument("--engine-site", default=os.environ.get("KVPOOL_ENGINE_SITE", ""),
+                    help="a directory holding mooncake-transfer-engine-non-cuda (pip install "
+                         "--target DIR), added to the d-engine clients' path")
     ap.add_argument("--sizes", default="",
                     help="comma list of object sizes to run, e.g. 1MiB,16MiB (default: all)")
     ap.add_argument("--mooncake", default="auto",
@@ -661,10 +669,20 @@ def main() -> int:
             time.sleep(0.1)
 
     def client_cfg(m: Master, transport: str = "auto") -> dict[str, Any]:
+        engine = {"protocol": "tcp"} if transport == "engine" else {}
         return {"client": {"master_server_address": m.addr, "global_segment_size": seg,
                            "transport": transport, "rpc_timeout_s": 30,
-                           "transfer_timeout_s": 60},
+                           "transfer_timeout_s": 60, **engine},
                 "zc_bytes": zc_bytes}
+
+    def worker_env(transport: str, name: str) -> dict[str, str] | None:
+        """Engine clients believe they are on different hosts (no shared memory), and find
+        the engine wheel in --engine-site."""
+        if transport != "engine":
+            return None
+        path = os.pathsep.join(p for p in (args.engine_site, os.environ.get("PYTHONPATH", ""))
+                               if p)
+        return {"KVPOOL_HOST_ID": f"bench-{name}", "PYTHONPATH": path, "GLOG_minloglevel": "2"}
 
     def run_single() -> None:
         m = Master(procs, logdir, "master-single", master_args)
@@ -716,8 +734,10 @@ def main() -> int:
 
     def run_two(transport: str) -> None:
         m = Master(procs, logdir, f"master-two-{transport}", master_args)
-        A = Worker(procs, logdir, f"client-A-{transport}", client_cfg(m, transport))
-        B = Worker(procs, logdir, f"client-B-{transport}", client_cfg(m, transport))
+        A = Worker(procs, logdir, f"client-A-{transport}", client_cfg(m, transport),
+                   worker_env(transport, "A"))
+        B = Worker(procs, logdir, f"client-B-{transport}", client_cfg(m, transport),
+                   worker_env(transport, "B"))
         a_seg, b_seg = A.info["segment_ids"][0], B.info["segment_ids"][0]
         # Warm-up (as the peer benchmark does): each process maps the other's segment on first
         # use and takes a page fault per 4 KiB page it touches the first time.
@@ -791,6 +811,8 @@ def main() -> int:
             phase("two_clients shm", lambda: run_two("auto"))
         if phases & {"d", "d-tcp"}:
             phase("two_clients tcp", lambda: run_two("tcp"))
+        if "d-engine" in phases:
+            phase("two_clients engine", lambda: run_two("engine"))
         if "limits" in phases:
             phase("limits_end", lambda: res.__setitem__(
                 "limits_end", measure_limits(procs, args.reps, args.quick)))

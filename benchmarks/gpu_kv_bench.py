@@ -11,19 +11,25 @@ kvpool-master and real shared-memory segments:
   pinned host staging buffers and a host copy);
 - ``pointer put`` / ``pointer get``: the MindIE connector handed the same device tensors, one
   pointer range per region (the Mooncake-style path, staged through host memory per range);
+- ``--engine``: ``engine`` save / load: the same calls with a client whose transfer engine
+  (Mooncake's ``TransferEngine``, its ``tcp`` protocol) moves each chunk between the registered
+  device staging buffer and another process's segment on another host id (no shared memory);
 - the limits: one contiguous device->pinned-host and pinned-host->device copy of the same
   bytes, and single-thread host memcpy.
 
 Each figure is the median of --repeats; ratios are to the limits of the same run.
 
-    python benchmarks/gpu_kv_bench.py [--blocks 256] [--device cuda]
+    python benchmarks/gpu_kv_bench.py [--blocks 256] [--device cuda] [--engine]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -65,6 +71,65 @@ def copy_limits(nbytes: int, device: torch.device, repeats: int, sync: Callable[
     return d2h, h2d, memcpy_gbps(pinned.numpy(), torch.empty_like(pinned).numpy())
 
 
+OWNER = """
+import json, sys
+from kvpool_client.client import KVPoolClient
+from kvpool_client.config import ClientConfig
+client = KVPoolClient(ClientConfig.from_dict(json.loads(sys.argv[1])))
+print(client.segment_ids[0], flush=True)
+sys.stdin.readline()
+client.close()
+"""
+
+
+def engine_paths(address: str, src: PagedKVCache, dst: PagedKVCache, ids: list[int],
+                 total: int, segment_bytes: int, args: Any, sync: Callable[[], None]
+                 ) -> tuple[float, float, int]:
+    """(save GB/s, load GB/s, blocks per call) through the transfer engine, into a segment of
+    another process that believes it is on another host."""
+    engine = {"master_server_address": address, "transport": "engine", "protocol": "tcp"}
+    env = {**os.environ, "KVPOOL_HOST_ID": "bench-owner", "GLOG_minloglevel": "2"}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(
+        {**engine, "global_segment_size": segment_bytes})], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert owner.stdout is not None and owner.stdin is not None
+        segment = owner.stdout.readline().strip()
+        assert segment, "the owner process did not start"
+        os.environ["KVPOOL_HOST_ID"] = "bench-caller"
+        try:
+            caller = KVPoolClient(ClientConfig.from_dict({**engine, "global_segment_size": 0,
+                                                          "preferred_segment": segment}))
+        finally:
+            del os.environ["KVPOOL_HOST_ID"]
+        with caller:
+            put_io = StagedBlockIO(src, caller, chunk_blocks=args.chunk_blocks)
+            get_io = StagedBlockIO(dst, caller, chunk_blocks=args.chunk_blocks)
+            assert put_io.engine and get_io.engine
+
+            def save(repeat: int) -> None:
+                assert all(put_io.put_blocks([f"e{repeat}b{b}" for b in ids], ids))
+
+            def load(repeat: int) -> None:
+                assert all(get_io.get_blocks([f"e{repeat}b{b}" for b in ids], ids))
+
+            for t in (*dst.k_caches, *dst.v_caches):
+                t.zero_()
+            result = (median_gbps(total, save, args.repeats, sync),
+                      median_gbps(total, load, args.repeats, sync), put_io.chunk_blocks)
+            assert all(torch.equal(a, b) for a, b in zip(
+                (*src.k_caches, *src.v_caches), (*dst.k_caches, *dst.v_caches), strict=True))
+            assert {t for (t, _) in caller.metrics.transfer_bytes} == {"engine"}
+        owner.stdin.write("done\n")
+        owner.stdin.flush()
+        owner.wait(60)
+        return result
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +146,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--copy-threads", type=int, default=0,
                         help="client config copy_threads (0: the client's default)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also the engine transport (needs mooncake.engine importable)")
     args = parser.parse_args()
     device = torch.device(args.device)
     module = getattr(torch, device.type)
@@ -139,6 +206,9 @@ def main() -> None:
                     (*src.k_caches, *src.v_caches), (*dst.k_caches, *dst.v_caches),
                     strict=True))
 
+        engine_rows = engine_paths(address, src, dst, ids, total, segment_bytes, args,
+                                   sync) if args.engine else None
+
         pointer = args.pointer_blocks
         config = Path(tmp) / "mooncake.json"
         config.write_text(json.dumps({
@@ -178,6 +248,10 @@ def main() -> None:
         how = "direct" if direct else "staged"
         rows += [(f"save ({how}, {chunk}-block calls)", args.blocks, save_gbps, d2h),
                  (f"load ({how}, {chunk}-block calls)", args.blocks, load_gbps, h2d)]
+    if engine_rows is not None:
+        save_gbps, load_gbps, chunk = engine_rows
+        rows += [(f"save (engine, {chunk}-block calls)", args.blocks, save_gbps, d2h),
+                 (f"load (engine, {chunk}-block calls)", args.blocks, load_gbps, h2d)]
     rows += [("pointer put (MindIE connector)", pointer, pointer_put_gbps, d2h),
              ("pointer get (MindIE connector)", pointer, pointer_get_gbps, h2d)]
     for label, blocks, gbps, limit in rows:

@@ -10,6 +10,9 @@ Rules of this file:
 - Direct (CUDA cache, pool with ``batch_put_with``): the chunk crosses by DMA between the device
   staging buffer and the segments' own memory, page-locked through ``pin_shared_memory``; one
   stream synchronize per pool call, before its commit or lease check.
+- Engine (device cache, pool with a transfer engine): the device staging buffer is registered
+  with the engine, and each chunk goes between it and the placements, wherever they are, in the
+  engine's batch calls (``AddressRange`` regions): no host copy on kvpool's side.
 - Staged (otherwise): it crosses in one copy to one of two pinned, registered host staging
   buffers, so that the pool moves one chunk while the device copies the next. One device
   staging buffer serves every chunk, the side stream ordering its uses.
@@ -21,6 +24,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool_client.core.regions import AddressRange
 from kvpool_client.prefix import RegionBlockIO
 from kvpool_client.tensors import (
     PagedKVCache,
@@ -60,11 +64,16 @@ class StagedBlockIO:
         #: CUDA caches over a pool that lets the caller move the bytes: blocks cross between
         #: the device staging buffer and the segments by DMA, with no host copy
         #: (None: whenever both hold; False: always through the host staging buffers)
-        self.direct = cache.device.type == "cuda" and callable(
+        #: device caches over a pool with a transfer engine: the engine moves each chunk
+        #: between the device staging buffer and the placements (False: never)
+        self.engine = cache.device.type != "cpu" and bool(getattr(pool, "has_engine", False)) \
+            and direct is not False
+        self.direct = not self.engine and cache.device.type == "cuda" and callable(
             getattr(pool, "batch_put_with", None)) and direct is not False
         size = chunk_blocks * cache.object_bytes
         # two host staging buffers, pinned, for the staged path only
-        self.staging = [] if self.direct else [self._host_buffer(torch, size) for _ in range(2)]
+        self.staging = [] if self.direct or self.engine else \
+            [self._host_buffer(torch, size) for _ in range(2)]
         self.staging_views = [host_view(t) for t in self.staging]
         for view in self.staging_views:
             pool.register_buffer(view)
@@ -78,6 +87,9 @@ class StagedBlockIO:
         self._async_buffers: list[Any] = []
         if self.direct:
             _pin_segments_for_cuda(pool)
+        if self.engine:
+            assert self.device_staging is not None
+            pool.register_memory(self.device_staging.data_ptr(), size)  # type: ignore[attr-defined]
 
     def _host_buffer(self, torch: Any, size_bytes: int) -> Any:
         return torch.empty(size_bytes, dtype=torch.uint8, pin_memory=self.module is not None)
@@ -167,6 +179,8 @@ class StagedBlockIO:
             return []
         if async_write:
             return self._put_async(keys, block_ids)
+        if self.engine:
+            return self._put_engine(keys, block_ids)
         if self.direct:
             return self._put_direct(keys, block_ids)
         ok: list[bool] = []
@@ -203,6 +217,37 @@ class StagedBlockIO:
             statuses = pool.batch_put_with(chunk_keys, [size] * len(chunk_keys), fill,
                                            done=stream.synchronize)
             ok += [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
+        return ok
+
+    def _device_ranges(self, count: int) -> list[list[AddressRange]]:
+        """The first ``count`` objects of the device staging buffer, by address."""
+        assert self.device_staging is not None
+        base, size = self.device_staging.data_ptr(), self.cache.object_bytes
+        return [[AddressRange(base + i * size, size)] for i in range(count)]
+
+    def _put_engine(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        ok: list[bool] = []
+        for start in range(0, len(keys), self.chunk_blocks):
+            chunk_keys = keys[start:start + self.chunk_blocks]
+            self._wait(self._gather(block_ids[start:start + self.chunk_blocks], None))
+            statuses = self.pool.batch_put_regions(
+                chunk_keys, self._device_ranges(len(chunk_keys)))  # type: ignore[arg-type]
+            ok += [s in (Status.OK, Status.ALREADY_EXISTS) for s in statuses]
+        return ok
+
+    def _get_engine(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        ok: list[bool] = []
+        for start in range(0, len(keys), self.chunk_blocks):
+            chunk_keys = keys[start:start + self.chunk_blocks]
+            # the last chunk's scatter must be done with the staging buffer before it refills
+            self._wait(self._on_side_stream(lambda: None))
+            got = self.pool.batch_get_regions(
+                chunk_keys, self._device_ranges(len(chunk_keys)))  # type: ignore[arg-type]
+            chunk_ok = [n == self.cache.object_bytes for n in got]
+            arrived = [i for i, good in enumerate(chunk_ok) if good]
+            self._wait(self._scatter(block_ids[start:start + self.chunk_blocks], arrived, None))
+            ok += chunk_ok
+        self.module.current_stream(self.cache.device).wait_stream(self.stream)
         return ok
 
     def _get_direct(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
@@ -278,6 +323,8 @@ class StagedBlockIO:
             raise ValueError("one key per block")
         for block_id in block_ids:
             self.cache._check_block(block_id)
+        if self.engine:
+            return self._get_engine(keys, block_ids)
         if self.direct:
             return self._get_direct(keys, block_ids)
         ok: list[bool] = []

@@ -317,3 +317,65 @@ def test_the_drop_in_beside_the_wheel_moves_mindie_blocks_through_the_engine(
             if writer.poll() is None:
                 os.kill(writer.pid, signal.SIGKILL)
                 writer.wait(10)
+
+
+ADDRESS_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {site!r})
+import numpy as np
+from kvpool_client.client import KVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_client.core.regions import AddressRange
+from kvpool_wire.status import KVPoolError, Status
+
+master, engine = sys.argv[1], sys.argv[2] == "engine"
+extra = {{"transport": "engine", "protocol": "tcp"}} if engine else {{}}
+client = KVPoolClient(ClientConfig.from_dict({{"master_server_address": master,
+                                              "global_segment_size": 0, **extra}}))
+size = 200_001  # checksummed (under 256 KiB): a read by address cannot check it, and passes
+src = np.random.default_rng(7).integers(0, 256, 3 * size, np.uint8)
+dst = np.zeros(3 * size, np.uint8)
+out = {{}}
+try:
+    client.register_memory(src.ctypes.data, src.nbytes)
+    client.register_memory(dst.ctypes.data, dst.nbytes)
+except KVPoolError as exc:
+    out["register"] = exc.status.name
+keys = [f"addr-{{sys.argv[2]}}-{{i}}" for i in range(3)]
+ranges = [[AddressRange(src.ctypes.data + i * size, size)] for i in range(3)]
+out["put"] = [s.name for s in client.batch_put_regions(keys, ranges)]
+client.flush()
+into = [[AddressRange(dst.ctypes.data + i * size, size)] for i in range(3)]
+out["get"] = client.batch_get_regions(keys, into)
+out["exact"] = bool(np.array_equal(src, dst))
+stray = np.zeros(size, np.uint8)  # never registered
+out["stray"] = client.batch_get_regions(keys[:1], [[AddressRange(stray.ctypes.data, size)]])
+out["stray_untouched"] = not stray.any()
+print(json.dumps(out), flush=True)
+client.close()
+"""
+
+
+def test_ranges_known_by_address_move_in_place_only_through_an_engine(
+        site_dir: Path, pool: Pool, tmp_path: Path) -> None:
+    """What a device tensor registered with ``register_memory`` takes (here host memory, which
+    the engine's tcp protocol reaches the same way): in place, or a clear error."""
+    pool.worker("host-a")  # the only segment: every byte crosses to it
+    script = tmp_path / "addresses.py"
+    script.write_text(textwrap.dedent(ADDRESS_SCRIPT.format(site=str(site_dir))))
+
+    def run(mode: str, host: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, str(script), pool.address, mode],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "KVPOOL_HOST_ID": host,
+                                   "GLOG_minloglevel": "2"}, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr[-2000:]
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return answer
+
+    with_engine = run("engine", "host-b")
+    assert with_engine == {"put": ["OK"] * 3, "get": [200_001] * 3, "exact": True,
+                           "stray": [(-600)], "stray_untouched": True}, with_engine
+    without = run("plain", "host-c")
+    assert without["register"] == "INVALID_ARGUMENT"
+    assert without["put"] == ["INVALID_ARGUMENT"] * 3 and not without["exact"], without
