@@ -82,6 +82,58 @@ client.close()
 """
 
 
+TARGET = """
+import ctypes, mmap, sys
+from kvpool_client.transfer.engine import open_engine
+engine = open_engine("127.0.0.1", "tcp")
+buf = mmap.mmap(-1, int(sys.argv[1]))
+address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+assert engine.register_memory(address, len(buf)) == 0
+print(f"127.0.0.1:{engine.get_rpc_port()} {address}", flush=True)
+sys.stdin.readline()
+"""
+
+
+def raw_engine(flat: Any, chunk_bytes: int, repeats: int, sync: Callable[[], None]
+               ) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of the engine alone: ``flat`` (registered device memory) to and
+    from a host buffer of another process, ``chunk_bytes`` per op, one batch call each way:
+    what the engine itself can do here, without kvpool."""
+    from kvpool_client.transfer.engine import open_engine
+
+    nbytes = flat.numel()
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    target = subprocess.Popen([sys.executable, "-c", TARGET, str(nbytes)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert target.stdout is not None and target.stdin is not None
+        session, remote = target.stdout.readline().split()
+        engine = open_engine("127.0.0.1", "tcp")
+        assert engine.register_memory(flat.data_ptr(), nbytes) == 0
+        offsets = list(range(0, nbytes, chunk_bytes))
+        local = [flat.data_ptr() + o for o in offsets]
+        far = [int(remote) + o for o in offsets]
+        lengths = [min(chunk_bytes, nbytes - o) for o in offsets]
+
+        def write(_: int) -> None:
+            assert engine.batch_transfer_sync_write(session, local, far, lengths) == 0
+
+        def read(_: int) -> None:
+            assert engine.batch_transfer_sync_read(session, local, far, lengths) == 0
+
+        result = (median_gbps(nbytes, write, repeats, sync),
+                  median_gbps(nbytes, read, repeats, sync))
+        engine.unregister_memory(flat.data_ptr())
+        target.stdin.write("done\n")
+        target.stdin.flush()
+        target.wait(30)
+        return result
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait(10)
+
+
 def engine_paths(address: str, src: PagedKVCache, dst: PagedKVCache, ids: list[int],
                  total: int, segment_bytes: int, args: Any, sync: Callable[[], None]
                  ) -> tuple[float, float, int]:
@@ -250,12 +302,20 @@ def main() -> None:
                  (f"load ({how}, {chunk}-block calls)", args.blocks, load_gbps, h2d)]
     if engine_rows is not None:
         save_gbps, load_gbps, chunk = engine_rows
+        raw_write, raw_read = raw_engine(torch.empty(total, dtype=torch.uint8, device=device),
+                                         chunk * src.object_bytes, args.repeats, sync)
         rows += [(f"save (engine, {chunk}-block calls)", args.blocks, save_gbps, d2h),
-                 (f"load (engine, {chunk}-block calls)", args.blocks, load_gbps, h2d)]
+                 (f"load (engine, {chunk}-block calls)", args.blocks, load_gbps, h2d),
+                 ("engine alone: device -> remote host", args.blocks, raw_write, d2h),
+                 ("engine alone: remote host -> device", args.blocks, raw_read, h2d)]
+        ratio = (f"kvpool's engine path against the engine alone: save "
+                 f"{save_gbps / raw_write:.0%}, load {load_gbps / raw_read:.0%}")
     rows += [("pointer put (MindIE connector)", pointer, pointer_put_gbps, d2h),
              ("pointer get (MindIE connector)", pointer, pointer_get_gbps, h2d)]
     for label, blocks, gbps, limit in rows:
         print(f"{label:<36} {blocks:>6} {gbps:>7.2f} {gbps / limit:>7.0%}")
+    if engine_rows is not None:
+        print(ratio)
 
 
 if __name__ == "__main__":
