@@ -145,6 +145,10 @@ class MasterMetrics:
         return json.dumps(self.status(), sort_keys=True)
 
 
+#: HCCL one-sided pooling: each device links to every other, at most 512 links
+HCCL_DEVICE_LIMIT = 512
+
+
 def status_from_stats(stats: CoreStats) -> dict[str, Any]:
     """The JSON-able /status body built from a CoreStats."""
     return {
@@ -156,6 +160,11 @@ def status_from_stats(stats: CoreStats) -> dict[str, Any]:
                                "free_extents": s.num_free_extents,
                                "largest_free_bytes": s.largest_free_bytes}
                               for s in stats.segments]},
+        # each engine session is one device's engine (MindIE, vllm-ascend: one per worker);
+        # HCCL one-sided pooling links every device to every other, at most 512 devices
+        "engine": {"endpoints": stats.num_engine_endpoints,
+                   "hccl_device_limit": HCCL_DEVICE_LIMIT,
+                   "within_hccl_limit": stats.num_engine_endpoints <= HCCL_DEVICE_LIMIT},
         "capacity_bytes": {t.name: n for t, n in stats.tier_to_capacity_bytes.items()},
         "used_bytes": {t.name: n for t, n in stats.tier_to_used_bytes.items()},
         "objects": {"ready": stats.num_objects, "pending": stats.num_pending,
@@ -284,6 +293,10 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
     segments.add_metric(["mounted"], stats.num_segments)
     segments.add_metric(["restored"], stats.num_restored_segments)
     yield segments
+    yield GaugeMetricFamily("kvpool_engine_endpoints",
+                            "Distinct transfer-engine sessions of mounted segments (devices an "
+                            "engine-transport pool spans; HCCL links at most 512)",
+                            value=stats.num_engine_endpoints)
     objects = GaugeMetricFamily("kvpool_objects", "Objects by state", labels=["state"])
     objects.add_metric(["ready"], stats.num_objects)
     objects.add_metric(["pending"], stats.num_pending)

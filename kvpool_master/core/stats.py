@@ -71,6 +71,7 @@ class CoreStats:
     num_clients: int
     num_segments: int                 # mounted
     num_restored_segments: int        # restored, waiting for a remount
+    num_engine_endpoints: int         # distinct transfer-engine sessions of mounted segments
     num_objects: int                  # READY
     num_pending: int
     ready_bytes: int                  # logical bytes of READY objects, one copy each
@@ -111,6 +112,8 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         num_clients=len(clients),
         num_segments=len(segments.mounted),
         num_restored_segments=segments.num_restored,
+        num_engine_endpoints=len({s.info.engine_endpoint for s in segments.mounted
+                                  if s.info.engine_endpoint}),
         num_objects=len(objects) - len(objects.pending_key_to_started_s),
         num_pending=len(objects.pending_key_to_started_s),
         ready_bytes=objects.ready_bytes,

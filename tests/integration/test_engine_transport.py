@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,12 @@ class Pool:
             worker.stop()
 
 
+def engine_status(master: Any) -> dict[str, Any]:
+    with urllib.request.urlopen(master.metrics_url + "/status", timeout=5) as reply:
+        status: dict[str, Any] = json.loads(reply.read())["engine"]
+    return status
+
+
 @pytest.fixture
 def pool(site_dir: Path, master: Any) -> Iterator[Pool]:
     pool = Pool(site_dir, master.address)
@@ -100,10 +107,14 @@ def pool(site_dir: Path, master: Any) -> Iterator[Pool]:
         pool.stop()
 
 
-def test_three_processes_put_and_get_byte_exact_through_the_engine(pool: Pool) -> None:
+def test_three_processes_put_and_get_byte_exact_through_the_engine(pool: Pool,
+                                                                   master: Any) -> None:
     owner = pool.worker("host-a")
     writer = pool.worker("host-b", global_segment_size="16mb", local_buffer_size="1mb")
     reader = pool.worker("host-c", global_segment_size=0)
+    # the pool spans the two engines that contribute segments, against HCCL's 512 devices
+    assert engine_status(master) == {"endpoints": 2, "hccl_device_limit": 512,
+                                     "within_hccl_limit": True}
     segment = owner.info["segment_ids"][0]
     size = 3_000_001  # odd, and three times the writer's staging buffer
     keys = [f"engine-{i}" for i in range(6)]
