@@ -101,6 +101,27 @@ class SizedRequest:
         return self.batch.positions[index]
 
 
+class OneRead:
+    """A read of one valid key into ``dst`` (or into fresh bytes, ``dst`` None): what
+    ``ReadRequest`` does for a batch of one, without its batch bookkeeping (single gets are
+    the hot path)."""
+
+    __slots__ = ("keys", "fresh", "_dst", "_have_bytes")
+
+    def __init__(self, key: bytes, dst: Regions | None) -> None:
+        self.keys = [key]
+        self.fresh = b""  # the bytes read, when dst is None
+        self._dst = dst
+        self._have_bytes = 0 if dst is None else total_bytes(dst)
+
+    def dst_for(self, index: int, size_bytes: int) -> Regions | Status:
+        """Where the driver puts the bytes (``DstFor`` of a batch of one)."""
+        if self._dst is None:
+            self.fresh, view = alloc_bytes(size_bytes)
+            return [view]
+        return _fit(self._dst, self._have_bytes, size_bytes)
+
+
 class ReadRequest:
     """A batch read into the caller's regions (``dsts``, a Status for an unusable one) or into
     fresh bytes (``dsts`` None)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvpool_client._aclient import AsyncKVPoolClient
 from kvpool_client.api import (
+    OneRead,
     ReadRequest,
     SizedRequest,
     WriteRequest,
@@ -324,11 +325,26 @@ class KVPoolClient:
         return out
 
     def _read_one(self, op: str, key: KeyLike, dst: Regions | None) -> tuple[int, bytes]:
-        to_key(key)  # a bad key raises INVALID_KEY itself
-        (result,), request = self._read_many(op, [key], None if dst is None else [dst])
+        raw = to_key(key)  # a bad key raises INVALID_KEY itself
+        path = self._blocking()
+        if path is None:
+            (result,), request = self._read_many(op, [key], None if dst is None else [dst])
+            fresh = request.fresh.get(0, b"")
+        else:
+            started = time.perf_counter()
+            one = OneRead(raw, dst)
+            try:
+                result = path.read(one.keys, one.dst_for)[0]
+            except KVPoolError as exc:
+                result = int(exc.status)
+            metrics = self._client.metrics
+            metrics.observe_op(op, time.perf_counter() - started)
+            metrics.count_lookups(1, result >= 0)
+            metrics.count_failures(op, (result,))
+            fresh = one.fresh
         if result < 0:
             raise KVPoolError(Status(result), f"{op} of key {key!r:.80} failed")
-        return result, request.fresh.get(0, b"")
+        return result, fresh
 
     def _read_many(self, op: str, keys: Sequence[KeyLike],
                    dsts: Sequence[Regions | Status] | None) -> tuple[list[int], ReadRequest]:

@@ -123,14 +123,17 @@ class Parts:
         """(statuses so far, [(transport name, indices)] of the non-empty parts: "shm", then
         "engine", then "tcp")."""
         statuses = [Status.OK] * len(items)
-        parts: dict[str, list[int]] = {"shm": [], "engine": [], "tcp": []}
+        shm_part: list[int] = []
+        engine_part: list[int] = []
+        tcp_part: list[int] = []
         engine = self.engine is not None
         for index, (info, _, regions) in enumerate(items):
-            addressed = by_address(regions)
+            # without an engine, shared memory and TCP refuse such regions themselves
+            addressed = engine and by_address(regions)
             if not addressed and self.prefers(info):
-                parts["shm"].append(index)
+                shm_part.append(index)
             elif engine and info.engine_endpoint:
-                parts["engine"].append(index)
+                engine_part.append(index)
             elif addressed:
                 statuses[index] = Status.INVALID_ARGUMENT  # only an engine reaches them
                 logger.warning("segment %s has no transfer engine (or this client has none): "
@@ -138,8 +141,11 @@ class Parts:
             elif self.shm_only:
                 statuses[index] = Status.TRANSFER_FAILED  # transport "shm" forbids tcp
             else:
-                parts["tcp"].append(index)
-        return statuses, [(name, part) for name, part in parts.items() if part]
+                tcp_part.append(index)
+        if not engine_part and not tcp_part:  # the common case: one host
+            return statuses, [("shm", shm_part)] if shm_part else []
+        return statuses, [(name, part) for name, part in (
+            ("shm", shm_part), ("engine", engine_part), ("tcp", tcp_part)) if part]
 
     def merge(self, items: Sequence[ReadItem], statuses: list[Status], part: list[int],
               part_statuses: Sequence[Status]) -> None:

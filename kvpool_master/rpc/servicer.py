@@ -267,9 +267,10 @@ class Servicer:
     def _proven_reader(self, request: Any) -> ClientId | None:
         """The request's client when it carries that client's token (its leases are then its
         own to end), else None: reads need no identity, and an unproven one is not taken."""
-        if not request.client_token:
+        token = request.client_token
+        if not token:
             return None
-        client_id, token = convert.decode_caller(request)
+        client_id = ClientId(request.client_id)
         return client_id if self._core.authenticate(client_id, token) == Status.OK else None
 
     def _end_leases(self, reader: ClientId, request: Any, now: float | None = None) -> None:
