@@ -175,7 +175,7 @@ def put_start(client_id: str, client_token: bytes, keys: Sequence[bytes],
     ``ended`` end first, so their space can serve this put."""
     return Call(RPC_METHODS["PutStart"], pb.PutStartRequest(
         client_id=client_id, client_token=client_token, keys=keys, sizes_bytes=sizes_bytes,
-        parent_keys=parent_keys or (), ended_leases=_ended(ended),
+        parent_keys=parent_keys or (), ended_lease_ids=ended,
         options=pb.PutOptions(replica_num=options.replica_num,
                               preferred_segment=options.preferred_segment,
                               prefer_same_host=options.prefer_same_host,
@@ -196,8 +196,8 @@ def put_revoke(client_id: str, client_token: bytes, keys: Sequence[bytes]) -> Ca
         client_id=client_id, keys=keys, client_token=client_token), _statuses_field)
 
 
-#: Leases a client finished reading under: (lease id, keys) each (see ``EndedLease``).
-EndedLeases = Sequence[tuple[int, Sequence[bytes]]]
+#: Leases a client finished reading under, by id (see ``EndedLease``).
+EndedLeases = Sequence[int]
 
 
 class ReplicasAnswer(NamedTuple):
@@ -216,17 +216,13 @@ def _replicas_answer(r: Any) -> ReplicasAnswer:
     return ReplicasAnswer(results, r.lease_ttl_ms / 1000, r.lease_id)
 
 
-def _ended(ended: EndedLeases) -> list[pb.EndedLease]:
-    return [pb.EndedLease(lease_id=lease_id, keys=keys) for lease_id, keys in ended]
-
-
 def get_replicas(client_id: str, keys: Sequence[bytes], client_token: bytes = b"",
                  ended: EndedLeases = ()) -> Call[ReplicasAnswer]:
     """Where each key's bytes are, under a read lease; with the caller's ``client_token`` the
     lease is its own to end (``ended``: leases it finished reading under, sent along)."""
     return Call(RPC_METHODS["GetReplicas"], pb.GetReplicasRequest(
         client_id=client_id, keys=keys, client_token=client_token,
-        ended_leases=_ended(ended)), _replicas_answer)
+        ended_lease_ids=ended), _replicas_answer)
 
 
 def exist(client_id: str, keys: Sequence[bytes]) -> Call[tuple[list[Status], list[int]]]:
@@ -247,7 +243,7 @@ def remove(client_id: str, keys: Sequence[bytes], force: bool = False,
     caller finished reading under, honoured with its ``client_token``; ended first)."""
     return Call(RPC_METHODS["Remove"], pb.RemoveRequest(
         client_id=client_id, keys=keys, force=force, client_token=client_token,
-        ended_leases=_ended(ended)), _statuses_field)
+        ended_lease_ids=ended), _statuses_field)
 
 
 def remove_all(client_id: str, force: bool = False) -> Call[int]:

@@ -13,7 +13,7 @@ Rules of this file:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -237,11 +237,13 @@ def encode_statuses(response_type: type[Message], statuses: Sequence[int]) -> Me
     return response_type(statuses=statuses)
 
 
-def decode_ended_leases(request: Any) -> Iterator[tuple[int, Sequence[ObjectKey]]]:
-    """(lease id, keys) of each lease the request's client says it finished reading under
-    (the keys as the message holds them: a sequence of bytes)."""
-    for ended in request.ended_leases:
-        yield ended.lease_id, ended.keys
+def decode_ended_lease_ids(request: Any) -> list[int]:
+    """The ids of the leases the request's client says it finished reading under (given as
+    ids, or as ``EndedLease`` messages, whose keys the master does not need)."""
+    ids = list(request.ended_lease_ids)
+    if request.ended_leases:
+        ids += [ended.lease_id for ended in request.ended_leases]
+    return ids
 
 
 def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,

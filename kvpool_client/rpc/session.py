@@ -51,18 +51,18 @@ class MasterSession:
     def __init__(self) -> None:
         self.token = b""
         self.clock = MasterClock(0, 0, 0.0)
-        self._ended: list[tuple[int, list[bytes]]] = []
+        self._ended: list[int] = []  # ids of leases read under, not sent yet
         self._ended_lock = threading.Lock()
 
     def end_lease(self, lease_id: int, keys: list[bytes]) -> None:
         """Reads under lease ``lease_id`` of ``keys`` are done: tell the master with this
         client's next GetReplicas, PutStart or Remove (no call of its own; a lease whose end is
-        never sent runs its time)."""
+        never sent runs its time; the master knows the keys, so only the id goes)."""
         if lease_id and keys:
             with self._ended_lock:
-                self._ended.append((lease_id, keys))
+                self._ended.append(lease_id)
 
-    def take_ended(self) -> list[tuple[int, list[bytes]]]:
+    def take_ended(self) -> list[int]:
         """The ended leases not sent yet (the caller sends them)."""
         if not self._ended:
             return []

@@ -16,10 +16,14 @@ Rules of this file:
   until ``lease_expiry_s`` (Mooncake's lease, which runs its time), and its bytes are not
   reused while a reader may still copy them. The second is what readers can end early. A reader
   that proved its identity (``reader``) gets numbered leases (``lease_id``, one per
-  ``get_replicas`` call), recorded per object as that reader's hold in ``entry.holds``;
-  ``end_leases(reader, lease_id, keys)`` drops the reader's holds taken by that lease or an
-  earlier one (a later read of the same object keeps its own). A force-removed object whose
-  holds all ended frees its bytes at once instead of after ``lease_expiry_s``. Leases nobody
+  ``get_replicas`` call; ``OpenLeases`` remembers the keys each covered until it ends or runs
+  out), recorded per object as that reader's hold in ``entry.holds``: (the first lease of the
+  hold, its expiry, how many of the reader's leases on it are still open). ``end_lease``
+  takes one lease's share off each object it covered, once, whatever order the reader's
+  leases end in: two threads of one client reading one object each keep it held until both
+  ended. A hold that ran out starts afresh at the reader's next lease; an end of a lease from
+  before that is ignored. A force-removed object whose holds all ended frees its bytes at
+  once instead of after ``lease_expiry_s``. Leases nobody
   can end (``exist``, ``query_prefix``, reads of anonymous callers) protect the bytes for their
   time: on an object with holds they are the hold of ``""``, which no reader can name. Holds
   are None while only such leases were taken; ``NO_HOLDS`` (shared, never mutated) once every
@@ -41,7 +45,7 @@ OK = Status.OK
 NOT_FOUND = Status.NOT_FOUND
 INVALID_KEY = Status.INVALID_KEY
 #: ``entry.holds`` once every hold on it ended: its bytes are protected by nothing (shared).
-NO_HOLDS: dict[str, tuple[int, float]] = {}
+NO_HOLDS: dict[str, tuple[int, float, int]] = {}
 _NOT_FOUND_RESULT = ReadResult(int(Status.NOT_FOUND))
 _INVALID_KEY_RESULT = ReadResult(int(Status.INVALID_KEY))
 
@@ -62,15 +66,51 @@ def _well_formed(key: object, max_key_bytes: int) -> bool:
     return type(key) is bytes and 0 < len(key) <= max_key_bytes
 
 
+class OpenLeases:
+    """The numbered leases of proven readers not ended yet: by lease id, the reader, the keys
+    it covered and its expiry. Ids grow and every lease runs the same time, so the oldest is
+    first: ``expire`` drops those that ran out from the front."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[ClientId, list[ObjectKey], float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, lease_id: int, reader: ClientId, keys: list[ObjectKey],
+            expiry_s: float) -> None:
+        self._by_id[lease_id] = (reader, keys, expiry_s)
+
+    def take(self, lease_id: int, reader: ClientId) -> list[ObjectKey] | None:
+        """The keys of ``reader``'s open lease ``lease_id``, which ends now (None: not open, or
+        another reader's)."""
+        lease = self._by_id.get(lease_id)
+        if lease is None or lease[0] != reader:
+            return None
+        del self._by_id[lease_id]
+        return lease[1]
+
+    def expire(self, now: float) -> None:
+        """Forget the leases that ran out (their holds ran out with them)."""
+        by_id = self._by_id
+        while by_id:
+            lease_id = next(iter(by_id))
+            if by_id[lease_id][2] > now:
+                return
+            del by_id[lease_id]
+
+
 def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
                  now: float, ttl_s: float, max_key_bytes: int, counters: LeaseCounters,
-                 reader: ClientId | None = None, lease_id: int = 0) -> list[ReadResult]:
+                 reader: ClientId | None = None, lease_id: int = 0,
+                 covered: list[ObjectKey] | None = None) -> list[ReadResult]:
     """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY.
-    With ``reader``, each lease is that reader's hold ``lease_id``, which it may end."""
+    With ``reader``, each lease is a share of that reader's hold under ``lease_id``, which it
+    may end; the keys granted are appended to ``covered``."""
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
-    hold = (lease_id, expiry_s)
+    hold = (lease_id, expiry_s, 1)
     restoring = segments.num_restored > 0
     results: list[ReadResult] = []
     append = results.append
@@ -96,9 +136,12 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
             if lease <= now or holds is NO_HOLDS:  # nothing else protects the bytes
                 entry.holds = {reader: hold}
             elif holds is None:  # the live lease so far is one nobody can end
-                entry.holds = {"": (0, lease), reader: hold}
+                entry.holds = {"": (0, lease, 0), reader: hold}
             else:
-                holds[reader] = hold
+                mine = holds.get(reader)
+                holds[reader] = hold if mine is None or mine[1] <= now else \
+                    (mine[0], expiry_s, mine[2] + 1)
+            covered.append(key)  # type: ignore[union-attr]
         elif holds is not None:
             add_timed(entry, holds, hold)
         touch(key)
@@ -116,7 +159,7 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
-    timed = (0, expiry_s)
+    timed = (0, expiry_s, 0)
     restoring = segments.num_restored > 0
     statuses: list[Status] = []
     sizes: list[int] = []
@@ -152,7 +195,7 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     get = table.key_to_object.get
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
-    timed = (0, expiry_s)
+    timed = (0, expiry_s, 0)
     restoring = segments.num_restored > 0
     count = lapsed = 0
     for key in keys:
@@ -174,8 +217,8 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     return count
 
 
-def add_timed(entry: ObjectEntry, holds: dict[str, tuple[int, float]],
-              timed: tuple[int, float]) -> None:
+def add_timed(entry: ObjectEntry, holds: dict[str, tuple[int, float, int]],
+              timed: tuple[int, float, int]) -> None:
     """Record a lease nobody can end on an entry that has holds."""
     if holds is NO_HOLDS:
         entry.holds = {"": timed}
@@ -184,14 +227,18 @@ def add_timed(entry: ObjectEntry, holds: dict[str, tuple[int, float]],
 
 
 def end_hold(entry: ObjectEntry, reader: ClientId, lease_id: int) -> bool:
-    """Drop ``reader``'s hold on ``entry`` when lease ``lease_id`` (or a later one) covers it.
-    True when a hold was dropped."""
+    """Take lease ``lease_id``'s share off ``reader``'s hold on ``entry`` (nothing when the
+    hold started after that lease: it ran out and started afresh); drop the hold when no share
+    is left. True when a share was taken off."""
     holds = entry.holds
     if not holds:
         return False
     hold = holds.get(reader)
     if hold is None or hold[0] > lease_id:
         return False
+    if hold[2] > 1:
+        holds[reader] = (hold[0], hold[1], hold[2] - 1)
+        return True
     del holds[reader]
     if not holds:
         entry.holds = NO_HOLDS
@@ -204,14 +251,15 @@ def protected_until(entry: ObjectEntry) -> float:
     holds = entry.holds
     if holds is None:
         return entry.lease_expiry_s
-    return max((expiry for _, expiry in holds.values()), default=0.0)
+    return max((hold[1] for hold in holds.values()), default=0.0)
 
 
 def end_leases(table: ObjectTable, parked: DeferredFrees, segments: SegmentTable,
                reader: ClientId, lease_id: int, keys: Sequence[ObjectKey], now: float,
                counters: LeaseCounters) -> None:
-    """End ``reader``'s holds on ``keys`` taken by lease ``lease_id`` or earlier: on live
-    objects, and on force-removed ones still parked (freed now when no live hold is left)."""
+    """Take lease ``lease_id``'s share off ``reader``'s holds on ``keys`` (what it covered):
+    on live objects, and on force-removed ones still parked (freed now when no live hold is
+    left)."""
     get = table.key_to_object.get
     ended = 0
     for key in keys:

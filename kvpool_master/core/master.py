@@ -58,6 +58,7 @@ class MasterCore(Mutations):
         self._quarantine = leases.DeferredFrees()  # restored free space, see restore()
         self._lease_counters = leases.LeaseCounters()
         self.last_lease_id = 0  # the number of the latest lease a proven reader took
+        self._open_leases = leases.OpenLeases()
         self._counters = Counters()
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
@@ -223,25 +224,32 @@ class MasterCore(Mutations):
             return [ReadResult(int(Status.INVALID_ARGUMENT))] * len(keys)
         counters = self._lease_counters
         before = counters.leases_granted
+        ttl_s = self._config.default_lease_ttl_s
+        covered: list[ObjectKey] | None = None
         if reader is not None:
             self.last_lease_id += 1
-        results = leases.get_replicas(self._objects, self._segments, keys, now,
-                                      self._config.default_lease_ttl_s,
+            covered = []
+            self._open_leases.expire(now)
+        results = leases.get_replicas(self._objects, self._segments, keys, now, ttl_s,
                                       self._config.max_key_bytes, counters, reader,
-                                      self.last_lease_id)
+                                      self.last_lease_id, covered)
+        if covered:
+            self._open_leases.add(self.last_lease_id, reader,  # type: ignore[arg-type]
+                                  covered, now + ttl_s)
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return results
 
-    def end_leases(self, reader: ClientId, lease_id: int, keys: Sequence[ObjectKey],
-                   now: float) -> None:
-        """``reader`` (a proven client) finished reading ``keys`` under its lease ``lease_id``:
-        drop its holds taken by that lease or an earlier one. Objects no one else holds lose
-        their protection (evictable, removable); force-removed ones free their bytes now."""
-        if len(keys) > self._config.max_batch_keys:
-            return
-        leases.end_leases(self._objects, self._deferred, self._segments, reader, lease_id,
-                          keys, now, self._lease_counters)
+    def end_lease(self, reader: ClientId, lease_id: int, now: float) -> None:
+        """``reader`` (a proven client) finished reading under its lease ``lease_id``: take
+        that lease's share off its hold on each object the lease covered (once; nothing for a
+        lease that is not the reader's, ended already or ran out). Objects no one else holds
+        lose their protection (evictable, removable); force-removed ones free their bytes
+        now."""
+        keys = self._open_leases.take(lease_id, reader)
+        if keys:
+            leases.end_leases(self._objects, self._deferred, self._segments, reader, lease_id,
+                              keys, now, self._lease_counters)
 
     def exist(self, keys: Sequence[ObjectKey], now: float) -> tuple[list[Status], list[int]]:
         """Return (statuses, sizes_bytes): OK | NOT_FOUND | INVALID_KEY per key (INVALID_ARGUMENT
@@ -278,6 +286,7 @@ class MasterCore(Mutations):
         on every tier above its high watermark."""
         self._deferred.release_due(self._segments, now)
         self._quarantine.release_due(self._segments, now)
+        self._open_leases.expire(now)
         for client_id in self._clients.find_expired(now, self._config.client_ttl_s):
             self._drop_client(client_id, now)
             self._counters.clients_expired += 1

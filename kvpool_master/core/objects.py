@@ -44,7 +44,7 @@ class ObjectEntry:
         self.pin = pin
         self.checksum = checksum
         self.parent_key = parent_key
-        self.holds: dict[str, tuple[int, float]] | None = None
+        self.holds: dict[str, tuple[int, float, int]] | None = None
 
 
 class ObjectTable:

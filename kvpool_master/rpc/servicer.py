@@ -228,7 +228,7 @@ class Servicer:
 
     def _put_start(self, request: Any) -> Any:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
-        if request.ended_leases:
+        if request.ended_lease_ids or request.ended_leases:
             self._end_leases(ClientId(client_id), request)
         results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
                                        self._clock.now(), parent_keys)
@@ -255,7 +255,7 @@ class Servicer:
         client_id, keys = convert.decode_keys(request)
         reader = self._proven_reader(request)
         now = self._clock.now()
-        if reader is not None and request.ended_leases:
+        if reader is not None and (request.ended_lease_ids or request.ended_leases):
             self._end_leases(reader, request, now)
         results = self._core.get_replicas(keys, now, reader)
         lease_ttl_s = self._core.config.default_lease_ttl_s
@@ -275,8 +275,8 @@ class Servicer:
 
     def _end_leases(self, reader: ClientId, request: Any, now: float | None = None) -> None:
         now = self._clock.now() if now is None else now
-        for lease_id, keys in convert.decode_ended_leases(request):
-            self._core.end_leases(reader, lease_id, keys, now)
+        for lease_id in convert.decode_ended_lease_ids(request):
+            self._core.end_lease(reader, lease_id, now)
 
     def _exist(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
@@ -294,7 +294,8 @@ class Servicer:
 
     def _remove(self, request: Any) -> Any:
         _client_id, keys, force = convert.decode_remove(request)
-        if request.ended_leases and (reader := self._proven_reader(request)) is not None:
+        if (request.ended_lease_ids or request.ended_leases) and \
+                (reader := self._proven_reader(request)) is not None:
             self._end_leases(reader, request)
         statuses = self._core.remove(keys, force, self._clock.now())
         return convert.encode_statuses(_response_of(request), statuses)

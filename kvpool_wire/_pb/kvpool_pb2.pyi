@@ -306,7 +306,7 @@ class EndedLease(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token", "ended_leases")
+    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token", "ended_leases", "ended_lease_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class PutStartRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -321,7 +322,8 @@ class PutStartRequest(_message.Message):
     options: PutOptions
     client_token: bytes
     ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
+    ended_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("statuses", "replicas")
@@ -366,16 +368,18 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "client_token", "ended_leases")
+    __slots__ = ("client_id", "keys", "client_token", "ended_leases", "ended_lease_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_token: bytes
     ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
+    ended_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
     __slots__ = ("statuses", "sizes_bytes", "replicas", "checksums", "lease_ttl_ms", "lease_id")
@@ -426,18 +430,20 @@ class QueryPrefixResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., num_ready: _Optional[int] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "force", "client_token", "ended_leases")
+    __slots__ = ("client_id", "keys", "force", "client_token", "ended_leases", "ended_lease_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     force: bool
     client_token: bytes
     ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: bool = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ...) -> None: ...
+    ended_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., force: bool = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("statuses",)

@@ -40,7 +40,7 @@ def test_a_forced_remove_frees_the_bytes_once_the_reader_ended_its_lease() -> No
     lease = read(core, B, 10.0)
     assert core.remove(X, True, 10.1) == [Status.OK]
     assert room_for_y(core, 10.2) == Status.NO_SPACE      # B may still be copying
-    core.end_leases(B, lease, X, 10.3)
+    core.end_lease(B, lease, 10.3)
     assert core.stats().deferred_free_bytes == 0
     assert room_for_y(core, 10.4) == Status.OK            # well before the lease's 15.0
     assert core.stats().leases_ended_total == 1
@@ -51,7 +51,7 @@ def test_an_ended_lease_leaves_mooncakes_lease_to_run_its_time() -> None:
     protection ended."""
     core = core_with_object()
     lease = read(core, B, 10.0)
-    core.end_leases(B, lease, X, 10.1)
+    core.end_lease(B, lease, 10.1)
     assert core.remove(X, False, 10.2) == [Status.HAS_LEASE]
     assert core.remove(X, False, 15.0) == [Status.OK]
 
@@ -65,9 +65,9 @@ def test_a_later_read_of_the_same_reader_keeps_its_own_hold() -> None:
     core = core_with_object()
     first = read(core, B, 10.0)
     second = read(core, B, 11.0)                          # still copying under lease 2
-    core.end_leases(B, first, X, 11.5)
+    core.end_lease(B, first, 11.5)
     assert not forced_remove_frees_now(core, 11.6)
-    core.end_leases(B, second, X, 11.7)
+    core.end_lease(B, second, 11.7)
     assert core.stats().deferred_free_bytes == 0
     assert room_for_y(core, 11.8) == Status.OK
 
@@ -76,10 +76,10 @@ def test_a_reader_ends_only_its_own_holds() -> None:
     core = core_with_object()
     read(core, A, 10.0)
     lease_b = read(core, B, 10.5)
-    core.end_leases(B, lease_b, X, 10.6)
+    core.end_lease(B, lease_b, 10.6)
     assert core.remove(X, True, 10.7) == [Status.OK]
     assert room_for_y(core, 10.8) == Status.NO_SPACE      # A still holds it until 15.0
-    core.end_leases(B, lease_b + 100, X, 10.9)            # naming a later lease changes nothing
+    core.end_lease(B, lease_b + 100, 10.9)            # naming a later lease changes nothing
     assert room_for_y(core, 11.0) == Status.NO_SPACE
     assert room_for_y(core, 15.0) == Status.OK
 
@@ -88,7 +88,7 @@ def test_leases_nobody_can_end_protect_the_bytes_for_their_time() -> None:
     core = core_with_object()
     core.exist(X, 10.0)                                   # anonymous lease until 15.0
     lease = read(core, B, 10.5)
-    core.end_leases(B, lease, X, 10.6)
+    core.end_lease(B, lease, 10.6)
     assert not forced_remove_frees_now(core, 10.7)
     assert room_for_y(core, 14.9) == Status.NO_SPACE
     assert room_for_y(core, 15.0) == Status.OK
@@ -96,14 +96,14 @@ def test_leases_nobody_can_end_protect_the_bytes_for_their_time() -> None:
     core = core_with_object()
     lease = read(core, B, 10.0)
     core.get_replicas(X, 12.0)                            # an anonymous read, until 17.0
-    core.end_leases(B, lease, X, 12.1)
+    core.end_lease(B, lease, 12.1)
     assert not forced_remove_frees_now(core, 12.2)
     assert room_for_y(core, 16.9) == Status.NO_SPACE
     assert room_for_y(core, 17.0) == Status.OK
 
     core = core_with_object()
     lease = read(core, B, 10.0)
-    core.end_leases(B, lease, X, 10.1)
+    core.end_lease(B, lease, 10.1)
     core.exist(X, 10.2)                                   # taken after every hold ended
     assert not forced_remove_frees_now(core, 10.3)
     assert room_for_y(core, 15.2) == Status.OK
@@ -113,9 +113,9 @@ def test_a_hold_that_ran_out_is_dropped_at_the_next_read_and_ending_it_late_is_h
     core = core_with_object()
     old = read(core, B, 10.0)
     fresh = read(core, A, 20.0)                           # B's hold ran out at 15.0
-    core.end_leases(B, old, X, 20.1)
+    core.end_lease(B, old, 20.1)
     assert not forced_remove_frees_now(core, 20.2)
-    core.end_leases(A, fresh, X, 20.3)
+    core.end_lease(A, fresh, 20.3)
     assert core.stats().deferred_free_bytes == 0
 
 
@@ -126,10 +126,10 @@ def test_a_key_put_again_after_a_forced_remove_keeps_both_incarnations_apart() -
     assert core.put_start(A, X, [4096], PutOptions(), 10.2)[0][0] == Status.OK
     assert core.put_end(A, X, 10.2) == [Status.OK]
     new = read(core, B, 10.3)
-    core.end_leases(B, old, X, 10.4)                      # the removed one is freed ...
+    core.end_lease(B, old, 10.4)                      # the removed one is freed ...
     assert core.stats().deferred_free_bytes == 0
     assert not forced_remove_frees_now(core, 10.5)        # ... the new one still held
-    core.end_leases(B, new, X, 10.6)
+    core.end_lease(B, new, 10.6)
     assert core.stats().deferred_free_bytes == 0
 
 
@@ -137,7 +137,7 @@ def test_extents_freed_early_are_not_freed_again_when_their_time_comes() -> None
     core = core_with_object()
     lease = read(core, B, 10.0)
     assert core.remove(X, True, 10.1) == [Status.OK]
-    core.end_leases(B, lease, X, 10.2)
+    core.end_lease(B, lease, 10.2)
     assert room_for_y(core, 10.3) == Status.OK
     assert core.put_end(A, [ObjectKey(b"y")], 10.3) == [Status.OK]
     assert core.heartbeat(A, 15.0) == Status.OK
@@ -145,3 +145,30 @@ def test_extents_freed_early_are_not_freed_again_when_their_time_comes() -> None
     assert core.exist([ObjectKey(b"y")], 15.5)[0] == [Status.OK]
     assert core.put_start(A, [ObjectKey(b"z")], [4096], PutOptions(), 15.6)[0][0] == (
         Status.NO_SPACE)                                  # y still owns the only extent
+
+
+def test_an_earlier_read_still_copying_keeps_its_hold_when_a_later_one_ends_first() -> None:
+    """Two threads of one client read the same object; the later read ends first: the earlier
+    one may still be copying, so the bytes stay until it ends too."""
+    core = core_with_object()
+    first = read(core, B, 10.0)                           # a large copy, still running
+    second = read(core, B, 10.1)                          # a quick one, done at once
+    core.end_lease(B, second, 10.2)
+    assert not forced_remove_frees_now(core, 10.3)
+    assert room_for_y(core, 10.4) == Status.NO_SPACE     # never under the first reader
+    core.end_lease(B, first, 10.5)
+    assert core.stats().deferred_free_bytes == 0
+    assert room_for_y(core, 10.6) == Status.OK
+
+
+def test_a_lease_ended_twice_counts_once() -> None:
+    """An ended lease sent again (a retried call the master had already served) does not end
+    another read's hold."""
+    core = core_with_object()
+    first = read(core, B, 10.0)
+    second = read(core, B, 10.1)
+    core.end_lease(B, first, 10.2)
+    core.end_lease(B, first, 10.3)                    # the retry
+    assert not forced_remove_frees_now(core, 10.4)
+    core.end_lease(B, second, 10.5)
+    assert core.stats().deferred_free_bytes == 0
