@@ -69,7 +69,8 @@ def _well_formed(key: object, max_key_bytes: int) -> bool:
 class OpenLeases:
     """The numbered leases of proven readers not ended yet: by lease id, the reader, the keys
     it covered and its expiry. Ids grow and every lease runs the same time, so the oldest is
-    first: ``expire`` drops those that ran out from the front."""
+    first: ``expire`` (at every tick) drops those that ran out from the front. Readers end
+    theirs as they finish, so what is left between ticks is the leases of crashed readers."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[ClientId, list[ObjectKey], float]] = {}

@@ -229,7 +229,6 @@ class MasterCore(Mutations):
         if reader is not None:
             self.last_lease_id += 1
             covered = []
-            self._open_leases.expire(now)
         results = leases.get_replicas(self._objects, self._segments, keys, now, ttl_s,
                                       self._config.max_key_bytes, counters, reader,
                                       self.last_lease_id, covered)

@@ -172,3 +172,18 @@ def test_a_lease_ended_twice_counts_once() -> None:
     assert not forced_remove_frees_now(core, 10.4)
     core.end_lease(B, second, 10.5)
     assert core.stats().deferred_free_bytes == 0
+
+
+def test_a_lease_never_ended_is_forgotten_once_it_ran_out_and_its_late_end_changes_nothing(
+        ) -> None:
+    core = core_with_object()
+    crashed = read(core, B, 10.0)                         # a reader that never says it is done
+    for client in (A, B):
+        assert core.heartbeat(client, 15.0) == Status.OK
+    core.tick(15.5)                                       # its lease ran out at 15.0
+    assert len(core._open_leases) == 0  # noqa: SLF001 (the registry holds nothing stale)
+    fresh = read(core, B, 16.0)
+    core.end_lease(B, crashed, 16.1)                      # late: not the hold that is live now
+    assert not forced_remove_frees_now(core, 16.2)
+    core.end_lease(B, fresh, 16.3)
+    assert core.stats().deferred_free_bytes == 0
