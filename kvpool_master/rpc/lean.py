@@ -323,6 +323,7 @@ class _LeanProtocol(asyncio.Protocol):
         self._transport.writelines(
             (FRAME_HEADER.pack(len(answer) + FRAME_OVERHEAD_BYTES, method_id, request_id),
              answer))
+        self._server._servicer.finish()  # work that could wait for the answer to go out
 
     def _authenticate(self, request_id: int, payload: bytes) -> None:
         assert self._transport is not None

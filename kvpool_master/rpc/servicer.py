@@ -18,6 +18,10 @@ Rules of this file:
 - Capabilities carry this master's ``capability_epoch`` (random at every start) and expire on
   its capability clock (monotonic ms since start), which every registration and heartbeat
   answer reports; a PutStart's WRITE capabilities name a fresh ``put_id``.
+- The leases a ``GetReplicas`` says its reader ended are ended once its answer went out
+  (``finish``, which the lean transport calls after writing, and any next call or tick
+  before it runs); those a ``PutStart`` or ``Remove`` carries, before them (they may need the
+  space).
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class Servicer:
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self.read_only = False  # set by the server while the state directory cannot be written
+        # (reader, request) of GetReplicas whose ended leases wait until its answer went out
+        self._ends_later: list[tuple[ClientId, Any]] = []
         self._handlers: dict[str, Callable[[Any], Any]] = {
             "RegisterClient": self._register_client,
             "Heartbeat": self._heartbeat,
@@ -104,6 +110,8 @@ class Servicer:
 
         Raises BadRequest (malformed or unusable request; nothing changed) or InternalError.
         """
+        if self._ends_later:  # a transport that did not call finish: in order, before this
+            self.finish()
         started_s = time.perf_counter()
         failed = True
         try:
@@ -134,8 +142,25 @@ class Servicer:
             self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
                                     failed)
 
+    def finish(self) -> None:
+        """End the leases that the last ``GetReplicas`` calls carried, once their answers went
+        out: a reader's hand-back then costs the next call nothing. (Ending a lease only lets
+        bytes go sooner; done a few microseconds later, nothing is served that should not
+        be.)"""
+        later = self._ends_later
+        if not later:
+            return
+        self._ends_later = []
+        now = self._clock.now()
+        for reader, request in later:
+            self._end_leases(reader, request, now)
+        events = self._core.take_events()
+        if events:
+            self._on_events(events)
+
     def tick(self) -> None:
         """Let the core expire clients, reclaim stale PENDING objects and evict in background."""
+        self.finish()
         self._core.tick(self._clock.now())
         events = self._core.take_events()
         if events:
@@ -256,7 +281,7 @@ class Servicer:
         reader = self._proven_reader(request)
         now = self._clock.now()
         if reader is not None and (request.ended_lease_ids or request.ended_leases):
-            self._end_leases(reader, request, now)
+            self._ends_later.append((reader, request))  # see finish
         results = self._core.get_replicas(keys, now, reader)
         lease_ttl_s = self._core.config.default_lease_ttl_s
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
