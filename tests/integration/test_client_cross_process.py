@@ -13,26 +13,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import client_worker
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_wire.status import Status
 from kvpool_wire.types import PutOptions
 
-
-def _load_worker() -> Any:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).with_name("client_worker.py")
-    spec = importlib.util.spec_from_file_location("kvpool_test_client_worker", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cw = _load_worker()
+cw = client_worker()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import pip_install
 
 HERE = Path(__file__).parent
 HOOK = HERE.parents[1] / "compat" / "mooncake-store"
@@ -27,19 +28,13 @@ VLLM_ASCEND = "vllm-ascend==0.23.0"
 TE_FILE = "vllm_ascend/distributed/kv_transfer/utils/mooncake_transfer_engine.py"
 
 
-def _pip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                           "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=600, stdin=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("coexist-site")
-    wheel = _pip("--target", str(site), WHEEL)
+    wheel = pip_install("--target", str(site), WHEEL)
     if wheel.returncode != 0:
         pytest.skip(f"cannot install {WHEEL}: {wheel.stderr.strip()[-300:]}")
-    hook = _pip("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
+    hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
     assert hook.returncode == 0, hook.stdout + hook.stderr
     assert (site / "kvpool_mooncake_store.pth").is_file()
     src = tmp_path_factory.mktemp("vllm-ascend")

@@ -11,7 +11,6 @@ is not importable.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from helpers import client_worker  # noqa: E402
 
 from kvpool_client.client import KVPoolClient  # noqa: E402
 from kvpool_client.config import ClientConfig  # noqa: E402
@@ -35,16 +36,7 @@ GEOMETRY = {"num_layers": 4, "num_blocks": 40, "block_size": 16, "num_heads": 8,
             "head_dim": 128, "dtype": torch.bfloat16, "device": "cuda"}
 
 
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location("kvpool_test_client_worker",
-                                                  HERE / "client_worker.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cw = _load_worker()
+cw = client_worker()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ the reason, only when PyPI is unreachable or the wheel's native libraries cannot
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import client_worker, pip_install
 
 pytestmark = pytest.mark.network  # the engine wheel comes from PyPI at test time
 
@@ -32,29 +32,14 @@ WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 HOOK = HERE.parents[1] / "compat" / "mooncake-store"
 
 
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location("kvpool_test_client_worker",
-                                                  HERE / "client_worker.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cw = _load_worker()
-
-
-def _pip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                           "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+cw = client_worker()
 
 
 @pytest.fixture(scope="module")
 def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real engine wheel and kvpool's ``mooncake.store`` hook, in one site directory."""
     site = tmp_path_factory.mktemp("engine-site")
-    wheel = _pip("--target", str(site), WHEEL)
+    wheel = pip_install("--target", str(site), WHEEL)
     if wheel.returncode != 0:
         pytest.skip(f"cannot install {WHEEL}: {wheel.stderr.strip()[-300:]}")
     probe = subprocess.run(
@@ -64,7 +49,7 @@ def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=60, stdin=subprocess.DEVNULL)
     if probe.returncode != 0:
         pytest.skip(f"the engine does not start here: {probe.stderr.strip()[-300:]}")
-    hook = _pip("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
+    hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
     assert hook.returncode == 0, hook.stdout + hook.stderr
     return site
 
