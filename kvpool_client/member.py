@@ -255,8 +255,7 @@ async def _engine_transport(config: ClientConfig, handed: object,
     try:
         engine = handed if handed is not None else \
             await asyncio.to_thread(open_engine, host, config.protocol, config.device_name)
-        transport = EngineTransport(engine, host, owned=handed is None,
-                                    staging_bytes=config.local_buffer_size
+        transport = EngineTransport(engine, host, staging_bytes=config.local_buffer_size
                                     or DEFAULT_STAGING_BYTES)
     except KVPoolError as exc:
         if config.transport == "engine":

@@ -105,11 +105,10 @@ class _Ranges:
 class EngineTransport:
     """Moves items one-sidedly through a transfer engine; see the module rules."""
 
-    def __init__(self, engine: Any, host: str, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 owned: bool = True) -> None:
+    def __init__(self, engine: Any, host: str, *,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.engine = engine
         self.session_id = f"{host}:{engine.get_rpc_port()}"
-        self._owned = owned  # built here: nothing to hand back beyond what we registered
         self._lock = threading.Lock()  # the registry; the staging buffer has its own
         self._ranges = _Ranges()
         self._staging_lock = threading.Lock()
