@@ -52,6 +52,7 @@ class Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=None, env=full_env)
         self.pid = self.proc.pid
+        self._pending = b""  # bytes read from the worker's stdout past the last full line
         self.info = self._read(timeout_s)
         if "ready" not in self.info:
             self.stop()
@@ -75,19 +76,24 @@ class Worker:
         return self._read(timeout_s)
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
+        """The next line, read from the pipe itself: lines that arrived together stay in
+        ``_pending`` (a buffered reader would keep them where ``select`` cannot see them)."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
-        while True:
+        while b"\n" not in self._pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"worker {self.pid} silent for {timeout_s} s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                line = self.proc.stdout.readline()
-                if not line:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
                     raise RuntimeError(f"worker {self.pid} exited with {self.proc.wait(5)}")
-                answer: dict[str, Any] = json.loads(line)
-                return answer
+                self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        answer: dict[str, Any] = json.loads(line)
+        return answer
 
     def kill(self) -> None:
         """SIGKILL (also continues a stopped process) and reap."""

@@ -377,3 +377,84 @@ def test_ranges_known_by_address_move_in_place_only_through_an_engine(
     without = run("plain", "host-c")
     assert without["register"] == "INVALID_ARGUMENT"
     assert without["put"] == ["INVALID_ARGUMENT"] * 3 and not without["exact"], without
+
+
+ASYNC_SCRIPT = """
+import asyncio, json, sys
+sys.path.insert(0, {site!r})
+sys.path.insert(0, {tests!r})
+from helpers import client_worker
+from kvpool_client.client import AsyncKVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_wire.types import PutOptions
+
+payload = client_worker().payload
+
+async def main() -> None:
+    master, segment = sys.argv[1], sys.argv[2]
+    config = ClientConfig.from_dict({{"master_server_address": master, "global_segment_size": 0,
+                                     "transport": "engine", "protocol": "tcp"}})
+    async with AsyncKVPoolClient(config) as client:
+        keys = [f"async-{{i}}" for i in range(40)]
+        size = 300_001
+        # a batch large enough to be cut into concurrent sub-batches, then async writes
+        statuses = await client.put_batch(keys[:32], [payload(k, size) for k in keys[:32]],
+                                          options=PutOptions(preferred_segment=segment))
+        for key in keys[32:]:
+            await client.put(key, payload(key, size),
+                             options=PutOptions(preferred_segment=segment), async_write=True)
+        await client.flush()
+        values = await client.get_batch(keys)
+        used = sorted({{f"{{t}}:{{o}}" for (t, o) in client.metrics.transfer_bytes}})
+        print(json.dumps({{"put": [int(s) for s in statuses],
+                           "exact": [v == payload(k, size) for k, v in zip(keys, values)],
+                           "used": used}}), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_the_async_client_moves_bytes_through_the_engine(site_dir: Path, pool: Pool,
+                                                         tmp_path: Path) -> None:
+    """The asyncio driver (pipelined sub-batches, async writes) runs the engine's blocking
+    calls on worker threads; the bytes land byte-exact in another process's segment."""
+    owner = pool.worker("host-a")
+    script = tmp_path / "async_engine.py"
+    script.write_text(textwrap.dedent(ASYNC_SCRIPT.format(site=str(site_dir),
+                                                          tests=str(HERE.parent))))
+    done = subprocess.run([sys.executable, str(script), pool.address,
+                           owner.info["segment_ids"][0]], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "KVPOOL_HOST_ID": "host-b", "GLOG_minloglevel": "2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer == {"put": [0] * 32, "exact": [True] * 40,
+                      "used": ["engine:read", "engine:write"]}, answer
+    keys = [f"async-{i}" for i in range(40)]
+    assert owner.call("check", keys=keys, size=300_001)["results"] == ["ok"] * 40
+
+
+def test_a_target_killed_during_puts_fails_them_and_commits_nothing_wrong(pool: Pool) -> None:
+    """Batches of writes into a segment whose owner is SIGKILLed part way: the writes after
+    the kill fail (TRANSFER_FAILED until the master expires the owner, then NO_SPACE), none
+    hangs, and nothing written reads wrong afterwards."""
+    owner = pool.worker("host-a")
+    writer = pool.worker("host-b", global_segment_size=0)
+    segment = owner.info["segment_ids"][0]
+    writer.send("put_loop", size=256 << 10, batch=8, count=400, prefix="killed-put",
+                segment=segment)
+    first = writer.read()
+    assert first["statuses"] == ["OK"] * 8, first
+    owner.kill()
+    seen_failure = False
+    while True:
+        answer = writer.read(timeout_s=120)
+        if answer.get("done"):
+            break
+        if answer["statuses"] != ["OK"] * 8:
+            seen_failure = True
+    assert seen_failure  # puts into the dead owner's segment failed, never hung
+    reader = pool.worker("host-c", global_segment_size=0)
+    results = reader.call("check", keys=[f"killed-put-0-{i}" for i in range(8)],
+                          size=256 << 10)["results"]
+    assert "mismatch" not in results and "ok" not in results, results  # gone with its owner
