@@ -65,10 +65,13 @@ class ReplayConfig:
     eviction_ratio: float = 0.05
     lease_ttl_ms: int = 1000
     reply_timeout_s: float = 60.0
+    ssd_blocks: int = 0  # per worker; the simulated pool only (no SSD tier runs live yet)
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0 or self.device_blocks <= 0 or self.pool_blocks <= 0:
             raise ValueError("workers, device blocks and pool blocks must be positive")
+        if self.ssd_blocks < 0:
+            raise ValueError("SSD blocks must be >= 0")
         if self.pool_blocks < self.num_workers:
             raise ValueError("need at least one pool block per worker")
         if self.object_bytes < STAMP_BYTES:
@@ -91,7 +94,9 @@ def simulated_pool(config: ReplayConfig) -> SimulatedPool:
     """The model of the pool ``config`` describes."""
     return SimulatedPool(config.capacity_bytes, config.object_bytes,
                          high_watermark_ratio=config.high_watermark_ratio,
-                         eviction_ratio=config.eviction_ratio)
+                         eviction_ratio=config.eviction_ratio,
+                         ssd_capacity_bytes=config.ssd_blocks * config.num_workers
+                         * aligned(config.object_bytes))
 
 
 # --- the master ---------------------------------------------------------------------------
@@ -285,6 +290,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="offline LRU model of the same configuration, no processes")
     mode.add_argument("--compare", action="store_true",
                       help="run live and simulated, and print how far apart they are")
+    parser.add_argument("--ssd-blocks-per-worker", type=int, default=0,
+                        help="SSD space each worker adds to the pool, in blocks: DRAM victims "
+                             "are demoted there and promoted back on a hit (with --simulate "
+                             "only: the model of the SSD tier; default 0, DRAM only)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -296,7 +305,11 @@ def run(args: argparse.Namespace) -> int:
             num_workers=args.workers, device_blocks=args.device_blocks,
             pool_blocks=args.pool_blocks, object_bytes=parse_size_bytes(args.object_size),
             routing=args.routing, high_watermark_ratio=args.eviction_high_watermark_ratio,
-            eviction_ratio=args.eviction_ratio, lease_ttl_ms=args.lease_ttl_ms)
+            eviction_ratio=args.eviction_ratio, lease_ttl_ms=args.lease_ttl_ms,
+            ssd_blocks=args.ssd_blocks_per_worker)
+        if config.ssd_blocks and not args.simulate:
+            raise ValueError("--ssd-blocks-per-worker needs --simulate: the SSD tier is "
+                             "modelled, it does not run live yet")
         requests = load_trace(args.trace, start=args.start, limit=args.requests,
                               whole_blocks_only=args.whole_blocks_only)
     except (ValueError, OSError) as exc:
@@ -309,15 +322,27 @@ def run(args: argparse.Namespace) -> int:
         "device_blocks_per_worker": config.device_blocks,
         "pool_blocks": config.capacity_bytes // aligned(config.object_bytes),
         "object_bytes": config.object_bytes, "high_watermark": config.high_watermark_ratio,
-        "eviction_ratio": config.eviction_ratio}}
+        "eviction_ratio": config.eviction_ratio,
+        "ssd_blocks_per_worker": config.ssd_blocks}}
     report["local_only"] = local.to_dict()
     print(_header(config, requests))
     progress = not args.no_progress
     runs: list[tuple[str, ReplayResult]] = []
     try:
         if args.simulate or args.compare:
+            pool = simulated_pool(config)
             runs.append(("simulated", simulate(requests, workers_of, config.num_workers,
-                                               config.device_blocks, simulated_pool(config))))
+                                               config.device_blocks, pool)))
+            if config.ssd_blocks:
+                report["ssd"] = {"dram_hit_objects": pool.dram_hit_objects,
+                                 "ssd_hit_objects": pool.ssd_hit_objects,
+                                 "demoted_objects": pool.demoted_objects,
+                                 "promoted_objects": pool.promoted_objects,
+                                 "ssd_evicted_objects": pool.ssd_evicted_objects}
+                print("SSD tier (simulated): pool reads served from DRAM "
+                      f"{pool.dram_hit_objects}, from SSD {pool.ssd_hit_objects}; demoted "
+                      f"{pool.demoted_objects}, promoted {pool.promoted_objects}, evicted "
+                      f"from SSD {pool.ssd_evicted_objects}")
         if not args.simulate:
             runs.insert(0, ("live", run_live(requests, config, master_address=args.master,
                                              progress=progress)))
@@ -348,7 +373,8 @@ def _header(config: ReplayConfig, requests: Sequence[Sequence[int]]) -> str:
     return (f"{len(requests)} requests, {blocks} blocks; {config.num_workers} workers "
             f"({config.routing}), level 1 = {config.device_blocks} blocks each, pool = "
             f"{pool_blocks} blocks of {config.object_bytes} bytes (watermark "
-            f"{config.high_watermark_ratio}, eviction ratio {config.eviction_ratio})")
+            f"{config.high_watermark_ratio}, eviction ratio {config.eviction_ratio})"
+            + (f" + SSD {config.ssd_blocks} blocks per worker" if config.ssd_blocks else ""))
 
 
 def _table(name: str, result: ReplayResult, local: ReplayResult) -> str:

@@ -17,6 +17,11 @@ Rules of this file:
   capacity``; a pass that frees too little stops eviction for the rest of that call. Read leases
   are not modelled: with leases much shorter than the time a block takes to reach the LRU end,
   they never protect a victim.
+- An SSD tier (``ssd_capacity_bytes``, the workers' SSD space summed: one LRU, as if every
+  worker's disk took an even share of the demotions) catches what DRAM evicts: a DRAM victim is
+  demoted instead of lost, the SSD's own least recently used objects go when it is full. A read
+  of an object on SSD is a hit, and promotes it back to DRAM (room made as a put makes it, its
+  victims demoted in turn); a lookup (``query_prefix``) finds it without moving it.
 """
 
 from __future__ import annotations
@@ -145,35 +150,56 @@ class SimulatedPool:
     """The master's object table reduced to what decides hits: keys in LRU order and bytes."""
 
     def __init__(self, capacity_bytes: int, object_bytes: int, *,
-                 high_watermark_ratio: float = 0.95, eviction_ratio: float = 0.05) -> None:
-        if capacity_bytes <= 0 or object_bytes <= 0:
-            raise ValueError("capacity and object size must be positive")
+                 high_watermark_ratio: float = 0.95, eviction_ratio: float = 0.05,
+                 ssd_capacity_bytes: int = 0) -> None:
+        if capacity_bytes <= 0 or object_bytes <= 0 or ssd_capacity_bytes < 0:
+            raise ValueError("capacity and object size must be positive, SSD capacity >= 0")
         self.capacity_bytes = capacity_bytes
         self.object_bytes = aligned(object_bytes)
         self.high_watermark_ratio = high_watermark_ratio
         self.eviction_ratio = eviction_ratio
         self.ready_keys: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self.used_bytes = 0
-        self.evicted_objects = 0
+        self.evicted_objects = 0  # out of DRAM (demoted ones included)
+        self.ssd_capacity_bytes = ssd_capacity_bytes
+        self.ssd_keys: OrderedDict[str, None] = OrderedDict()  # on SSD only, LRU first
+        self.demoted_objects = 0
+        self.promoted_objects = 0
+        self.ssd_evicted_objects = 0
+        self.dram_hit_objects = 0
+        self.ssd_hit_objects = 0
 
     def query_prefix(self, keys: Sequence[str]) -> int:
         """Leading keys present, touching each (as the master's lease grant does)."""
         count = 0
         for key in keys:
-            if key not in self.ready_keys:
+            if key in self.ready_keys:
+                self.ready_keys.move_to_end(key)
+            elif key in self.ssd_keys:
+                self.ssd_keys.move_to_end(key)
+            else:
                 break
-            self.ready_keys.move_to_end(key)
             count += 1
         return count
 
     def get(self, keys: Sequence[str]) -> list[bool]:
-        """A read: touches every key present."""
+        """A read: touches every key present; one on SSD is promoted back to DRAM."""
         out = []
         for key in keys:
-            present = key in self.ready_keys
-            if present:
+            if key in self.ready_keys:
                 self.ready_keys.move_to_end(key)
-            out.append(present)
+                self.dram_hit_objects += 1
+                out.append(True)
+            elif key in self.ssd_keys:
+                self.ssd_hit_objects += 1
+                del self.ssd_keys[key]
+                if self.put([key]) == [True]:
+                    self.promoted_objects += 1
+                else:  # DRAM has no room: it stays on SSD
+                    self.ssd_keys[key] = None
+                out.append(True)
+            else:
+                out.append(False)
         return out
 
     def put(self, keys: Sequence[str]) -> list[bool]:
@@ -184,7 +210,7 @@ class SimulatedPool:
         ratio_bytes = math.ceil(self.eviction_ratio * self.capacity_bytes)
         exhausted = False
         for key in keys:
-            if key in self.ready_keys or key in pending:
+            if key in self.ready_keys or key in pending or key in self.ssd_keys:
                 out.append(True)  # ALREADY_EXISTS: success, and not a touch
                 continue
             while self.used_bytes + size > self.capacity_bytes and not exhausted:
@@ -207,11 +233,23 @@ class SimulatedPool:
     def _evict(self, need_bytes: int) -> int:
         freed = 0
         while freed < need_bytes and self.ready_keys:
-            self.ready_keys.popitem(last=False)
+            key, _ = self.ready_keys.popitem(last=False)
             self.used_bytes -= self.object_bytes
             self.evicted_objects += 1
             freed += self.object_bytes
+            self._demote(key)
         return freed
+
+    def _demote(self, key: str) -> None:
+        """Keep a DRAM victim on SSD, when there is one (its own LRU end goes when full)."""
+        capacity_objects = self.ssd_capacity_bytes // self.object_bytes
+        if not capacity_objects:
+            return
+        while len(self.ssd_keys) >= capacity_objects:
+            self.ssd_keys.popitem(last=False)
+            self.ssd_evicted_objects += 1
+        self.ssd_keys[key] = None
+        self.demoted_objects += 1
 
 
 class SimulatedBlockIO:

@@ -123,3 +123,56 @@ def test_trace_loading(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="t.jsonl:1"):
         load_trace(path)
     assert HitCounts().ratios()["combined"] == 0.0
+
+
+def test_the_ssd_tier_of_the_model_demotes_victims_and_promotes_hits() -> None:
+    """DRAM of two objects (evicting one at a time), SSD of two."""
+    pool = SimulatedPool(2 * OBJECT_BYTES, OBJECT_BYTES, high_watermark_ratio=1.0,
+                         eviction_ratio=0.5, ssd_capacity_bytes=2 * OBJECT_BYTES)
+    assert pool.put(["a", "b"]) == [True] * 2
+    assert pool.put(["c"]) == [True]                         # a demoted to make room for c
+    assert (list(pool.ready_keys), list(pool.ssd_keys)) == (["b", "c"], ["a"])
+    assert pool.query_prefix(["a", "b", "x"]) == 2          # a lookup finds a on SSD, moves none
+    assert (list(pool.ready_keys), list(pool.ssd_keys)) == (["c", "b"], ["a"])
+    assert pool.put(["a"]) == [True]                         # already stored (on SSD): no copy
+    assert pool.get(["a", "x"]) == [True, False]            # a read promotes a, demotes c
+    assert (list(pool.ready_keys), list(pool.ssd_keys)) == (["b", "a"], ["c"])
+    assert pool.put(["d"]) == [True] and pool.put(["e"]) == [True]  # b, a demoted; c dropped
+    assert (list(pool.ready_keys), list(pool.ssd_keys)) == (["d", "e"], ["b", "a"])
+    assert (pool.dram_hit_objects, pool.ssd_hit_objects, pool.promoted_objects,
+            pool.demoted_objects, pool.ssd_evicted_objects) == (0, 1, 1, 4, 1)
+    assert pool.get(["c"]) == [False]                        # gone from both tiers
+
+
+def test_without_an_ssd_the_model_loses_what_dram_evicts() -> None:
+    pool = SimulatedPool(2 * OBJECT_BYTES, OBJECT_BYTES, high_watermark_ratio=1.0,
+                         eviction_ratio=0.5)
+    assert pool.put(["a", "b"]) == [True] * 2 and pool.put(["c"]) == [True]
+    assert pool.get(["a"]) == [False] and not pool.ssd_keys and pool.demoted_objects == 0
+
+
+def test_replay_takes_an_ssd_capacity_in_the_simulated_run_only(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    import argparse
+
+    from kvpool_client import replay
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"hash_ids": ids}) + "\n"
+                             for ids in _chains(7, 400)))
+    parser = argparse.ArgumentParser()
+    replay.add_arguments(parser)
+    common = [str(trace), "--workers", "2", "--device-blocks", "16", "--pool-blocks", "16",
+              "--object-size", "4KiB", "--no-progress"]
+    assert replay.run(parser.parse_args([*common, "--ssd-blocks-per-worker", "50"])) == 2
+    assert "needs --simulate" in capsys.readouterr().err
+    out_json = tmp_path / "ssd.json"
+    assert replay.run(parser.parse_args([*common, "--simulate", "--ssd-blocks-per-worker", "50",
+                                         "--json", str(out_json)])) == 0
+    with_ssd = json.loads(out_json.read_text())
+    assert replay.run(parser.parse_args([*common, "--simulate", "--json", str(out_json)])) == 0
+    dram_only = json.loads(out_json.read_text())
+    assert with_ssd["ssd"]["demoted_objects"] > 0 and with_ssd["ssd"]["ssd_hit_objects"] > 0
+    assert with_ssd["simulated"]["overall"]["pool_hits"] > \
+        dram_only["simulated"]["overall"]["pool_hits"]
