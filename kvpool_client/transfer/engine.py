@@ -202,7 +202,7 @@ class EngineTransport:
         capacity = len(self._staging)
         with self._staging_lock:
             calls = _Calls()
-            copies: list[tuple[memoryview, int]] = []  # (caller's view, staging offset)
+            copies: list[tuple[int, memoryview, int]] = []  # item, caller's view, staging offset
             used = 0
             for index, remote, view, nbytes in staged:
                 endpoint = items[index][0].engine_endpoint
@@ -215,19 +215,20 @@ class EngineTransport:
                     part = view[done:done + take]
                     if writing:
                         self._staging[used:used + take] = part
-                    copies.append((part, used))
+                    copies.append((index, part, used))
                     calls.add(index, endpoint, self._staging_address + used, remote + done, take)
                     used += take
                     done += take
             self._flush(calls, copies, writing, statuses)
 
-    def _flush(self, calls: _Calls, copies: list[tuple[memoryview, int]], writing: bool,
+    def _flush(self, calls: _Calls, copies: list[tuple[int, memoryview, int]], writing: bool,
                statuses: list[Status]) -> None:
         calls.run(self.engine, writing, statuses)
-        if not writing:
+        if not writing:  # a failed read leaves the caller's buffer as it was
             staging = self._staging
-            for part, offset in copies:
-                part[:] = staging[offset:offset + part.nbytes]
+            for index, part, offset in copies:
+                if statuses[index] == Status.OK:
+                    part[:] = staging[offset:offset + part.nbytes]
 
 
 class _Calls:
