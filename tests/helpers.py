@@ -1,4 +1,5 @@
-"""Helpers the integration tests share: the client worker module, and pip into a directory."""
+"""Helpers the integration tests share: the client worker module, pip into a directory, and
+Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from pathlib import Path
 from types import ModuleType
 
 INTEGRATION = Path(__file__).parent / "integration"
+#: the real Mooncake wheel the tests run beside kvpool (PyPI, no CUDA)
+MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+#: kvpool's import hook serving ``mooncake.store`` beside that wheel
+STORE_HOOK = Path(__file__).parents[1] / "compat" / "mooncake-store"
 
 
 def client_worker() -> ModuleType:
@@ -26,3 +31,16 @@ def pip_install(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                            "--disable-pip-version-check", *args], capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def install_mooncake_beside_kvpool(site: Path) -> None:
+    """Install ``MOONCAKE_WHEEL`` and ``STORE_HOOK`` into ``site`` (a directory processes add
+    to their path). Skips the test when the wheel cannot be had (PyPI unreachable)."""
+    import pytest
+
+    wheel = pip_install("--target", str(site), MOONCAKE_WHEEL)
+    if wheel.returncode != 0:
+        pytest.skip(f"cannot install {MOONCAKE_WHEEL}: {wheel.stderr.strip()[-300:]}")
+    hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site),
+                       str(STORE_HOOK))
+    assert hook.returncode == 0, hook.stdout + hook.stderr

@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import pip_install
+from helpers import install_mooncake_beside_kvpool
 
 HERE = Path(__file__).parent
-HOOK = HERE.parents[1] / "compat" / "mooncake-store"
-WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VLLM_ASCEND = "vllm-ascend==0.23.0"
 TE_FILE = "vllm_ascend/distributed/kv_transfer/utils/mooncake_transfer_engine.py"
 
@@ -31,11 +29,7 @@ TE_FILE = "vllm_ascend/distributed/kv_transfer/utils/mooncake_transfer_engine.py
 @pytest.fixture(scope="module")
 def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("coexist-site")
-    wheel = pip_install("--target", str(site), WHEEL)
-    if wheel.returncode != 0:
-        pytest.skip(f"cannot install {WHEEL}: {wheel.stderr.strip()[-300:]}")
-    hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
-    assert hook.returncode == 0, hook.stdout + hook.stderr
+    install_mooncake_beside_kvpool(site)
     assert (site / "kvpool_mooncake_store.pth").is_file()
     src = tmp_path_factory.mktemp("vllm-ascend")
     unpack = subprocess.run([sys.executable, str(HERE / "wheels.py"), VLLM_ASCEND, str(src),

@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import client_worker, pip_install
+from helpers import client_worker, install_mooncake_beside_kvpool
 
 pytestmark = pytest.mark.network  # the engine wheel comes from PyPI at test time
 
 HERE = Path(__file__).parent
-WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-HOOK = HERE.parents[1] / "compat" / "mooncake-store"
 
 
 cw = client_worker()
@@ -39,9 +37,7 @@ cw = client_worker()
 def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real engine wheel and kvpool's ``mooncake.store`` hook, in one site directory."""
     site = tmp_path_factory.mktemp("engine-site")
-    wheel = pip_install("--target", str(site), WHEEL)
-    if wheel.returncode != 0:
-        pytest.skip(f"cannot install {WHEEL}: {wheel.stderr.strip()[-300:]}")
+    install_mooncake_beside_kvpool(site)
     probe = subprocess.run(
         [sys.executable, "-c", "from kvpool_client.transfer.engine import open_engine; "
                                "open_engine('127.0.0.1', 'tcp')"],
@@ -49,8 +45,6 @@ def site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=60, stdin=subprocess.DEVNULL)
     if probe.returncode != 0:
         pytest.skip(f"the engine does not start here: {probe.stderr.strip()[-300:]}")
-    hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site), str(HOOK))
-    assert hook.returncode == 0, hook.stdout + hook.stderr
     return site
 
 
@@ -277,7 +271,8 @@ else:
     got = store.batch_get_into_multi_buffers(keys, ptrs, sizes)
     exact = all(np.array_equal(c[b * block_bytes:(b + 1) * block_bytes], expected(b, i))
                 for b in range(blocks) for i, c in enumerate(caches))
-    print(json.dumps({{"get": got, "exact": bool(exact)}}), flush=True)
+    used = sorted({{f"{{t}}:{{o}}" for (t, o) in store._client.metrics.transfer_bytes}})
+    print(json.dumps({{"get": got, "exact": bool(exact), "used": used}}), flush=True)
 store.close()
 """
 
@@ -307,7 +302,9 @@ def test_the_drop_in_beside_the_wheel_moves_mindie_blocks_through_the_engine(
                                     env=env("host-r"), stdin=subprocess.DEVNULL)
             assert reader.returncode == 0, reader.stderr[-2000:]
             got = json.loads(reader.stdout.strip().splitlines()[-1])
-            assert got == {"get": [4 * (64 << 10)] * 8, "exact": True}, got
+            # the writer's own segment (another host id): every byte through the engine
+            assert got == {"get": [4 * (64 << 10)] * 8, "exact": True,
+                           "used": ["engine:read"]}, got
             writer.stdin.write("done\n")
             writer.stdin.flush()
             assert writer.wait(60) == 0
