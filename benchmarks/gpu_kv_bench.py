@@ -25,6 +25,7 @@ Each figure is the median of --repeats; ratios are to the limits of the same run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,25 @@ client.close()
 """
 
 
+@contextlib.contextmanager
+def helper_process(script: str, argument: str, env: dict[str, str]) -> Iterator[str]:
+    """A Python process running ``script ARGUMENT`` with ``env`` added: yields the first line
+    it prints; on exit it is told to end (a line on its stdin), and killed by pid if it does
+    not."""
+    proc = subprocess.Popen([sys.executable, "-c", script, argument], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        yield proc.stdout.readline().strip()
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 TARGET = """
 import ctypes, mmap, sys
 from kvpool_client.transfer.engine import open_engine
@@ -102,12 +122,8 @@ def raw_engine(flat: Any, chunk_bytes: int, repeats: int, sync: Callable[[], Non
     from kvpool_client.transfer.engine import open_engine
 
     nbytes = flat.numel()
-    env = {**os.environ, "GLOG_minloglevel": "2"}
-    target = subprocess.Popen([sys.executable, "-c", TARGET, str(nbytes)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert target.stdout is not None and target.stdin is not None
-        session, remote = target.stdout.readline().split()
+    with helper_process(TARGET, str(nbytes), {"GLOG_minloglevel": "2"}) as first_line:
+        session, remote = first_line.split()
         engine = open_engine("127.0.0.1", "tcp")
         assert engine.register_memory(flat.data_ptr(), nbytes) == 0
         offsets = list(range(0, nbytes, chunk_bytes))
@@ -124,14 +140,7 @@ def raw_engine(flat: Any, chunk_bytes: int, repeats: int, sync: Callable[[], Non
         result = (median_gbps(nbytes, write, repeats, sync),
                   median_gbps(nbytes, read, repeats, sync))
         engine.unregister_memory(flat.data_ptr())
-        target.stdin.write("done\n")
-        target.stdin.flush()
-        target.wait(30)
-        return result
-    finally:
-        if target.poll() is None:
-            target.kill()
-            target.wait(10)
+    return result
 
 
 def engine_paths(address: str, src: PagedKVCache, dst: PagedKVCache, ids: list[int],
@@ -140,13 +149,9 @@ def engine_paths(address: str, src: PagedKVCache, dst: PagedKVCache, ids: list[i
     """(save GB/s, load GB/s, blocks per call) through the transfer engine, into a segment of
     another process that believes it is on another host."""
     engine = {"master_server_address": address, "transport": "engine", "protocol": "tcp"}
-    env = {**os.environ, "KVPOOL_HOST_ID": "bench-owner", "GLOG_minloglevel": "2"}
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(
-        {**engine, "global_segment_size": segment_bytes})], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert owner.stdout is not None and owner.stdin is not None
-        segment = owner.stdout.readline().strip()
+    owner_config = json.dumps({**engine, "global_segment_size": segment_bytes})
+    with helper_process(OWNER, owner_config, {"KVPOOL_HOST_ID": "bench-owner",
+                                              "GLOG_minloglevel": "2"}) as segment:
         assert segment, "the owner process did not start"
         os.environ["KVPOOL_HOST_ID"] = "bench-caller"
         try:
@@ -172,14 +177,7 @@ def engine_paths(address: str, src: PagedKVCache, dst: PagedKVCache, ids: list[i
             assert all(torch.equal(a, b) for a, b in zip(
                 (*src.k_caches, *src.v_caches), (*dst.k_caches, *dst.v_caches), strict=True))
             assert {t for (t, _) in caller.metrics.transfer_bytes} == {"engine"}
-        owner.stdin.write("done\n")
-        owner.stdin.flush()
-        owner.wait(60)
-        return result
-    finally:
-        if owner.poll() is None:
-            owner.kill()
-            owner.wait(10)
+    return result
 
 
 def main() -> None:
