@@ -239,8 +239,7 @@ class StagedBlockIO:
         ok: list[bool] = []
         for start in range(0, len(keys), self.chunk_blocks):
             chunk_keys = keys[start:start + self.chunk_blocks]
-            # the last chunk's scatter must be done with the staging buffer before it refills
-            self._wait(self._on_side_stream(lambda: None))
+            # the engine fills the staging buffer: the last chunk's scatter was waited for
             got = self.pool.batch_get_regions(
                 chunk_keys, self._device_ranges(len(chunk_keys)))  # type: ignore[arg-type]
             chunk_ok = [n == self.cache.object_bytes for n in got]

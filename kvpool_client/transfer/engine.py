@@ -176,9 +176,9 @@ class EngineTransport:
                         at += region.nbytes
                         continue
                     view = byte_views([region], writable=not writing)[0]
-                    if not view.readonly and self.registered(address_of(view), view.nbytes):
-                        direct.add(index, info.engine_endpoint, address_of(view), at,
-                                   view.nbytes)
+                    address = 0 if view.readonly else address_of(view)
+                    if address and self.registered(address, view.nbytes):
+                        direct.add(index, info.engine_endpoint, address, at, view.nbytes)
                     elif view.nbytes:
                         staged.append((index, at, view, view.nbytes))
                     at += view.nbytes
