@@ -44,11 +44,12 @@ MOONCAKE_IGNORED_KEYS = frozenset(
         "check_server",  # SGLang: wait for the master before setup
         "standalone_storage",  # SGLang: Mooncake's standalone storage mode
         "transfer_timeout",  # LMCache's Mooncake connector (seconds, engine-internal)
-        "storage_root_dir",  # Mooncake's SSD offload directory
-        "enable_ssd_offload",  # vllm-ascend's mooncake.json: Mooncake's SSD offload switch
-        "ssd_offload_path",  # vllm-ascend's mooncake.json: Mooncake's SSD offload directory
     }
 )
+#: Mooncake's spellings of kvpool keys (vllm-ascend's mooncake.json, Mooncake's own config).
+KEY_ALIASES = {"ssd_offload_path": "ssd_path", "storage_root_dir": "ssd_path"}
+#: SSD bytes per byte of DRAM when the SSD tier is switched on without a size.
+DEFAULT_SSD_PER_DRAM = 4
 
 #: Environment variables that override one key of the file, as Mooncake's clients read them.
 ENV_OVERRIDES: dict[str, str] = {
@@ -57,6 +58,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_PROTOCOL": "protocol",
     "MC_STORE_USE_HUGEPAGE": "use_hugepage",
+    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "ssd_path",
 }
 CONFIG_PATH_ENVS = ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
 
@@ -120,6 +122,21 @@ class ClientConfig:
     # fill the page tables of a peer's segment on a background thread once this client writes
     # into it, so the first pass of puts does not fault on every 4 KiB page (transfer/shm.py)
     populate_peer_segments: bool = True
+    # The SSD tier (README, "SSD tier"): a directory this client owns and the bytes of disk it
+    # contributes there. ``enable_ssd_offload`` (Mooncake's switch) turns it on with
+    # DEFAULT_SSD_PER_DRAM x global_segment_size when no size is given.
+    ssd_path: str = ""
+    ssd_segment_size: int = 0
+    enable_ssd_offload: bool = False
+    ssd_copy_threads: int = 4  # tier copies (demotions, promotions) in flight at once
+    ssd_poll_interval_s: float = 0.5  # how often the copier asks the master for tier copies
+
+    @property
+    def ssd_bytes(self) -> int:
+        """Bytes of SSD this client contributes (0: no SSD tier)."""
+        size = self.ssd_segment_size or (
+            DEFAULT_SSD_PER_DRAM * self.global_segment_size if self.enable_ssd_offload else 0)
+        return size & ~4095  # whole pages (direct I/O)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ClientConfig:
@@ -136,6 +153,7 @@ class ClientConfig:
             if key in MOONCAKE_IGNORED_KEYS:
                 logger.debug("%s: ignoring Mooncake key %r (not used by kvpool)", source, key)
                 continue
+            key = KEY_ALIASES.get(key, key)
             parser = _PARSERS.get(key)
             if parser is None:
                 hint = difflib.get_close_matches(key, list(_PARSERS), n=1)
@@ -226,6 +244,17 @@ class ClientConfig:
                 -(-self.global_segment_size // self.max_segment_size) > 1024:
             raise ConfigError(f"{source}: key 'max_segment_size': splits global_segment_size "
                               "into more than 1024 segments")
+        if self.ssd_bytes:
+            if not self.ssd_path:
+                raise ConfigError(f"{source}: the SSD tier needs 'ssd_path' (or "
+                                  "'ssd_offload_path', MOONCAKE_OFFLOAD_FILE_STORAGE_PATH): a "
+                                  "directory this client owns")
+            if not self.global_segment_size:
+                raise ConfigError(f"{source}: the SSD tier needs 'global_segment_size' > 0 "
+                                  "(objects reach SSD by demotion from this client's DRAM)")
+            if self.ssd_bytes < 1 << 20:
+                raise ConfigError(f"{source}: key 'ssd_segment_size': at least 1 MiB, got "
+                                  f"{self.ssd_bytes}")
 
 
 # --- value parsers: each returns the parsed value or raises ValueError saying what is wrong ---
@@ -374,6 +403,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "copy_threads": _int_range(0, 64),
     "use_hugepage": _bool,
     "populate_peer_segments": _bool,
+    "ssd_path": _str,
+    "ssd_segment_size": _size,
+    "enable_ssd_offload": _bool,
+    "ssd_copy_threads": _int_range(1, 64),
+    "ssd_poll_interval_s": _seconds(allow_zero=False),
 }
 
 

@@ -33,8 +33,11 @@ from kvpool_client.loops import off_loop
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.rpc import MasterRpc, MasterSession
 from kvpool_client.segments import LocalSegment, cleanup_stale_segments, split_sizes
+from kvpool_client.ssd import SsdSegment, cleanup_stale_files
+from kvpool_client.tiercopy import TierCopier
 from kvpool_client.transfer.copy import ParallelCopier
 from kvpool_client.transfer.engine import DEFAULT_STAGING_BYTES, EngineTransport, open_engine
+from kvpool_client.transfer.files import FileTransport
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_client.transfer.tcp import DataServer
 from kvpool_client.transfer.tcp_blocking import BlockingTcpTransport
@@ -79,6 +82,8 @@ class Member:
     master: MasterAddress
     session: MasterSession
     segments: dict[str, LocalSegment]
+    ssd_segments: dict[str, SsdSegment]
+    copier: TierCopier | None  # None: this client has no SSD tier
     server: DataServer | None  # None: this client contributes no memory
     engine: EngineTransport | None  # None: no transfer engine (shm and kvpool's TCP only)
     rpc: MasterRpc
@@ -112,22 +117,26 @@ class Member:
                     master: MasterAddress, session: MasterSession, metrics: ClientMetrics,
                     undo: contextlib.AsyncExitStack, handed_engine: object) -> Member:
         segments = await _create_segments(config, client_id, undo)
+        ssd_segments = await _create_ssd_segments(config, client_id, undo)
         engine = await _engine_transport(config, handed_engine, segments, undo)
         huge_bytes = sum(s.huge_bytes for s in segments.values())
         metrics.segment_page_bytes.update({
             "2MiB": huge_bytes, "4KiB": sum(s.size_bytes for s in segments.values()) - huge_bytes})
-        server = _serve(config, segments, session, metrics, undo)
+        server = _serve(config, {**segments, **ssd_segments}, session, metrics, undo)
         hostname = server.endpoint if server is not None else config.local_hostname
 
         def descriptors() -> list[SegmentInfo]:
             endpoint = server.endpoint if server is not None else ""
             session_id = engine.session_id if engine is not None else ""
-            return [s.describe(host_id, endpoint, session_id) for s in segments.values()]
+            return [s.describe(host_id, endpoint, session_id) for s in segments.values()] + \
+                [s.describe(host_id, endpoint) for s in ssd_segments.values()]
 
         def stamp_segments(key: bytes) -> None:
             """Write the ownership proof of ``key`` into every segment (before mounting)."""
             for segment in segments.values():
                 segment.stamp_owner(key)
+            for ssd in ssd_segments.values():
+                ssd.stamp_owner(key)
 
         def set_serving_key(key: bytes) -> None:
             if server is not None:
@@ -160,9 +169,11 @@ class Member:
             shm=ShmTransport(segments, copier=ParallelCopier(
                 config.copy_threads or copy_threads()), populate=config.populate_peer_segments),
             checksum_max_bytes=checksum_max_bytes(config.checksum), metrics=metrics,
-            liveness=liveness, session=session, engine=engine)
+            liveness=liveness, session=session, engine=engine,
+            files=FileTransport(ssd_segments, host_id))
         parts.remember(mounted)
         undo.push_async_callback(parts.shm.close)
+        undo.callback(parts.files.close)
 
         async def write(keys: list[bytes], regions: list[Regions],
                         options: PutOptions) -> list[Status]:
@@ -180,11 +191,20 @@ class Member:
         undo.push_async_callback(datapath.tcp.close)
         liveness.start()
         undo.push_async_callback(off_loop, liveness.stop)
+        copier = None
+        if ssd_segments:
+            copier = TierCopier(client_id, partial(master.blocking_stub, session), segments,
+                                ssd_segments, config.ssd_copy_threads, metrics,
+                                config.ssd_poll_interval_s)
+            session.on_copy_tasks = copier.poke
+            copier.start()
+            undo.push_async_callback(off_loop, copier.stop)
         logger.info("client %s joined %s with %d segments (%d bytes), data server %s",
                     client_id, config.master_server_address, len(segments),
                     config.global_segment_size, hostname)
         return cls(config=config, client_id=client_id, host_id=host_id, master=master,
-                   session=session, segments=segments, server=server, engine=engine, rpc=rpc,
+                   session=session, segments=segments, ssd_segments=ssd_segments,
+                   copier=copier, server=server, engine=engine, rpc=rpc,
                    liveness=liveness, parts=parts, datapath=datapath, writer=writer,
                    _undo=undo)
 
@@ -236,6 +256,22 @@ async def _create_segments(config: ClientConfig, client_id: str,
     return segments
 
 
+async def _create_ssd_segments(config: ClientConfig, client_id: str,
+                               undo: contextlib.AsyncExitStack) -> dict[str, SsdSegment]:
+    """The SSD tier's segment (none without one); files left by earlier processes go first:
+    what they held was dropped by the master when their owner expired."""
+    size_bytes = config.ssd_bytes
+    if not size_bytes:
+        return {}
+    removed = await asyncio.to_thread(cleanup_stale_files, config.ssd_path, config.cluster_id)
+    if removed:
+        logger.info("removed %d stale SSD segment files under %s", len(removed), config.ssd_path)
+    segment = await asyncio.to_thread(SsdSegment.create, config.ssd_path, config.cluster_id,
+                                      client_id, 0, size_bytes)
+    undo.callback(segment.close)
+    return {segment.segment_id: segment}
+
+
 def wants_engine(config: ClientConfig) -> bool:
     """Whether the config asks for the engine transport: ``"transport": "engine"``, or
     ``"auto"`` with a ``protocol`` only a transfer engine speaks."""
@@ -272,7 +308,8 @@ async def _engine_transport(config: ClientConfig, handed: object,
     return transport
 
 
-def _serve(config: ClientConfig, segments: dict[str, LocalSegment], session: MasterSession,
+def _serve(config: ClientConfig, segments: dict[str, LocalSegment | SsdSegment],
+           session: MasterSession,
            metrics: ClientMetrics, undo: contextlib.AsyncExitStack) -> DataServer | None:
     """Serve ``segments`` (None when there are none), refusing everything until the master's
     key for this client is installed."""

@@ -310,8 +310,9 @@ class LocalSegment:
         return f"LocalSegment({self.segment_id!r}, {self.shm_name!r}, {self.size_bytes})"
 
 
-def cleanup_stale_segments(cluster: str) -> list[str]:
-    """Unlink the shared memory of ``cluster`` left on this host by processes that are gone.
+def cleanup_stale_segments(cluster: str, directory: str = SHM_DIR, suffix: str = "") -> list[str]:
+    """Unlink the shared memory of ``cluster`` left on this host by processes that are gone
+    (or, with ``directory`` and ``suffix``, the SSD segment files there, see ``ssd.py``).
 
     Only files that match kvpool's naming pattern for this cluster, are regular files owned by
     this user, are not locked by a live owner (see the module rules; this holds across pid
@@ -321,18 +322,20 @@ def cleanup_stale_segments(cluster: str) -> list[str]:
     part = _name_part(cluster)
     removed: list[str] = []
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(directory)
     except OSError:
         return removed
     uid = os.getuid()
     for name in names:
-        match = _STALE_NAME.fullmatch(name)
+        if not name.endswith(suffix):
+            continue
+        match = _STALE_NAME.fullmatch(name[:len(name) - len(suffix)])
         if match is None or match.group(1) != part:
             continue
         pid, start = int(match.group(2)), int(match.group(3))
         if _process_start_ticks(pid) == start:
             continue  # the owner still runs
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(directory, name)
         try:
             info = os.lstat(path)
         except FileNotFoundError:

@@ -51,6 +51,8 @@ class MasterConfig:
     max_segments_per_client: int = 1024
     max_batch_keys: int = 100_000
     engine_transport: str = "allow"
+    ssd_promote_after_hits: int = 1
+    copy_task_ttl_s: float = 30.0
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
     max_connections: int = 4096
@@ -219,6 +221,12 @@ OPTIONS: tuple[Option, ...] = (
            "segments a transfer engine reaches one-sidedly (no capability check by the owner, "
            "see README 'Engine transport'): allow them, refuse them (their MountSegment answers "
            "PERMISSION_DENIED), or require them of every segment (default allow)", "POLICY"),
+    Option("ssd_promote_after_hits", "ssd_promote_after_hits", _int(0, 1_000_000),
+           "reads answered from SSD only before the object gets a DRAM copy again on its "
+           "owner's host (1: on the first hit, 0: never; default 1)", "N"),
+    Option("copy_task_ttl", "copy_task_ttl_s", _float(0.0, HOUR_S, lo_open=True),
+           "seconds a client has to make a tier copy (demotion, promotion) it fetched; its "
+           "target space is reused write_capability_ttl after that (default 30)", "SECONDS"),
     Option("max_key_bytes", "max_key_bytes", _int(1, MAX_KEY_BYTES),
            f"longest key in bytes; longer keys answer INVALID_KEY (default {MAX_KEY_BYTES})", "N"),
     Option("max_message_bytes", "max_message_bytes", _size(4096, 2**31 - 1),

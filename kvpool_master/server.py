@@ -75,6 +75,8 @@ def core_config(config: MasterConfig) -> CoreConfig:
         max_key_bytes=config.max_key_bytes,
         max_batch_keys=config.max_batch_keys,
         engine_transport=config.engine_transport,
+        ssd_promote_after_hits=config.ssd_promote_after_hits,
+        copy_task_ttl_s=config.copy_task_ttl_s,
     )
 
 

@@ -111,7 +111,7 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence
 # ---- events -> rows -> state -----------------------------------------------------------------
 
 def event_row(event: ev.Event) -> list[Any] | None:
-    if isinstance(event, ev.ObjectCommitted):
+    if isinstance(event, ev.ObjectCommitted | ev.ReplicasChanged):  # same row: the new state
         return [_OBJECT_COMMITTED, *object_row(event.key, event.size_bytes, event.placements,
                                                event.checksum, event.pin, event.parent_key)]
     if isinstance(event, ev.ObjectRemoved):
@@ -161,7 +161,7 @@ class Overlay:
                 self.clients[row[1]] = row[1:]
             elif code == _CLIENT_GONE and len(row) == 2:
                 self.clients.pop(row[1], None)
-            elif code == _SEGMENT_MOUNTED and len(row) in (9, 10):  # 9: before engine bases
+            elif code == _SEGMENT_MOUNTED and len(row) in (9, 10, 11):  # older rows are shorter
                 self.segments[row[1]] = row[1:]
             elif code == _SEGMENT_UNMOUNTED and len(row) == 2:
                 self.segments.pop(row[1], None)

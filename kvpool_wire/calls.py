@@ -88,7 +88,7 @@ def segment_info_of(d: Any) -> SegmentInfo:
     return SegmentInfo(SegmentId(d.segment_id), ClientId(d.client_id), d.size_bytes,
                        Tier(d.tier) if d.tier in Tier._value2member_map_ else Tier.DRAM,
                        d.host_id, d.shm_name, d.tcp_endpoint, d.engine_endpoint,
-                       d.engine_base_address, d.ownership_proof)
+                       d.engine_base_address, d.file_path, d.ownership_proof)
 
 
 def _status_field(response: Any) -> Status:
@@ -124,11 +124,12 @@ def register_client(client_id: str, host_id: str, hostname: str,
         _register_answer)
 
 
-def heartbeat(client_id: str, client_token: bytes) -> Call[tuple[Status, int]]:
-    """(OK or UNKNOWN_CLIENT, the master's capability clock in ms when OK)."""
+def heartbeat(client_id: str, client_token: bytes) -> Call[tuple[Status, int, int]]:
+    """(OK or UNKNOWN_CLIENT, the master's capability clock in ms when OK, how many tier
+    copies wait for this client)."""
     return Call(RPC_METHODS["Heartbeat"], pb.HeartbeatRequest(
         client_id=client_id, client_token=client_token),
-        lambda r: (status_of(r.status), r.master_clock_ms))
+        lambda r: (status_of(r.status), r.master_clock_ms, r.copy_tasks_waiting))
 
 
 def unregister_client(client_id: str, client_token: bytes) -> Call[Status]:
@@ -229,6 +230,48 @@ def exist(client_id: str, keys: Sequence[bytes]) -> Call[tuple[list[Status], lis
     """(per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
     return Call(RPC_METHODS["Exist"], pb.ExistRequest(client_id=client_id, keys=keys),
                 lambda r: (statuses_of(r.statuses), list(r.sizes_bytes)))
+
+
+def tiers(client_id: str, keys: Sequence[bytes]) -> Call[list[Tier | None]]:
+    """Per key, the tier of its fastest replica, None when it is not READY (an Exist)."""
+    def decode(r: Any) -> list[Tier | None]:
+        tiers = [Tier(t) if t in Tier._value2member_map_ else Tier.SSD for t in r.tiers] \
+            or [Tier.DRAM] * len(r.statuses)
+        return [tier if status == pb.STATUS_OK else None
+                for status, tier in zip(r.statuses, tiers, strict=True)]
+    return Call(RPC_METHODS["Exist"], pb.ExistRequest(client_id=client_id, keys=keys), decode)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTask:
+    """A copy between two of this client's segments the master asks for (see the README,
+    "SSD tier"): ``source`` and ``target`` carry segment, offset and length only."""
+
+    task_id: int
+    key: bytes
+    source: Placement
+    target: Placement
+    checksum: int
+    start_within_s: float
+
+
+def copy_tasks(client_id: str, client_token: bytes, done: Sequence[tuple[int, Status]],
+               max_tasks: int) -> Call[list[CopyTask]]:
+    """Report the results ``done`` ((task id, status) each) and fetch up to ``max_tasks``
+    new tasks."""
+    request = pb.CopyTasksRequest(
+        client_id=client_id, client_token=client_token, max_tasks=max_tasks,
+        done=[pb.CopyResult(task_id=task_id, status=cast(Any, int(status)))
+              for task_id, status in done])
+
+    def read(r: Any) -> list[CopyTask]:
+        return [CopyTask(t.task_id, t.key,
+                         Placement(SegmentId(t.source.segment_id), t.source.offset,
+                                   t.source.length),
+                         Placement(SegmentId(t.target.segment_id), t.target.offset,
+                                   t.target.length),
+                         t.checksum, t.start_within_ms / 1000) for t in r.tasks]
+    return Call(RPC_METHODS["CopyTasks"], request, _checked("CopyTasks", read))
 
 
 def query_prefix(client_id: str, keys: Sequence[bytes]) -> Call[int]:

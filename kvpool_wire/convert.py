@@ -106,9 +106,29 @@ def decode_caller(request: Any) -> tuple[ClientId, bytes]:
     return ClientId(request.client_id), request.client_token
 
 
-def encode_heartbeat(status: Status, master_clock_ms: int) -> pb.HeartbeatResponse:
+def encode_heartbeat(status: Status, master_clock_ms: int,
+                     copy_tasks_waiting: int = 0) -> pb.HeartbeatResponse:
     """The Heartbeat answer."""
-    return pb.HeartbeatResponse(status=_pb(status), master_clock_ms=master_clock_ms)
+    return pb.HeartbeatResponse(status=_pb(status), master_clock_ms=master_clock_ms,
+                                copy_tasks_waiting=copy_tasks_waiting)
+
+
+def decode_copy_tasks(request: Any) -> tuple[ClientId, list[tuple[int, int]], int]:
+    """(caller, [(task id, status)] reported, most tasks wanted) of a CopyTasks request."""
+    return (ClientId(_name(request.client_id, "client_id")),
+            [(int(r.task_id), int(r.status)) for r in request.done], int(request.max_tasks))
+
+
+def encode_copy_tasks(status: Status, tasks: Sequence[Any], start_within_ms: int
+                      ) -> pb.CopyTasksResponse:
+    """The CopyTasks answer (``tasks``: core CopyTasks)."""
+    return pb.CopyTasksResponse(status=_pb(status), tasks=[
+        pb.CopyTask(task_id=t.task_id, key=t.key, checksum=t.entry.checksum,
+                    start_within_ms=start_within_ms,
+                    source=pb.Placement(segment_id=t.source.segment_id, offset=t.source.offset,
+                                        length=t.source.length),
+                    target=pb.Placement(segment_id=t.target.segment_id, offset=t.target.offset,
+                                        length=t.target.length)) for t in tasks])
 
 
 def status_response(response_type: type[Message], status: Status) -> Message:
@@ -133,6 +153,7 @@ def _segment_info(descriptor: Any, client_id: str) -> SegmentInfo:
         engine_endpoint=_name(descriptor.engine_endpoint, "segment.engine_endpoint",
                               required=False),
         engine_base_address=int(descriptor.engine_base_address),
+        file_path=_name(descriptor.file_path, "segment.file_path", required=False),
     )
 
 
@@ -161,7 +182,8 @@ def descriptor_of(info: SegmentInfo, ownership_proof: bytes = b"") -> pb.Segment
         segment_id=info.segment_id, client_id=info.client_id, size_bytes=info.size_bytes,
         tier=_pb(int(info.tier)), host_id=info.host_id, shm_name=info.shm_name,
         tcp_endpoint=info.tcp_endpoint, engine_endpoint=info.engine_endpoint,
-        engine_base_address=info.engine_base_address, ownership_proof=ownership_proof)
+        engine_base_address=info.engine_base_address, file_path=info.file_path,
+        ownership_proof=ownership_proof)
 
 
 def encode_get_segments(infos: Sequence[SegmentInfo | None],
@@ -262,14 +284,18 @@ def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expir
     return response
 
 
-def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int]) -> pb.ExistResponse:
-    """Per key: OK or NOT_FOUND, and the size."""
-    return pb.ExistResponse(statuses=_pb(statuses), sizes_bytes=sizes_bytes)
+def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int],
+                 tiers: Sequence[int] | None = None) -> pb.ExistResponse:
+    """Per key: OK or NOT_FOUND, the size, and (with an SSD tier) the fastest tier."""
+    if tiers is None:
+        return pb.ExistResponse(statuses=_pb(statuses), sizes_bytes=sizes_bytes)
+    return pb.ExistResponse(statuses=_pb(statuses), sizes_bytes=sizes_bytes, tiers=_pb(tiers))
 
 
-def encode_query_prefix(status: Status, num_ready: int) -> pb.QueryPrefixResponse:
-    """How many leading keys are READY."""
-    return pb.QueryPrefixResponse(status=_pb(status), num_ready=num_ready)
+def encode_query_prefix(status: Status, num_ready: int,
+                        tiers: Sequence[int] | None = None) -> pb.QueryPrefixResponse:
+    """How many leading keys are READY (and, with an SSD tier, the tier of each)."""
+    return pb.QueryPrefixResponse(status=_pb(status), num_ready=num_ready, tiers=_pb(tiers or []))
 
 
 def decode_remove(request: Any) -> tuple[str, list[ObjectKey], bool]:

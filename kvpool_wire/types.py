@@ -53,6 +53,7 @@ class SegmentInfo:
     tcp_endpoint: str = ""
     engine_endpoint: str = ""        # transfer-engine session id ("host:port"), "" when none
     engine_base_address: int = 0     # the segment's first byte for that engine (0: none)
+    file_path: str = ""              # tier SSD: the file on the owner's host ("" when none)
     # Set by the master in GetSegments answers (capability.ownership_proof): not part of what
     # a segment is, so it takes no part in comparisons.
     ownership_proof: bytes = field(default=b"", compare=False)

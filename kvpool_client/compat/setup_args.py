@@ -37,7 +37,9 @@ _POSITIONAL = ("local_hostname", "metadata_server", "global_segment_size", "loca
                "protocol", "rdma_devices", "master_server_addr", "engine")
 #: accepted, and harmless to ignore (Mooncake features kvpool has no counterpart for)
 _IGNORED = {"ipc_socket_path": "", "tenant_id": "default", "enable_client_http_server": False,
-            "client_http_port": 9300, "ssd_offload_path": ""}
+            "client_http_port": 9300}
+#: Mooncake's SSD offload arguments, kvpool's SSD tier (README, "SSD tier")
+_SSD = ("enable_ssd_offload", "ssd_offload_path")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +61,7 @@ def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         values = _from_dict(args[0])
     else:
         values = _from_arguments(args, kwargs)
-    if values.pop("enable_ssd_offload", False):
-        raise ConfigError("setup: enable_ssd_offload is not supported by kvpool (its tiers are "
-                          "managed by the master); set it to false")
+    ssd = {key: values.pop(key) for key in _SSD if key in values}
     for key, default in _IGNORED.items():
         value = values.pop(key, default)
         if value != default:
@@ -77,8 +77,15 @@ def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
         "device_name": values.get("rdma_devices", "") or "",
         "master_server_address": values.get("master_server_addr", DEFAULT_MASTER),
     }
+    if "enable_ssd_offload" in ssd:
+        if not isinstance(ssd["enable_ssd_offload"], bool):
+            raise ConfigError("setup: enable_ssd_offload must be a bool")
+        overrides["enable_ssd_offload"] = ssd["enable_ssd_offload"]
+    if ssd.get("ssd_offload_path"):
+        overrides["ssd_path"] = _text("ssd_offload_path", ssd["ssd_offload_path"])
     env = os.environ if environ is None else environ
-    overrides.update(env_overrides(env, ("MC_STORE_USE_HUGEPAGE",)))
+    overrides.update(env_overrides(env, ("MC_STORE_USE_HUGEPAGE",
+                                         "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH")))
     return StoreSetup(_base_config(env).replace(**overrides), segment_name, engine)
 
 
@@ -108,7 +115,7 @@ def _from_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[st
     for key, value in kwargs.items():
         if key in values:
             raise ConfigError(f"setup: argument {key!r} given twice")
-        if key not in _POSITIONAL and key not in _IGNORED and key != "enable_ssd_offload":
+        if key not in _POSITIONAL and key not in _IGNORED and key not in _SSD:
             raise ConfigError(f"setup: unknown argument {key!r}")
         values[key] = value
     for key in ("local_hostname", "metadata_server"):
@@ -122,7 +129,7 @@ def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
     aliases = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
     for key, value in config.items():
         name = aliases.get(key, key)
-        if name not in _POSITIONAL and name not in _IGNORED and name != "enable_ssd_offload":
+        if name not in _POSITIONAL and name not in _IGNORED and name not in _SSD:
             raise ConfigError(f"setup: unknown key {key!r} in the config dict")
         values[name] = value
     if "local_hostname" not in values or "metadata_server" not in values:

@@ -76,9 +76,11 @@ class AsyncDataPath:
     async def _run_part(self, name: str, chosen: list[ReadItem], writing: bool) -> list[Status]:
         started = time.perf_counter()
         engine = self.parts.engine
-        if name == "engine" and engine is not None:  # blocking calls: on a worker thread
-            call = engine.write_batch if writing else engine.read_batch
-            statuses = await asyncio.to_thread(call, chosen)
+        if name in ("engine", "file"):  # blocking calls: on a worker thread
+            files = self.parts.files
+            call = (files.write_batch if writing else files.read_batch) if name == "file" \
+                else (engine.write_batch if writing else engine.read_batch)  # type: ignore[union-attr]
+            statuses = list(await asyncio.to_thread(call, chosen))
             self.parts.observe(name, writing, chosen, statuses, started)
             return statuses
         transport: Any = self.parts.shm if name == "shm" else self.tcp

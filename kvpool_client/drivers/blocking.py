@@ -96,6 +96,9 @@ class BlockingDataPath:
             started = time.perf_counter()
             if name == "shm":
                 part_statuses = parts.shm.copy_batch(chosen, writing=writing)
+            elif name == "file":
+                part_statuses = parts.files.write_batch(chosen) if writing else \
+                    parts.files.read_batch(chosen)
             elif name == "engine":
                 assert parts.engine is not None
                 part_statuses = parts.engine.write_batch(chosen) if writing else \

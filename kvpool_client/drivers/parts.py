@@ -5,7 +5,9 @@ Rules of this file:
   forces ``tcp``) and the regions are host memory; else the transfer engine when this client
   has one and the segment advertises one; else TCP (refused when the config forces ``shm``).
   Regions known only by address (``AddressRange``, e.g. device memory) go through the engine
-  or fail with INVALID_ARGUMENT: no other transport reaches them.
+  or fail with INVALID_ARGUMENT: no other transport reaches them. An SSD segment is read from
+  its file when it is on this host and this process may open it (``transfer.files``), else
+  through its owner's data server (TCP), never through shared memory or the engine.
 - A transfer failing with SEGMENT_NOT_FOUND, TRANSFER_FAILED or PERMISSION_DENIED (a refused
   ownership proof, which an owner that re-registered under a new key has replaced) drops what
   this client knows of the segment: the next use asks the master again.
@@ -30,10 +32,11 @@ from kvpool_client.core.read_plan import ReadItem, ReadPlan
 from kvpool_client.core.regions import Regions, by_address, checksum
 from kvpool_client.metrics import ClientMetrics
 from kvpool_client.transfer.engine import EngineTransport
+from kvpool_client.transfer.files import FileTransport
 from kvpool_client.transfer.shm import ShmTransport
 from kvpool_wire.capability import MasterClock
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import SegmentInfo
+from kvpool_wire.types import SegmentInfo, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ class Parts:
     def __init__(self, *, client_id: str, local_host_id: str, transport: str,
                  shm: ShmTransport, checksum_max_bytes: int, metrics: ClientMetrics,
                  liveness: LivenessView, session: ClockView,
-                 engine: EngineTransport | None = None) -> None:
+                 engine: EngineTransport | None = None,
+                 files: FileTransport | None = None) -> None:
         self.client_id = client_id
         self.local_host_id = local_host_id
         self.force_tcp = transport == "tcp"
@@ -84,6 +88,7 @@ class Parts:
         self.liveness = liveness
         self.session = session
         self.engine = engine
+        self.files = files if files is not None else FileTransport({}, local_host_id)
         self._segment_id_to_info: dict[str, SegmentInfo] = {}
 
     # -- segment directory ------------------------------------------------------------------------
@@ -111,6 +116,7 @@ class Parts:
         """Drop a cached descriptor (and mapping): the next use asks the master again."""
         self._segment_id_to_info.pop(segment_id, None)
         self.shm.forget(segment_id)
+        self.files.forget(segment_id)
 
     def prefers(self, info: SegmentInfo) -> bool:
         """True when ``info`` is reached through shared memory from here."""
@@ -121,13 +127,22 @@ class Parts:
     def route(self, items: Sequence[ReadItem]
               ) -> tuple[list[Status], list[tuple[str, list[int]]]]:
         """(statuses so far, [(transport name, indices)] of the non-empty parts: "shm", then
-        "engine", then "tcp")."""
+        "file", "engine", then "tcp")."""
         statuses = [Status.OK] * len(items)
         shm_part: list[int] = []
+        file_part: list[int] = []
         engine_part: list[int] = []
         tcp_part: list[int] = []
         engine = self.engine is not None
         for index, (info, _, regions) in enumerate(items):
+            if info.tier == Tier.SSD:
+                if not self.force_tcp and self.files.reaches(info):
+                    file_part.append(index)
+                elif self.shm_only or by_address(regions):
+                    statuses[index] = Status.TRANSFER_FAILED
+                else:
+                    tcp_part.append(index)
+                continue
             # without an engine, shared memory and TCP refuse such regions themselves
             addressed = engine and by_address(regions)
             if not addressed and self.prefers(info):
@@ -142,10 +157,11 @@ class Parts:
                 statuses[index] = Status.TRANSFER_FAILED  # transport "shm" forbids tcp
             else:
                 tcp_part.append(index)
-        if not engine_part and not tcp_part:  # the common case: one host
+        if not engine_part and not tcp_part and not file_part:  # the common case: one host
             return statuses, [("shm", shm_part)] if shm_part else []
         return statuses, [(name, part) for name, part in (
-            ("shm", shm_part), ("engine", engine_part), ("tcp", tcp_part)) if part]
+            ("shm", shm_part), ("file", file_part), ("engine", engine_part),
+            ("tcp", tcp_part)) if part]
 
     def merge(self, items: Sequence[ReadItem], statuses: list[Status], part: list[int],
               part_statuses: Sequence[Status]) -> None:

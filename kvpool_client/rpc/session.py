@@ -46,10 +46,12 @@ class MasterSession:
     ``kvpool_wire.capability``). ``token`` and ``clock`` are replaced whole, never mutated;
     the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
-    __slots__ = ("token", "clock", "_ended", "_ended_lock")
+    __slots__ = ("token", "clock", "_ended", "_ended_lock", "on_copy_tasks")
 
     def __init__(self) -> None:
         self.token = b""
+        # called with the number of tier copies waiting, when a heartbeat says some do
+        self.on_copy_tasks: Callable[[int], None] | None = None
         self.clock = MasterClock(0, 0, 0.0)
         self._ended: list[int] = []  # ids of leases read under, not sent yet
         self._ended_lock = threading.Lock()
@@ -137,12 +139,19 @@ class MasterCalls:
         answer also tightens the session's sample of the master's clock."""
         return self._run(calls.heartbeat(client_id, self.session.token), self._beaten)
 
-    def _beaten(self, answer: tuple[Status, int], sent_s: float) -> Status:
-        status, master_clock_ms = answer
+    def _beaten(self, answer: tuple[Status, int, int], sent_s: float) -> Status:
+        status, master_clock_ms, copies_waiting = answer
         if status == Status.OK:
             session = self.session
             session.learn_clock(MasterClock(session.clock.epoch, master_clock_ms, sent_s))
+            if copies_waiting and session.on_copy_tasks is not None:
+                session.on_copy_tasks(copies_waiting)
         return status
+
+    def copy_tasks(self, client_id: str, done: Sequence[tuple[int, Status]],
+                   max_tasks: int) -> Any:
+        """Report tier copies made and fetch more -> list of ``calls.CopyTask``."""
+        return self._run(calls.copy_tasks(client_id, self.session.token, done, max_tasks))
 
     def unregister_client(self, client_id: str) -> Any:
         """Graceful close -> OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""

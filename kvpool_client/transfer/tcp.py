@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from kvpool_client.segments import LocalSegment
+from kvpool_client.ssd import SsdSegment
 from kvpool_client.transfer.tcp_conn import Closed, Connection
 from kvpool_client.transfer.tcp_frames import (
     MAX_SEGMENT_ID_BYTES,
@@ -88,7 +89,7 @@ class DataServer:
     client's metrics.
     """
 
-    def __init__(self, segments: Mapping[str, LocalSegment], capability_key: bytes,
+    def __init__(self, segments: Mapping[str, LocalSegment | SsdSegment], capability_key: bytes,
                  host: str = "127.0.0.1", port: int = 0, *, max_connections: int = 64,
                  max_connections_per_peer: int = 32, frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = 120.0, first_request_timeout_s: float = 5.0,
@@ -357,8 +358,13 @@ class DataServer:
             return None, KVPoolError(Status.PERMISSION_DENIED,
                                      "invalid or expired capability"), 0.0
         try:
+            if isinstance(segment, SsdSegment):  # read from the file, on this thread
+                if op != Op.READ:
+                    return None, KVPoolError(Status.PERMISSION_DENIED,
+                                             "an SSD segment takes no remote writes"), 0.0
+                return segment.read(offset, length), None, deadline_s
             return segment.buffer[offset:offset + length], None, deadline_s
-        except KVPoolError as exc:  # closed since the lookup
+        except KVPoolError as exc:  # closed since the lookup, or an I/O error
             return None, exc, 0.0
 
     def _refuse(self, conn: Connection, deadline_s: float, status: Status, request_id: int,

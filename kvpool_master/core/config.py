@@ -27,10 +27,12 @@ class CoreConfig:
     max_key_bytes: int = 1024
     max_batch_keys: int = 100_000
     engine_transport: str = "allow"
+    ssd_promote_after_hits: int = 1  # reads from SSD only before a DRAM copy is made; 0: never
+    copy_task_ttl_s: float = 30.0  # how long a client has for one tier copy it fetched
 
     def __post_init__(self) -> None:
         for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s",
-                     "write_capability_ttl_s"):
+                     "write_capability_ttl_s", "copy_task_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -49,6 +51,11 @@ class CoreConfig:
                              f"got {self.max_segments_per_client!r}")
         if not isinstance(self.max_batch_keys, int) or self.max_batch_keys < 1:
             raise ValueError(f"max_batch_keys must be >= 1, got {self.max_batch_keys!r}")
+        if (not isinstance(self.ssd_promote_after_hits, int)
+                or isinstance(self.ssd_promote_after_hits, bool)
+                or not 0 <= self.ssd_promote_after_hits <= 1_000_000):
+            raise ValueError(f"ssd_promote_after_hits must be in [0, 1000000], "
+                             f"got {self.ssd_promote_after_hits!r}")
         if self.engine_transport not in ENGINE_TRANSPORT_POLICIES:
             raise ValueError(f"engine_transport must be one of {ENGINE_TRANSPORT_POLICIES}, "
                              f"got {self.engine_transport!r}")

@@ -71,6 +71,20 @@ class ObjectCommitted:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicasChanged:
+    """A READY object gained a replica on another tier (a copy committed) or lost the ones on
+    one tier (evicted from it while a copy elsewhere stays); ``placements`` is what it has now.
+    """
+
+    key: ObjectKey
+    size_bytes: int
+    placements: tuple[Placement, ...]
+    checksum: int
+    pin: Pin
+    parent_key: ObjectKey | None
+
+
+@dataclass(frozen=True, slots=True)
 class ObjectRemoved:
     """A READY or PENDING object left the index; ``reason`` says why."""
 
@@ -110,5 +124,5 @@ class SyncRequired:
 
 
 Event = (ClientRegistered | ClientExpired | ClientUnregistered | SegmentMounted
-         | SegmentUnmounted | ObjectCommitted | ObjectRemoved | EvictionPass | PendingReclaimed
-         | SyncRequired)
+         | SegmentUnmounted | ObjectCommitted | ReplicasChanged | ObjectRemoved | EvictionPass
+         | PendingReclaimed | SyncRequired)

@@ -10,6 +10,8 @@ Rules of this file:
   ``parent_key`` is this key) waits until that successor is chosen. A waiting object that
   becomes a leaf during the pass is older than every object not yet scanned, so it goes next
   (oldest first). A chain is therefore evicted tail first.
+- A DRAM pass walks ``ObjectTable.dram_order`` once SSD segments exist (objects on SSD only
+  are not in it); an SSD pass walks the main order and counts SSD bytes only.
 - Selection does not mutate the table (an OrderedDict cannot change while it is walked); the
   caller removes the victims in the returned order. Hard-pinned and PENDING objects met on the
   way are moved to the recent end afterwards, so later passes do not rescan them.
@@ -18,6 +20,7 @@ Rules of this file:
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from kvpool_master.core.allocator import ALIGN_BYTES, aligned
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
@@ -54,29 +57,34 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
     # Fast path: every mounted segment is on this tier and none is restored, so an object's
     # bytes on the tier are simply its aligned size times its number of replicas.
     simple = segments.num_restored == 0 and all(s.info.tier == tier for s in segments.mounted)
+    order = table.dram_order if tier == Tier.DRAM and table.dram_order is not None \
+        else table.key_to_object
+    # With SSD segments a DRAM pass is plain LRU: a child on SSD only would keep its parent
+    # waiting forever.
+    prefix_lru = prefix_lru and order is table.key_to_object and not table.dram_order
     for allowed in ((Pin.NONE,), (Pin.NONE, Pin.SOFT)):
         # Each pass rescans from the oldest object, so waiting objects are found again in order.
         state.waiting.clear()
         state.ready.clear()
-        _scan(table, segments, tier, now, prefix_lru, simple, allowed, state)
+        _scan(table, order, segments, tier, now, prefix_lru, simple, allowed, state)
         if state.freed_bytes >= need_bytes:
             break
-    key_to_object = table.key_to_object
     for key in state.skipped:
-        if key in key_to_object and key not in state.victims:
-            key_to_object.move_to_end(key)
+        if key in order and key not in state.victims:
+            order.move_to_end(key)
     return list(state.victims)
 
 
-def _scan(table: ObjectTable, segments: SegmentTable, tier: Tier, now: float, prefix_lru: bool,
-          simple: bool, allowed: tuple[Pin, ...], state: _Pass) -> None:
+def _scan(table: ObjectTable, order: OrderedDict[ObjectKey, ObjectEntry], segments: SegmentTable,
+          tier: Tier, now: float, prefix_lru: bool, simple: bool, allowed: tuple[Pin, ...],
+          state: _Pass) -> None:
     victims = state.victims
     counts = table.parent_to_num_children
     evicted_children = state.evicted_children
     waiting = state.waiting
     hard = Pin.HARD
     align_mask = ALIGN_BYTES - 1
-    for key, entry in table.key_to_object.items():
+    for key, entry in order.items():
         if entry.writer_id is not None or entry.pin is hard:
             state.skipped.append(key)
             continue

@@ -29,11 +29,11 @@ from kvpool_master.core.events import (
     Event,
     SegmentMounted,
 )
-from kvpool_master.core.mutations import Mutations
 from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
+from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -46,7 +46,7 @@ from kvpool_wire.types import (
 
 __all__ = ["CoreConfig", "MasterCore"]
 
-class MasterCore(Mutations):
+class MasterCore(Tiering):
     """Where every object lives: clients, segments, objects, leases, eviction."""
 
     def __init__(self, config: CoreConfig) -> None:
@@ -62,6 +62,7 @@ class MasterCore(Mutations):
         self._counters = Counters()
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
+        self._copies = CopyTable()
 
     @property
     def config(self) -> CoreConfig:
@@ -176,6 +177,8 @@ class MasterCore(Mutations):
               >= self._config.max_segments_per_client):
             return Status.RESOURCE_EXHAUSTED
         self._mount_fresh(segment)
+        if segment.tier == Tier.SSD:
+            build_dram_order(self._objects, self._segments)
         return Status.OK
 
     def unmount_segment(self, client_id: ClientId, segment_id: SegmentId, now: float) -> Status:
@@ -235,6 +238,12 @@ class MasterCore(Mutations):
         if covered:
             self._open_leases.add(self.last_lease_id, reader,  # type: ignore[arg-type]
                                   covered, now + ttl_s)
+        if self._objects.dram_order is not None:
+            hit = [(key, r.placements[0]) for key, r in zip(keys, results, strict=True)
+                   if r.status == 0]
+            self._objects.touch([key for key, _ in hit])
+            if self._segments.tier_to_capacity_bytes[Tier.SSD]:
+                self._note_ssd_hits([key for key, _ in hit], [p for _, p in hit])
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return results
@@ -260,6 +269,9 @@ class MasterCore(Mutations):
         result = leases.exist(self._objects, self._segments, keys, now,
                               self._config.default_lease_ttl_s, self._config.max_key_bytes,
                               counters)
+        if self._objects.dram_order is not None:
+            self._objects.touch([key for key, status in zip(keys, result[0], strict=True)
+                                 if status == Status.OK])
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return result
@@ -271,11 +283,28 @@ class MasterCore(Mutations):
             return 0
         count = leases.query_prefix(self._objects, self._segments, keys, now,
                                     self._config.default_lease_ttl_s, self._lease_counters)
+        if count and self._objects.dram_order is not None:
+            self._objects.touch(list(keys[:count]))
         counters = self._counters
         counters.lookup_queries += 1
         counters.lookup_keys += len(keys)
         counters.lookup_hit_keys += count
         return count
+
+    def tiers_of(self, keys: Sequence[ObjectKey]) -> list[Tier] | None:
+        """The tier of each key's fastest replica (DRAM for a key not READY), or None when no
+        SSD segment was ever mounted (everything is in DRAM). Changes nothing."""
+        if self._objects.dram_order is None:
+            return None
+        get = self._objects.key_to_object.get
+        segment_of = self._segments.id_to_segment.get
+        tiers: list[Tier] = []
+        for key in keys:
+            entry = get(key) if type(key) is bytes else None
+            state = segment_of(entry.placements[0].segment_id) \
+                if entry is not None and entry.writer_id is None else None
+            tiers.append(state.info.tier if state is not None else Tier.DRAM)
+        return tiers
 
     # ---- housekeeping --------------------------------------------------------------------
 
@@ -296,6 +325,9 @@ class MasterCore(Mutations):
         self._reclaim_stale(now)
         for tier in Tier:
             self._relieve_watermark(tier, now)
+        if self._copies.id_to_task:
+            self._expire_copies(now)
+        self._plan_copies(now)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call, oldest first."""
@@ -305,7 +337,8 @@ class MasterCore(Mutations):
     def stats(self) -> CoreStats:
         """Return a copy of every counter and gauge (see ``core/stats.py``)."""
         return build_stats(self._clients, self._segments, self._objects, self._deferred,
-                           self._quarantine, self._counters, self._lease_counters)
+                           self._quarantine, self._counters, self._lease_counters,
+                           len(self._copies.id_to_task))
 
     # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
 
@@ -332,6 +365,8 @@ class MasterCore(Mutations):
         """
         counts = restore_into(self._clients, self._segments, self._objects, snapshot, now,
                               grace_s, self._config.max_key_bytes)
+        if any(s.info.tier == Tier.SSD for s in self._segments.id_to_segment.values()):
+            build_dram_order(self._objects, self._segments)
         until_s = now + self._config.write_capability_ttl_s
         for state in self._segments.id_to_segment.values():
             for offset, size_bytes in state.allocator.reserve_free():
@@ -363,6 +398,7 @@ class MasterCore(Mutations):
             self._reclaim(key, now)
         for state in self._segments.owned_by(client_id):
             self._lose_segment(state, now)
+        self._drop_copies_of(client_id)
         self._clients.discard(client_id)
 
     def _reclaim_stale(self, now: float) -> None:

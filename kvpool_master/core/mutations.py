@@ -1,9 +1,10 @@
 """Writes of the master core: two-phase puts, removes, eviction passes, losing segments.
 
 Rules of this file:
-- ``Mutations`` is the half of ``MasterCore`` that changes objects; ``master.py`` holds the
-  other half (clients, segments, reads, housekeeping). They share state through the attributes
-  declared below, which ``MasterCore.__init__`` sets.
+- ``Mutations`` is the half of ``MasterCore`` that changes objects (``tiering.py`` builds the
+  copies between tiers on it); ``master.py`` holds the other half (clients, segments, reads,
+  housekeeping). They share state through the attributes declared below, which
+  ``MasterCore.__init__`` sets.
 - Every object leaves through ``_drop`` (one ``ObjectRemoved`` event each, extents freed, or
   parked in ``DeferredFrees`` while a read lease on them is live), or through ``_reclaim``
   for a PENDING object whose writer vanished or ran out of time.
@@ -41,6 +42,7 @@ from kvpool_master.core.events import (
     ObjectRemoved,
     PendingReclaimed,
     RemoveReason,
+    ReplicasChanged,
     SegmentMounted,
     SegmentUnmounted,
     SyncRequired,
@@ -122,7 +124,7 @@ class Mutations:
         # No eviction can place an object larger than every segment, or more replicas than
         # there are segments: those answer NO_SPACE at once.
         largest_bytes = self._segments.largest_segment_bytes()
-        num_segments = len(self._segments.mounted)
+        num_segments = self._segments.num_dram_segments()
         max_key_bytes = config.max_key_bytes
         get = self._objects.key_to_object.get
         id_to_segment = self._segments.id_to_segment
@@ -429,7 +431,7 @@ class Mutations:
             return None   # no eviction during the restart quarantine (see the module rules)
         while placements is None:
             need_bytes = aligned(size_bytes) * replica_num
-            for tier in Tier:
+            for tier in (Tier.DRAM,):  # puts land in DRAM only
                 capacity = segments.tier_to_capacity_bytes[tier]
                 if tier in exhausted or not capacity:
                     continue
@@ -482,13 +484,43 @@ class Mutations:
         used = self._segments.tier_to_used_bytes
         before = used[tier]
         total_before = sum(used.values())
+        kept = self._strip_tier(victims, tier) if len(
+            [t for t, n in self._segments.tier_to_capacity_bytes.items() if n]) > 1 else 0
         self._drop(victims, "evict", now)
         counters = self._counters
         counters.eviction_passes += 1
         counters.evicted_objects += len(victims)
+        counters.evicted_replicas += kept
         counters.evicted_bytes += total_before - sum(used.values())
         self._events.append(EvictionPass(len(victims), total_before - sum(used.values())))
         return before - used[tier]
+
+
+    def _strip_tier(self, victims: list[ObjectKey], tier: Tier) -> int:
+        """Take the victims that also live on another tier out of ``victims``: they only lose
+        their replicas on ``tier`` (freed now: victims hold no lease). Returns how many."""
+        get = self._segments.id_to_segment.get
+        key_to_object = self._objects.key_to_object
+        order = self._objects.dram_order
+        dropped: list[ObjectKey] = []
+        to_free: list[Placement] = []
+        for key in victims:
+            entry = key_to_object[key]
+            here = [p for p in entry.placements
+                    if (s := get(p.segment_id)) is not None and s.info.tier == tier]
+            if len(here) == len(entry.placements):
+                dropped.append(key)
+                continue
+            entry.placements = tuple(p for p in entry.placements if p not in here)
+            to_free += here
+            if tier == Tier.DRAM and order is not None:
+                order.pop(key, None)
+            self._events.append(ReplicasChanged(key, entry.size_bytes, entry.placements,
+                                                entry.checksum, entry.pin, entry.parent_key))
+        kept = len(victims) - len(dropped)
+        victims[:] = dropped
+        self._segments.free(to_free)
+        return kept
 
 
 def _options(options: PutOptions) -> tuple[Pin | None, int]:

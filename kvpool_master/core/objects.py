@@ -11,6 +11,10 @@ Rules of this file:
   out as is (no per-read allocation of placements).
 - ``parent_to_num_children`` counts READY children per parent key; only the prefix-lru policy
   needs it, so it is kept only then.
+- ``dram_order`` (None until an SSD segment is first mounted, see ``core/tiering.py``) holds the
+  objects with a replica in DRAM in their own recency order, so a DRAM eviction or demotion
+  pass never walks past the objects that live on SSD only. Puts always land in DRAM; the
+  tiering code moves keys in and out of it when replicas change tier.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class ObjectTable:
         self.track_children = track_children
         self.ready_bytes = 0  # logical bytes of READY objects (one copy each)
         self.size_to_int: dict[int, int] = {}  # interned object sizes (see put_start)
+        self.dram_order: OrderedDict[ObjectKey, ObjectEntry] | None = None
 
     def __len__(self) -> int:
         return len(self.key_to_object)
@@ -65,6 +70,8 @@ class ObjectTable:
         """Insert a new PENDING object (its key must be absent)."""
         self.key_to_object[key] = entry
         self.pending_key_to_started_s[key] = now
+        if self.dram_order is not None:
+            self.dram_order[key] = entry
 
     def commit(self, key: ObjectKey, entry: ObjectEntry, checksum: int) -> None:
         """Make a PENDING object READY and most recently used."""
@@ -72,6 +79,8 @@ class ObjectTable:
         entry.checksum = checksum
         del self.pending_key_to_started_s[key]
         self.key_to_object.move_to_end(key)
+        if self.dram_order is not None and key in self.dram_order:
+            self.dram_order.move_to_end(key)
         self.ready_bytes += entry.size_bytes
         if self.track_children and entry.parent_key is not None:
             counts = self.parent_to_num_children
@@ -88,6 +97,8 @@ class ObjectTable:
     def pop(self, key: ObjectKey) -> ObjectEntry:
         """Remove ``key`` (which must be present) from every index and return its entry."""
         entry = self.key_to_object.pop(key)
+        if self.dram_order is not None:
+            self.dram_order.pop(key, None)
         if entry.writer_id is not None:
             del self.pending_key_to_started_s[key]
             return entry
@@ -101,6 +112,15 @@ class ObjectTable:
             else:
                 del counts[parent]
         return entry
+
+    def touch(self, keys: list[ObjectKey]) -> None:
+        """Move ``keys`` (read just now, all present) to the recent end of ``dram_order``
+        (the main order was moved by the read itself)."""
+        order = self.dram_order
+        if order is not None:
+            for key in keys:
+                if key in order:
+                    order.move_to_end(key)
 
     def shared_key(self, key: ObjectKey) -> ObjectKey:
         """Return the table's own copy of ``key`` when present (to share it), else ``key``."""

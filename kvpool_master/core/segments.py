@@ -12,8 +12,9 @@ Rules of this file:
   latest free is newer than ``durable_seq`` sets ``needs_sync``: the placement may reuse bytes
   whose freeing record is not on disk yet, so the answer must wait for a sync.
 - Placement: the preferred segment first, then (``prefer_same_host``) segments on the writer's
-  host, then the rest; within each group DRAM before SSD and most free bytes first, which
-  spreads a stream of puts evenly. Replicas of one object always sit on distinct segments.
+  host, then the rest; within each group most free bytes first, which spreads a stream of puts
+  evenly. Replicas of one object always sit on distinct segments. Puts land in DRAM only: SSD
+  space is handed out by the tiering code (``allocate_on``), for copies its owner makes.
 - The order "DRAM first, most free bytes first" is an index (``_by_free``, a heap of
   ``(tier, -free bytes, mount number, push number, segment)``), so a put costs O(log segments)
   and not a scan of every segment. Each segment has one current entry (``index_no``, its push
@@ -121,6 +122,7 @@ class SegmentTable:
         self._num_mounts = 0
         self._num_pushes = 0
         self._largest_bytes = -1  # largest mounted segment, -1: not known (see its method)
+        self._num_dram = -1  # mounted DRAM segments, -1: not known
 
     def track_durability(self) -> None:
         """From now on, frees count as durable only once ``mark_durable`` says so."""
@@ -193,7 +195,7 @@ class SegmentTable:
         """
         if replica_num == 1 and preferred_segment:  # the common pinned put: no generator
             preferred = self.id_to_segment.get(SegmentId(preferred_segment))
-            if preferred is not None and preferred.mounted:
+            if preferred is not None and preferred.mounted and preferred.info.tier == Tier.DRAM:
                 placement = self._allocate_on(preferred, size_bytes)
                 if placement is not None:
                     return (placement,)
@@ -211,6 +213,10 @@ class SegmentTable:
             candidates.close()  # the segments it handed out go back into the index now
         self.free(placements, seq=-1)  # never handed out: not a free anyone must wait for
         return None
+
+    def allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
+        """One extent of ``size_bytes`` on the mounted segment ``state``, or None."""
+        return self._allocate_on(state, size_bytes) if state.mounted else None
 
     def _allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
         """One extent of ``size_bytes`` on ``state`` (counted as used), or None if none fits."""
@@ -272,15 +278,22 @@ class SegmentTable:
         mount or unmount, so a put does not scan the segments)."""
         largest = self._largest_bytes
         if largest < 0:
-            largest = self._largest_bytes = max((s.allocator.size_bytes for s in self.mounted),
-                                                default=0)
+            largest = self._largest_bytes = max((s.allocator.size_bytes for s in self.mounted
+                                                 if s.info.tier == Tier.DRAM), default=0)
         return largest
+
+    def num_dram_segments(self) -> int:
+        """How many mounted segments take puts (kept like ``largest_segment_bytes``)."""
+        count = self._num_dram
+        if count < 0:
+            count = self._num_dram = sum(1 for s in self.mounted if s.info.tier == Tier.DRAM)
+        return count
 
     def _count(self, state: SegmentState, sign: int) -> None:
         tier = state.info.tier
         self.tier_to_capacity_bytes[tier] += sign * state.allocator.size_bytes
         self.tier_to_used_bytes[tier] += sign * state.allocator.used_bytes
-        self._largest_bytes = -1  # recomputed at the next put
+        self._largest_bytes = self._num_dram = -1  # recomputed at the next put
         if sign > 0:
             self.mounted.append(state)
             self._num_mounts += 1
@@ -315,6 +328,8 @@ class SegmentTable:
         seen: set[int] = set()
         try:
             while heap:
+                if heap[0][0] != Tier.DRAM:
+                    break  # DRAM sorts first: the rest is SSD, which takes no puts
                 _, negative_free, mount_no, push_no, state = heapq.heappop(heap)
                 if push_no != state.index_no or not state.mounted or mount_no != state.mount_no \
                         or id(state) in seen:
@@ -335,11 +350,12 @@ class SegmentTable:
                     same_host_id: str) -> Generator[SegmentState, None, None]:
         seen: set[str] = set()
         preferred = self.id_to_segment.get(SegmentId(preferred_segment))
-        if preferred is not None and preferred.mounted:
+        if preferred is not None and preferred.mounted and preferred.info.tier == Tier.DRAM:
             seen.add(preferred_segment)
             yield preferred
         if same_host_id:
-            by_rank = sorted(self.mounted, key=_placement_rank, reverse=True)
+            by_rank = sorted((s for s in self.mounted if s.info.tier == Tier.DRAM),
+                             key=_placement_rank, reverse=True)
             for state in by_rank:
                 if state.info.host_id == same_host_id and state.info.segment_id not in seen:
                     seen.add(state.info.segment_id)

@@ -34,7 +34,7 @@ from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, Se
 ClientRow = tuple[str, str, bytes]
 #: SegmentInfo fields in declaration order, tier as an int.
 #: rows written before the engine base address have 8 fields; both restore
-SegmentRow = tuple[str, str, int, int, str, str, str, str, int]
+SegmentRow = tuple[str, str, int, int, str, str, str, str, int, str]
 #: (key, size_bytes, [segment_id, offset, length, ...] flattened, checksum, pin, parent_key)
 ObjectRow = tuple[bytes, int, list[Any], int, int, bytes | None]
 
@@ -62,7 +62,8 @@ class RestoreCounts:
 def segment_row(info: SegmentInfo) -> SegmentRow:
     """Return the row of a segment descriptor."""
     return (info.segment_id, info.client_id, info.size_bytes, int(info.tier), info.host_id,
-            info.shm_name, info.tcp_endpoint, info.engine_endpoint, info.engine_base_address)
+            info.shm_name, info.tcp_endpoint, info.engine_endpoint, info.engine_base_address,
+            info.file_path)
 
 
 def object_row(key: bytes, size_bytes: int, placements: tuple[Placement, ...], checksum: int,
@@ -179,15 +180,16 @@ def _overlapping(objects: ObjectTable,
 def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
     try:
         segment_id, client_id, size_bytes, tier, host_id, shm, tcp, engine, *rest = row
-        base_address = rest[0] if rest else 0
-        if len(rest) > 1 or not isinstance(base_address, int):
+        base_address = rest[0] if rest else 0   # rows written before engines lack it
+        file_path = rest[1] if len(rest) > 1 else ""   # ... and before the SSD tier this
+        if len(rest) > 2 or not isinstance(base_address, int):
             return None
         info = SegmentInfo(SegmentId(segment_id), ClientId(client_id), size_bytes, Tier(tier),
-                           host_id, shm, tcp, engine, base_address)
+                           host_id, shm, tcp, engine, base_address, file_path)
     except (TypeError, ValueError):
         return None
     if segment_info_error(info) or not all(isinstance(s, str) for s in (host_id, shm, tcp,
-                                                                          engine)):
+                                                                          engine, file_path)):
         return None
     return info
 

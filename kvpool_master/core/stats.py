@@ -26,7 +26,10 @@ class Counters:
                  "evicted_bytes", "eviction_passes", "removed_objects", "segment_lost_objects",
                  "pending_reclaimed", "clients_registered", "clients_expired",
                  "registrations_refused", "calls_unauthenticated",
-                 "lookup_queries", "lookup_keys", "lookup_hit_keys", "read_keys", "read_hit_keys")
+                 "lookup_queries", "lookup_keys", "lookup_hit_keys", "read_keys", "read_hit_keys",
+                 "evicted_replicas", "ssd_read_hit_keys", "demotions_started", "demotions_done",
+                 "demotions_failed", "promotions_started", "promotions_done",
+                 "promotions_failed", "copies_expired")
 
     def __init__(self) -> None:
         self.put_started = 0
@@ -48,6 +51,15 @@ class Counters:
         self.lookup_hit_keys = 0
         self.read_keys = 0
         self.read_hit_keys = 0
+        self.evicted_replicas = 0  # evicted from one tier, kept on another
+        self.ssd_read_hit_keys = 0  # reads answered from SSD only
+        self.demotions_started = 0
+        self.demotions_done = 0
+        self.demotions_failed = 0
+        self.promotions_started = 0
+        self.promotions_done = 0
+        self.promotions_failed = 0
+        self.copies_expired = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +114,21 @@ class CoreStats:
     lookup_hit_keys_total: int        # leading READY keys answered by query_prefix
     read_keys_total: int              # keys asked by get_replicas and exist
     read_hit_keys_total: int          # of which OK
+    ssd_read_hit_keys_total: int      # of which answered from SSD only
+    evicted_replicas_total: int       # evicted from one tier, kept on another
+    demotions_started_total: int      # DRAM -> SSD copies asked of owners
+    demotions_done_total: int         # ... committed
+    demotions_failed_total: int       # ... failed or too late to commit
+    promotions_started_total: int     # SSD -> DRAM copies asked of owners
+    promotions_done_total: int
+    promotions_failed_total: int
+    copies_expired_total: int         # tier copies not reported within copy_task_ttl
+    copies_in_flight: int             # tier copies waiting or being made
 
 
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
                 deferred: DeferredFrees, quarantine: DeferredFrees, counters: Counters,
-                leases: LeaseCounters) -> CoreStats:
+                leases: LeaseCounters, copies_in_flight: int = 0) -> CoreStats:
     """Return a consistent copy of every counter and gauge."""
     return CoreStats(
         num_clients=len(clients),
@@ -148,4 +170,14 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         lookup_hit_keys_total=counters.lookup_hit_keys,
         read_keys_total=counters.read_keys,
         read_hit_keys_total=counters.read_hit_keys,
+        ssd_read_hit_keys_total=counters.ssd_read_hit_keys,
+        evicted_replicas_total=counters.evicted_replicas,
+        demotions_started_total=counters.demotions_started,
+        demotions_done_total=counters.demotions_done,
+        demotions_failed_total=counters.demotions_failed,
+        promotions_started_total=counters.promotions_started,
+        promotions_done_total=counters.promotions_done,
+        promotions_failed_total=counters.promotions_failed,
+        copies_expired_total=counters.copies_expired,
+        copies_in_flight=copies_in_flight,
     )

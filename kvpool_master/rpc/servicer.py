@@ -49,11 +49,11 @@ __all__ = ["CLIENT_SCOPED", "WRITE_METHODS", "BadRequest", "InternalError", "Rpc
 
 #: Calls that act as their ``client_id``: the caller proves it with its client token.
 CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "UnmountSegment",
-                           "PutStart", "PutEnd", "PutRevoke"})
+                           "PutStart", "PutEnd", "PutRevoke", "CopyTasks"})
 #: Calls that can change durable state (clients, segments, objects): refused while read-only.
 WRITE_METHODS = frozenset({"RegisterClient", "UnregisterClient", "MountSegment",
                            "UnmountSegment", "PutStart", "PutEnd", "PutRevoke", "Remove",
-                           "RemoveAll", "RemoveByRegex"})
+                           "RemoveAll", "RemoveByRegex", "CopyTasks"})
 
 
 class InternalError(RuntimeError):
@@ -103,6 +103,7 @@ class Servicer:
             "RemoveAll": self._remove_all,
             "RemoveByRegex": self._remove_by_regex,
             "GetStats": self._get_stats,
+            "CopyTasks": self._copy_tasks,
         }
 
     def serve(self, method: RpcMethod, payload: bytes, transport: str) -> bytes:
@@ -215,8 +216,17 @@ class Servicer:
             master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch)
 
     def _heartbeat(self, request: Any) -> Any:
-        status = self._core.heartbeat(convert.decode_client_id(request), self._clock.now())
-        return convert.encode_heartbeat(status, self.capability_clock_ms())
+        client_id = convert.decode_client_id(request)
+        status = self._core.heartbeat(client_id, self._clock.now())
+        return convert.encode_heartbeat(status, self.capability_clock_ms(),
+                                        self._core.copy_tasks_waiting(client_id))
+
+    def _copy_tasks(self, request: Any) -> Any:
+        client_id, done, max_tasks = convert.decode_copy_tasks(request)
+        status, tasks = self._core.copy_tasks(client_id, done, max_tasks, self._clock.now())
+        # the copier starts no copy after half the ttl: the target is reused only later
+        start_within_ms = int(self._core.config.copy_task_ttl_s * 500)
+        return convert.encode_copy_tasks(status, tasks, start_within_ms)
 
     def _unregister_client(self, request: Any) -> Any:
         status = self._core.unregister_client(convert.decode_client_id(request),
@@ -306,14 +316,15 @@ class Servicer:
     def _exist(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
         statuses, sizes_bytes = self._core.exist(keys, self._clock.now())
-        return convert.encode_exist(statuses, sizes_bytes)
+        return convert.encode_exist(statuses, sizes_bytes, self._core.tiers_of(keys))
 
     def _query_prefix(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
         if len(keys) > self._core.config.max_batch_keys:
             return convert.encode_query_prefix(Status.INVALID_ARGUMENT, 0)
         num_ready = self._core.query_prefix(keys, self._clock.now())
-        return convert.encode_query_prefix(Status.OK, num_ready)
+        return convert.encode_query_prefix(Status.OK, num_ready,
+                                           self._core.tiers_of(keys[:num_ready]))
 
     # -- removal and admin ------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     METHOD_UNMOUNT_SEGMENT: _ClassVar[Method]
     METHOD_GET_SEGMENTS: _ClassVar[Method]
     METHOD_UNREGISTER_CLIENT: _ClassVar[Method]
+    METHOD_COPY_TASKS: _ClassVar[Method]
     METHOD_PUT_START: _ClassVar[Method]
     METHOD_PUT_END: _ClassVar[Method]
     METHOD_PUT_REVOKE: _ClassVar[Method]
@@ -99,6 +100,7 @@ METHOD_MOUNT_SEGMENT: Method
 METHOD_UNMOUNT_SEGMENT: Method
 METHOD_GET_SEGMENTS: Method
 METHOD_UNREGISTER_CLIENT: Method
+METHOD_COPY_TASKS: Method
 METHOD_PUT_START: Method
 METHOD_PUT_END: Method
 METHOD_PUT_REVOKE: Method
@@ -112,7 +114,7 @@ METHOD_GET_STATS: Method
 METHOD_ERROR: Method
 
 class SegmentDescriptor(_message.Message):
-    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint", "ownership_proof", "engine_base_address")
+    __slots__ = ("segment_id", "client_id", "size_bytes", "tier", "host_id", "shm_name", "tcp_endpoint", "engine_endpoint", "ownership_proof", "engine_base_address", "file_path")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +125,7 @@ class SegmentDescriptor(_message.Message):
     ENGINE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     OWNERSHIP_PROOF_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FILE_PATH_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     client_id: str
     size_bytes: int
@@ -133,7 +136,8 @@ class SegmentDescriptor(_message.Message):
     engine_endpoint: str
     ownership_proof: bytes
     engine_base_address: int
-    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., ownership_proof: _Optional[bytes] = ..., engine_base_address: _Optional[int] = ...) -> None: ...
+    file_path: str
+    def __init__(self, segment_id: _Optional[str] = ..., client_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., engine_endpoint: _Optional[str] = ..., ownership_proof: _Optional[bytes] = ..., engine_base_address: _Optional[int] = ..., file_path: _Optional[str] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("segment_id", "offset", "length", "capability_expiry_ms", "capability", "put_id")
@@ -218,12 +222,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "master_clock_ms")
+    __slots__ = ("status", "master_clock_ms", "copy_tasks_waiting")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASTER_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    COPY_TASKS_WAITING_FIELD_NUMBER: _ClassVar[int]
     status: Status
     master_clock_ms: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., master_clock_ms: _Optional[int] = ...) -> None: ...
+    copy_tasks_waiting: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., master_clock_ms: _Optional[int] = ..., copy_tasks_waiting: _Optional[int] = ...) -> None: ...
 
 class UnregisterClientRequest(_message.Message):
     __slots__ = ("client_id", "client_token")
@@ -406,12 +412,14 @@ class ExistRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExistResponse(_message.Message):
-    __slots__ = ("statuses", "sizes_bytes")
+    __slots__ = ("statuses", "sizes_bytes", "tiers")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class QueryPrefixRequest(_message.Message):
     __slots__ = ("client_id", "keys")
@@ -422,12 +430,14 @@ class QueryPrefixRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class QueryPrefixResponse(_message.Message):
-    __slots__ = ("status", "num_ready")
+    __slots__ = ("status", "num_ready", "tiers")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_READY_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     num_ready: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., num_ready: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., num_ready: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
     __slots__ = ("client_id", "keys", "force", "client_token", "ended_leases", "ended_lease_ids")
@@ -484,6 +494,50 @@ class RemoveByRegexResponse(_message.Message):
     status: Status
     num_removed: int
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., num_removed: _Optional[int] = ...) -> None: ...
+
+class CopyTask(_message.Message):
+    __slots__ = ("task_id", "key", "source", "target", "checksum", "start_within_ms")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    START_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    key: bytes
+    source: Placement
+    target: Placement
+    checksum: int
+    start_within_ms: int
+    def __init__(self, task_id: _Optional[int] = ..., key: _Optional[bytes] = ..., source: _Optional[_Union[Placement, _Mapping]] = ..., target: _Optional[_Union[Placement, _Mapping]] = ..., checksum: _Optional[int] = ..., start_within_ms: _Optional[int] = ...) -> None: ...
+
+class CopyResult(_message.Message):
+    __slots__ = ("task_id", "status")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    status: Status
+    def __init__(self, task_id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ...) -> None: ...
+
+class CopyTasksRequest(_message.Message):
+    __slots__ = ("client_id", "client_token", "done", "max_tasks")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    client_token: bytes
+    done: _containers.RepeatedCompositeFieldContainer[CopyResult]
+    max_tasks: int
+    def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ..., done: _Optional[_Iterable[_Union[CopyResult, _Mapping]]] = ..., max_tasks: _Optional[int] = ...) -> None: ...
+
+class CopyTasksResponse(_message.Message):
+    __slots__ = ("status", "tasks")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    tasks: _containers.RepeatedCompositeFieldContainer[CopyTask]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., tasks: _Optional[_Iterable[_Union[CopyTask, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

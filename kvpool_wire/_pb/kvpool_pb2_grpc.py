@@ -114,6 +114,11 @@ class MasterStub(object):
                 request_serializer=kvpool__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvpool__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.CopyTasks = channel.unary_unary(
+                '/kvpool.v1.Master/CopyTasks',
+                request_serializer=kvpool__pb2.CopyTasksRequest.SerializeToString,
+                response_deserializer=kvpool__pb2.CopyTasksResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer(object):
@@ -215,6 +220,12 @@ class MasterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +308,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvpool__pb2.GetStatsRequest.FromString,
                     response_serializer=kvpool__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'CopyTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyTasks,
+                    request_deserializer=kvpool__pb2.CopyTasksRequest.FromString,
+                    response_serializer=kvpool__pb2.CopyTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -731,6 +747,33 @@ class Master(object):
             '/kvpool.v1.Master/GetStats',
             kvpool__pb2.GetStatsRequest.SerializeToString,
             kvpool__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/CopyTasks',
+            kvpool__pb2.CopyTasksRequest.SerializeToString,
+            kvpool__pb2.CopyTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -218,7 +218,8 @@ def test_config_path_env_names_are_the_documented_ones() -> None:
     assert config_module.CONFIG_PATH_ENVS == ("KVPOOL_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
     assert set(config_module.ENV_OVERRIDES) == {"MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                                                 "MOONCAKE_LOCAL_BUFFER_SIZE", "MOONCAKE_PROTOCOL",
-                                                "MC_STORE_USE_HUGEPAGE"}
+                                                "MC_STORE_USE_HUGEPAGE",
+                                                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"}
 
 
 def test_huge_pages_and_populate_keys(tmp_path: Path) -> None:

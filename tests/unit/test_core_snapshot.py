@@ -139,12 +139,14 @@ def test_segment_rows_with_and_without_the_engine_base_address() -> None:
             SEGMENT_ROW,                                                   # before engine bases
             ["x1", "a", 1 << 16, 0, "h", "", "", "10.0.0.1:15001", "0x7f"],  # not an int
             ["x2", "a", 1 << 16, 0, "h", "", "", "", 0x1000],              # base, no engine
-            ["x3", "a", 1 << 16, 0, "h", "", "", "10.0.0.1:15001", 1, 2]]  # too long
+            ["x3", "a", 1 << 16, 0, "h", "", "", "10.0.0.1:15001", 1, 2],  # path not a str
+            ["x4", "a", 1 << 16, 1, "h", "", "", "", 0, "/ssd/f", 3]]   # too long
     core = MasterCore(CoreConfig())
     counts = core.restore(Snapshot([CLIENT_ROW], rows, []), 0.0, 10.0)
-    assert (counts.num_segments, counts.num_dropped_rows) == (2, 3)
+    assert (counts.num_segments, counts.num_dropped_rows) == (2, 4)
     core.register_client(A, "h", b"x" * 16, 0.0, client_token(b"k" * 16))
     assert core.mount_segment(engine, 0.0) == Status.OK
     assert core.mount_segment(SEG, 0.0) == Status.OK
     rows_now = {row[0]: row for row in core.snapshot().segments}
-    assert rows_now["e"][-1] == 0x7F0000000000 and rows_now["s"][-1] == 0
+    assert rows_now["e"][8] == 0x7F0000000000 and rows_now["s"][8] == 0
+    assert rows_now["e"][9] == "" and rows_now["s"][9] == ""

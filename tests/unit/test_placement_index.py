@@ -1,6 +1,7 @@
-"""The placement index: the order of candidate segments it yields is exactly "DRAM first, most
-free bytes first, earlier mount first", after any sequence of allocations, frees, mounts and
-unmounts; and its cost does not grow with the number of segments."""
+"""The placement index: the order of candidate segments it yields is exactly "DRAM segments
+only (puts never land on SSD), most free bytes first, earlier mount first", after any sequence
+of allocations, frees, mounts and unmounts; and its cost does not grow with the number of
+segments."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ OWNER = ClientId("owner")
 
 
 def _expected(table: SegmentTable) -> list[str]:
-    ranked = sorted(table.mounted, key=lambda s: (int(s.info.tier), -s.allocator.free_bytes,
-                                                  s.mount_no))
+    ranked = sorted((s for s in table.mounted if s.info.tier == Tier.DRAM),
+                    key=lambda s: (-s.allocator.free_bytes, s.mount_no))
     return [s.info.segment_id for s in ranked]
 
 

@@ -1,0 +1,158 @@
+"""Tier copies: the demotions and promotions the master asks of this client.
+
+Rules of this file:
+- The master never moves bytes: when it wants an object of one of this client's DRAM
+  segments copied to one of its SSD segments (or back), its heartbeat answer says copies
+  wait, and this client's copier thread fetches them (``CopyTasks``), makes them and reports
+  the results in its next ``CopyTasks`` call (which also fetches more, at once while there
+  are some). It also asks every ``ssd_poll_interval_s`` on its own: heartbeats come a third
+  of client_ttl apart, while a busy writer fills the demotion window in about a second; and
+  for ``BUSY_S`` after copies came, every ``BUSY_POLL_INTERVAL_S``.
+- Both ends of a copy are this client's own segments: no capability, no network. The copies
+  of one batch run on ``ssd_copy_threads`` threads, so several SSD writes are in flight.
+- A copy is started only within the time the master gave (``start_within_s`` from when the
+  answer arrived): a later one is reported TIMEOUT, never made, since the master may have
+  handed the target to someone else by then. A copy checks the object's checksum (when it
+  has one) over the bytes it moved, and reports CHECKSUM_MISMATCH instead of committing bytes
+  that are not the object's.
+- The copier stops with the client; results it could not report are dropped (the master
+  drops those tasks at their ttl).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from kvpool_client.core.regions import checksum
+from kvpool_client.metrics import ClientMetrics
+from kvpool_client.segments import LocalSegment
+from kvpool_client.ssd import SsdSegment
+from kvpool_wire.calls import CopyTask
+from kvpool_wire.status import KVPoolError, Status
+
+logger = logging.getLogger(__name__)
+
+#: Most tasks fetched per call.
+MAX_TASKS_PER_CALL = 64
+#: For this long after copies came, the copier asks every BUSY_POLL_INTERVAL_S.
+BUSY_S = 5.0
+BUSY_POLL_INTERVAL_S = 0.05
+
+
+class TierCopier:
+    """Makes the tier copies the master asks of this client, on its own threads."""
+
+    def __init__(self, client_id: str, stub: Callable[[], object],
+                 dram: Mapping[str, LocalSegment], ssd: Mapping[str, SsdSegment],
+                 threads: int, metrics: ClientMetrics, poll_interval_s: float = 0.5) -> None:
+        self._client_id = client_id
+        self._stub = stub
+        self._dram = dram
+        self._ssd = ssd
+        self._metrics = metrics
+        self._poll_interval_s = poll_interval_s
+        self._wake = threading.Event()
+        self._stopping = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads,
+                                                           thread_name_prefix="kvpool-tier-io")
+        self._thread = threading.Thread(target=self._main, name=f"kvpool-tier-{client_id}",
+                                        daemon=True)
+        self.copies_done = 0
+        self.copies_failed = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def poke(self, waiting: int = 1) -> None:
+        """Copies wait at the master (a heartbeat said so)."""
+        if waiting:
+            self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop fetching; wait for the copies in flight (idempotent)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._pool.shutdown(wait=True)
+
+    def _main(self) -> None:
+        rpc = self._stub()
+        done: list[tuple[int, Status]] = []
+        busy_until_s = 0.0  # after copies came, ask often for a while: more are likely
+        try:
+            while not self._stopping:
+                if not done:
+                    self._wake.wait(BUSY_POLL_INTERVAL_S if time.monotonic() < busy_until_s
+                                    else self._poll_interval_s)
+                    self._wake.clear()
+                    if self._stopping:
+                        break
+                try:
+                    tasks = rpc.copy_tasks(self._client_id, done,  # type: ignore[attr-defined]
+                                           MAX_TASKS_PER_CALL)
+                except KVPoolError as exc:
+                    logger.debug("CopyTasks failed: %s", exc)
+                    done = []
+                    self._wake.wait(1.0)
+                    continue
+                done = []
+                if tasks:
+                    received_s = time.monotonic()
+                    busy_until_s = received_s + BUSY_S
+                    results = list(self._pool.map(self._copy, tasks,
+                                                  [received_s] * len(tasks)))
+                    done = [(t.task_id, s) for t, (s, _) in zip(tasks, results, strict=True)]
+                    self._count(tasks, results)
+        except Exception:  # a bug must stop the copies, never the client
+            logger.exception("tier copier failed; no more tier copies in this client")
+        finally:
+            close = getattr(rpc, "close", None)
+            if close is not None:
+                close()
+
+    def _count(self, tasks: list[CopyTask], results: list[tuple[Status, float]]) -> None:
+        """Metrics, on the copier's thread (one writer per number)."""
+        for task, (status, seconds) in zip(tasks, results, strict=True):
+            kind = "promote" if task.source.segment_id in self._ssd else "demote"
+            self._metrics.count_failures(kind, [int(status)])
+            if status == Status.OK:
+                self.copies_done += 1
+                self._metrics.observe_transfer("ssd", kind, task.source.length, seconds)
+            else:
+                self.copies_failed += 1
+
+    def _copy(self, task: CopyTask, received_s: float) -> tuple[Status, float]:
+        """(how the copy went, the seconds it took)."""
+        if time.monotonic() > received_s + task.start_within_s or self._stopping:
+            return Status.TIMEOUT, 0.0
+        started = time.perf_counter()
+        source, target = task.source, task.target
+        promote = source.segment_id in self._ssd
+        kind = "promote" if promote else "demote"
+        try:
+            if promote:
+                view = self._dram[target.segment_id].buffer[
+                    target.offset:target.offset + target.length]
+                self._ssd[source.segment_id].read_into(source.offset, source.length, [view])
+            else:
+                view = self._dram[source.segment_id].buffer[
+                    source.offset:source.offset + source.length]
+            if task.checksum and checksum([view]) != task.checksum:
+                logger.warning("%s of %r: the bytes do not match the object's checksum", kind,
+                               task.key)
+                status = Status.CHECKSUM_MISMATCH
+            else:
+                if not promote:
+                    self._ssd[target.segment_id].write(target.offset, view)
+                status = Status.OK
+        except KeyError:
+            status = Status.SEGMENT_NOT_FOUND  # not a segment of this client (any more)
+        except KVPoolError as exc:
+            logger.warning("%s of %r failed: %s", kind, task.key, exc)
+            status = exc.status
+        return status, time.perf_counter() - started

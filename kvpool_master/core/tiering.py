@@ -1,0 +1,356 @@
+"""The SSD tier in the master core: demotion, promotion and the copies that make them.
+
+Rules of this file:
+- The master never touches bytes. A copy between tiers is a ``CopyTask`` for the client that
+  owns both ends: the source replica's segment and a target extent the master allocated on
+  another segment of the same owner (DRAM -> SSD: a *demotion*; SSD -> DRAM: a *promotion*).
+  The owner learns that tasks wait from its heartbeat answer, fetches them with ``CopyTasks``,
+  copies locally and reports each result in its next ``CopyTasks`` call.
+- A copy commits only if the object is still the very entry the task was made for and still
+  has the source replica: then the target joins its placements (DRAM replicas first, SSD
+  after) and a ``ReplicasChanged`` event records it. Otherwise, or when the copy failed, the
+  target is freed at once (the copier is done writing it).
+- A task handed out and not reported within ``copy_task_ttl_s`` is dropped; its target is
+  reused only ``write_capability_ttl_s`` after that (the copier refuses to start a copy after
+  half the ttl, so it never writes that late). A task never handed out is dropped at its
+  ttl and its target freed at once. Tasks of a client that leaves go with its segments.
+- Demotion runs ahead of eviction: once DRAM is within ``2 x eviction_ratio`` of its high
+  watermark, the least recently used DRAM objects worth ``3 x eviction_ratio`` of DRAM
+  capacity get an SSD copy. A DRAM eviction then drops only the DRAM replica of an object that
+  has one on SSD (nothing is lost); the object lives on in SSD until the SSD watermark evicts
+  it there. An object without an SSD copy is evicted as before.
+- Promotion: a read answered from SSD only counts a hit; at ``ssd_promote_after_hits`` hits
+  (0: never) the object gets a DRAM copy on its owner's DRAM segment, if one has room.
+- Each pass is bounded (``SCAN_LIMIT`` objects looked at, ``MAX_TASKS_PER_OWNER`` in flight
+  per owner), so no call grows with the table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from kvpool_master.core.allocator import aligned
+from kvpool_master.core.events import ReplicasChanged
+from kvpool_master.core.mutations import Mutations
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, Tier
+
+#: Objects a demotion pass looks at, from the least recently used.
+SCAN_LIMIT = 8192
+#: Copies one owner may have waiting or in flight.
+MAX_TASKS_PER_OWNER = 64
+#: Keys remembered as wanting promotion, and hit counts kept, at most.
+MAX_WANTED = 4096
+
+
+class CopyTask:
+    """One copy the owner of ``source`` and ``target`` is asked to make."""
+
+    __slots__ = ("task_id", "key", "entry", "source", "target", "target_state", "owner",
+                 "promote", "created_s", "deadline_s")
+
+    def __init__(self, task_id: int, key: ObjectKey, entry: ObjectEntry, source: Placement,
+                 target: Placement, target_state: SegmentState, owner: ClientId,
+                 promote: bool, now: float) -> None:
+        self.task_id = task_id
+        self.key = key
+        self.entry = entry
+        self.source = source
+        self.target = target
+        self.target_state = target_state
+        self.owner = owner
+        self.promote = promote
+        self.created_s = now
+        self.deadline_s = 0.0  # set when handed out
+
+
+class CopyTable:
+    """Copy tasks by id, by key and per owner (waiting ones in order)."""
+
+    def __init__(self) -> None:
+        self.id_to_task: dict[int, CopyTask] = {}
+        self.key_to_task: dict[ObjectKey, CopyTask] = {}
+        self.owner_to_waiting: dict[ClientId, deque[CopyTask]] = {}
+        self.owner_to_count: dict[ClientId, int] = {}
+        self.hits: dict[ObjectKey, int] = {}       # reads answered from SSD only, per key
+        self.wanted: dict[ObjectKey, None] = {}    # keys to promote, in order
+        self._ids = itertools.count(1)
+
+    def add(self, key: ObjectKey, entry: ObjectEntry, source: Placement, target: Placement,
+            target_state: SegmentState, owner: ClientId, promote: bool,
+            now: float) -> CopyTask:
+        task = CopyTask(next(self._ids), key, entry, source, target, target_state, owner,
+                        promote, now)
+        self.id_to_task[task.task_id] = task
+        self.key_to_task[key] = task
+        self.owner_to_waiting.setdefault(owner, deque()).append(task)
+        self.owner_to_count[owner] = self.owner_to_count.get(owner, 0) + 1
+        return task
+
+    def forget(self, task: CopyTask) -> None:
+        del self.id_to_task[task.task_id]
+        if self.key_to_task.get(task.key) is task:
+            del self.key_to_task[task.key]
+        left = self.owner_to_count[task.owner] - 1
+        if left:
+            self.owner_to_count[task.owner] = left
+        else:
+            del self.owner_to_count[task.owner]
+
+    def waiting(self, owner: ClientId) -> int:
+        queue = self.owner_to_waiting.get(owner)
+        return len(queue) if queue else 0
+
+
+def has_tier(segments: SegmentTable, placements: tuple[Placement, ...], tier: Tier) -> bool:
+    """True when one of ``placements`` is on a known segment of ``tier``."""
+    get = segments.id_to_segment.get
+    for p in placements:
+        state = get(p.segment_id)
+        if state is not None and state.info.tier == tier:
+            return True
+    return False
+
+
+def build_dram_order(objects: ObjectTable, segments: SegmentTable) -> None:
+    """Start keeping ``objects.dram_order`` (the first SSD segment was mounted or restored)."""
+    if objects.dram_order is not None:
+        return
+    from collections import OrderedDict
+    objects.dram_order = OrderedDict(
+        (key, entry) for key, entry in objects.key_to_object.items()
+        if has_tier(segments, entry.placements, Tier.DRAM))
+
+
+class Tiering(Mutations):
+    """Demotion, promotion and copy tasks; the base of ``MasterCore`` (over ``Mutations``)."""
+
+    # Set by MasterCore.__init__.
+    _copies: CopyTable
+
+    # ---- the owner's side ----------------------------------------------------------------
+
+    def copy_tasks_waiting(self, client_id: ClientId) -> int:
+        """How many copy tasks wait for ``client_id`` to fetch them."""
+        return self._copies.waiting(client_id)
+
+    def copy_tasks(self, client_id: ClientId, done: Sequence[tuple[int, int]],
+                   max_tasks: int, now: float) -> tuple[Status, list[CopyTask]]:
+        """Apply the results ``done`` ((task id, Status value) each) the owner reports, then
+        hand it up to ``max_tasks`` waiting tasks (their ttl starts now). Results for tasks
+        that are not this client's, or gone, change nothing. UNKNOWN_CLIENT for a client the
+        master does not know; INVALID_ARGUMENT for more results than one batch holds."""
+        if len(done) > self._config.max_batch_keys:
+            return Status.INVALID_ARGUMENT, []
+        for task_id, status in done:
+            task = self._copies.id_to_task.get(task_id) if type(task_id) is int else None
+            if task is not None and task.owner == client_id and task.deadline_s:
+                self._finish_copy(task, status == Status.OK, now)
+        self._plan_copies(now)
+        queue = self._copies.owner_to_waiting.get(client_id)
+        handed: list[CopyTask] = []
+        deadline_s = now + self._config.copy_task_ttl_s
+        while queue and len(handed) < max_tasks:
+            task = queue.popleft()
+            task.deadline_s = deadline_s
+            handed.append(task)
+        if queue is not None and not queue:
+            del self._copies.owner_to_waiting[client_id]
+        return Status.OK, handed
+
+    def _finish_copy(self, task: CopyTask, ok: bool, now: float) -> None:
+        self._copies.forget(task)
+        entry = self._objects.key_to_object.get(task.key)
+        current = (ok and entry is task.entry and entry.writer_id is None
+                   and any(p is task.source for p in entry.placements)
+                   and self._segments.get(task.target.segment_id) is task.target_state
+                   and task.target_state.mounted)
+        counters = self._counters
+        if not current:
+            self._segments.free_on(task.target_state, task.target.offset, task.target.length,
+                                   self._segments.next_free_seq())
+            if task.promote:
+                counters.promotions_failed += 1
+            else:
+                counters.demotions_failed += 1
+            return
+        assert entry is not None
+        if task.promote:
+            entry.placements = (task.target, *entry.placements)
+            order = self._objects.dram_order
+            if order is not None:
+                order[task.key] = entry
+            counters.promotions_done += 1
+        else:
+            entry.placements = (*entry.placements, task.target)
+            counters.demotions_done += 1
+        self._note_key(task.target_state, task.key)
+        self._events.append(ReplicasChanged(task.key, entry.size_bytes, entry.placements,
+                                            entry.checksum, entry.pin, entry.parent_key))
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def _note_ssd_hits(self, keys: Sequence[ObjectKey], placements: Sequence[Placement]) -> None:
+        """Count reads answered from SSD only (``placements``: each key's first replica)."""
+        get = self._segments.id_to_segment.get
+        copies = self._copies
+        after = self._config.ssd_promote_after_hits
+        ssd_hits = 0
+        for key, first in zip(keys, placements, strict=True):
+            state = get(first.segment_id)
+            if state is None or state.info.tier != Tier.SSD:
+                continue
+            ssd_hits += 1
+            if not after or key in copies.key_to_task or key in copies.wanted:
+                continue
+            hits = copies.hits.get(key, 0) + 1
+            if hits < after:
+                if len(copies.hits) >= MAX_WANTED:
+                    copies.hits.clear()
+                copies.hits[key] = hits
+            elif len(copies.wanted) < MAX_WANTED:
+                copies.hits.pop(key, None)
+                copies.wanted[key] = None
+        self._counters.ssd_read_hit_keys += ssd_hits
+
+    # ---- passes (tick, and every CopyTasks call) -------------------------------------------
+
+    def _plan_copies(self, now: float) -> None:
+        segments = self._segments
+        if not segments.tier_to_capacity_bytes[Tier.SSD] or self._quarantine:
+            return
+        owner_to_ssd: dict[ClientId, list[SegmentState]] = {}
+        owner_to_dram: dict[ClientId, list[SegmentState]] = {}
+        for state in segments.mounted:
+            by_tier = owner_to_ssd if state.info.tier == Tier.SSD else owner_to_dram
+            by_tier.setdefault(state.info.client_id, []).append(state)
+        if self._copies.wanted:
+            self._plan_promotions(owner_to_dram, now)
+        self._plan_demotions(owner_to_ssd, now)
+
+    def _plan_demotions(self, owner_to_ssd: dict[ClientId, list[SegmentState]],
+                        now: float) -> None:
+        segments = self._segments
+        order = self._objects.dram_order
+        capacity = segments.tier_to_capacity_bytes[Tier.DRAM]
+        config = self._config
+        if order is None or not capacity or segments.tier_to_used_bytes[Tier.DRAM] < (
+                config.eviction_high_watermark_ratio - 2 * config.eviction_ratio) * capacity:
+            return
+        window_bytes = 3 * config.eviction_ratio * capacity
+        get = segments.id_to_segment.get
+        copies = self._copies
+        full: set[ClientId] = set()
+        wanted: list[tuple[ObjectKey, ObjectEntry, Placement, ClientId]] = []
+        seen_bytes = 0
+        for key, entry in itertools.islice(order.items(), SCAN_LIMIT):
+            if entry.writer_id is not None or entry.pin is Pin.HARD:
+                continue
+            seen_bytes += aligned(entry.size_bytes)
+            if seen_bytes > window_bytes:
+                break
+            if key in copies.key_to_task:
+                continue
+            source = None
+            for p in entry.placements:
+                state = get(p.segment_id)
+                if state is None:
+                    continue
+                if state.info.tier == Tier.SSD:
+                    source = None
+                    break
+                if source is None and state.mounted:
+                    source = p
+            if source is None:
+                continue
+            owner = get(source.segment_id).info.client_id  # type: ignore[union-attr]
+            if owner in owner_to_ssd and owner not in full:
+                if copies.owner_to_count.get(owner, 0) >= MAX_TASKS_PER_OWNER:
+                    full.add(owner)
+                    continue
+                wanted.append((key, entry, source, owner))
+        for key, entry, source, owner in wanted:
+            if owner in full or copies.owner_to_count.get(owner, 0) >= MAX_TASKS_PER_OWNER:
+                continue
+            target = self._allocate_target(owner_to_ssd[owner], entry.size_bytes, Tier.SSD, now)
+            if target is None:
+                full.add(owner)
+                continue
+            copies.add(key, entry, source, target[0], target[1], owner, False, now)
+            self._counters.demotions_started += 1
+
+    def _plan_promotions(self, owner_to_dram: dict[ClientId, list[SegmentState]],
+                         now: float) -> None:
+        copies = self._copies
+        wanted, copies.wanted = copies.wanted, {}
+        get = self._objects.key_to_object.get
+        segment_of = self._segments.id_to_segment.get
+        for key in wanted:
+            entry = get(key)
+            if entry is None or entry.writer_id is not None or key in copies.key_to_task:
+                continue
+            first = entry.placements[0]
+            state = segment_of(first.segment_id)
+            if state is None or not state.mounted or state.info.tier != Tier.SSD:
+                continue  # gone, or in DRAM again
+            owner = state.info.client_id
+            if copies.owner_to_count.get(owner, 0) >= MAX_TASKS_PER_OWNER \
+                    or owner not in owner_to_dram:
+                continue
+            target = self._allocate_target(owner_to_dram[owner], entry.size_bytes, Tier.DRAM,
+                                           now)
+            if target is not None:
+                copies.add(key, entry, first, target[0], target[1], owner, True, now)
+                self._counters.promotions_started += 1
+
+    def _allocate_target(self, states: list[SegmentState], size_bytes: int, tier: Tier,
+                         now: float) -> tuple[Placement, SegmentState] | None:
+        """An extent on one of ``states`` (one owner's segments of ``tier``); an SSD target
+        may evict from SSD once to make room, a DRAM one (a promotion) never evicts."""
+        for attempt in range(2):
+            for state in states:
+                placement = self._segments.allocate_on(state, size_bytes)
+                if placement is not None:
+                    return placement, state
+            if attempt or tier != Tier.SSD:
+                return None
+            capacity = self._segments.tier_to_capacity_bytes[Tier.SSD]
+            wanted = max(aligned(size_bytes),
+                         math.ceil(self._config.eviction_ratio * capacity))
+            if not self._evict_pass(Tier.SSD, wanted, now):
+                return None
+        return None
+
+    def _expire_copies(self, now: float) -> None:
+        copies = self._copies
+        ttl_s = self._config.copy_task_ttl_s
+        late = [t for t in copies.id_to_task.values()
+                if (t.deadline_s and now > t.deadline_s)
+                or (not t.deadline_s and now > t.created_s + ttl_s)]
+        for task in late:
+            copies.forget(task)
+            if task.deadline_s:  # handed out: the copier may write until the ttl ended
+                self._deferred.add(task.deadline_s + self._config.write_capability_ttl_s,
+                                   task.target_state, task.target.offset, task.target.length,
+                                   self._segments.next_free_seq())
+            else:
+                queue = copies.owner_to_waiting.get(task.owner)
+                if queue is not None:
+                    queue.remove(task)
+                    if not queue:
+                        del copies.owner_to_waiting[task.owner]
+                self._segments.free_on(task.target_state, task.target.offset,
+                                       task.target.length, self._segments.next_free_seq())
+            self._counters.copies_expired += 1
+
+    def _drop_copies_of(self, client_id: ClientId) -> None:
+        """Forget the tasks of a client that left (its segments, and the targets, are gone)."""
+        copies = self._copies
+        copies.owner_to_waiting.pop(client_id, None)
+        for task in [t for t in copies.id_to_task.values() if t.owner == client_id]:
+            copies.forget(task)
