@@ -169,7 +169,8 @@ def test_a_failed_copy_and_a_late_copy_free_their_targets() -> None:
     assert segments_of(core, "k1") == [DRAM]
     # the late targets stay parked (their copier may write until 15 + 5) beside the new three
     assert core.stats().tier_to_used_bytes[Tier.SSD] == 5 * BLOCK
-    core.tick(21.5)    # parked ones free; the new ones, never fetched, ran out and were planned again
+    # the parked ones are free; the new ones, never fetched, ran out and were planned again
+    core.tick(21.5)
     assert core.stats().tier_to_used_bytes[Tier.SSD] == 3 * BLOCK
     assert len(fetch(core, 21.5)) == 3
 
