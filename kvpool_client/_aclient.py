@@ -414,6 +414,13 @@ class AsyncKVPoolClient:
         """True when ``key`` exists. Raises KVPoolError like batch_exists."""
         return (await self.batch_exists([key]))[0]
 
+    async def batch_tiers(self, keys: Sequence[KeyLike]) -> list[str | None]:
+        """Per key the tier its fastest copy is on ("DRAM" or "SSD"), None when it does not
+        exist (an Exist: it leases the keys like one). Raises KVPoolError when the master
+        cannot be reached."""
+        tiers = await self._path().rpc.tiers(self.client_id, [to_key(k) for k in keys])
+        return [tier.name if tier is not None else None for tier in tiers]
+
     async def get_size(self, key: KeyLike) -> int | None:
         """The object's size in bytes, or None when it does not exist."""
         statuses, sizes = await self._path().rpc.exist(self.client_id, [to_key(key)])

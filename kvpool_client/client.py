@@ -389,6 +389,15 @@ class KVPoolClient:
         metrics.count_lookups(len(raws), sum(found))
         return found
 
+    def batch_tiers(self, keys: Sequence[KeyLike]) -> list[str | None]:
+        """See AsyncKVPoolClient.batch_tiers."""
+        path = self._blocking()
+        if path is None:
+            tiers: list[str | None] = self._thread.run(self._client.batch_tiers(keys))
+            return tiers
+        return [t.name if t is not None else None
+                for t in path.rpc.tiers(self.client_id, [to_key(k) for k in keys])]
+
     def get_size(self, key: KeyLike) -> int | None:
         """See AsyncKVPoolClient.get_size."""
         path = self._blocking()

@@ -169,6 +169,8 @@ def status_from_stats(stats: CoreStats) -> dict[str, Any]:
                     "deferred_free_bytes": stats.deferred_free_bytes,
                     "quarantined_bytes": stats.quarantined_bytes},
         "totals": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
+        "tier_copies": {**{name: getattr(stats, name) for name in _COPIES},
+                        "in_flight": stats.copies_in_flight},
     }
 
 
@@ -209,7 +211,20 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "read_keys_total": ("kvpool_read_keys_total", "Keys asked for by GetReplicas and Exist"),
     "read_hit_keys_total": ("kvpool_read_hit_keys_total",
                             "Keys found READY by GetReplicas and Exist"),
+    "ssd_read_hit_keys_total": ("kvpool_ssd_read_hit_keys_total",
+                                "Keys GetReplicas found on SSD only (the SSD tier's hits)"),
+    "evicted_replicas_total": ("kvpool_evicted_replicas_total",
+                               "Objects evicted from one tier that live on in another"),
+    "copies_expired_total": ("kvpool_tier_copies_expired_total",
+                             "Tier copies their owner did not report within copy_task_ttl"),
 }
+#: CoreStats tier copy counters -> (kind, result) of kvpool_tier_copies_total
+_COPIES = {"demotions_started_total": ("demote", "started"),
+           "demotions_done_total": ("demote", "done"),
+           "demotions_failed_total": ("demote", "failed"),
+           "promotions_started_total": ("promote", "started"),
+           "promotions_done_total": ("promote", "done"),
+           "promotions_failed_total": ("promote", "failed")}
 _COUNTER_FIELDS = tuple(_COUNTERS)
 
 
@@ -374,6 +389,16 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
     yield seg_largest
     for field_name, (name, help_text) in _COUNTERS.items():
         yield CounterMetricFamily(name, help_text, value=getattr(stats, field_name))
+    copies = CounterMetricFamily("kvpool_tier_copies_total",
+                                 "Copies between tiers the master asked owners for (demote: "
+                                 "DRAM to SSD, promote: SSD to DRAM), by how they ended",
+                                 labels=["kind", "result"])
+    for field_name, labels in _COPIES.items():
+        copies.add_metric(list(labels), getattr(stats, field_name))
+    yield copies
+    yield GaugeMetricFamily("kvpool_tier_copies_in_flight",
+                            "Tier copies waiting for their owner or being made",
+                            value=stats.copies_in_flight)
 
 
 # --- HTTP ----------------------------------------------------------------------------------------

@@ -199,6 +199,10 @@ class MasterCalls:
         """-> (per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
         return self._run(calls.exist(client_id, keys))
 
+    def tiers(self, client_id: str, keys: Sequence[bytes]) -> Any:
+        """-> per key the tier of its fastest replica, None when it does not exist."""
+        return self._run(calls.tiers(client_id, keys))
+
     def query_prefix(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> the number of leading keys that are READY (each is leased). Raises unless OK."""
         return self._run(calls.query_prefix(client_id, keys))

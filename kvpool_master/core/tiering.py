@@ -20,7 +20,9 @@ Rules of this file:
   has one on SSD (nothing is lost); the object lives on in SSD until the SSD watermark evicts
   it there. An object without an SSD copy is evicted as before.
 - Promotion: a read answered from SSD only counts a hit; at ``ssd_promote_after_hits`` hits
-  (0: never) the object gets a DRAM copy on its owner's DRAM segment, if one has room.
+  (0: never) the object gets a DRAM copy on its owner's DRAM segment, evicting from DRAM for
+  room as a put would (least recently used first: mostly DRAM copies of objects that also
+  live on SSD).
 - Each pass is bounded (``SCAN_LIMIT`` objects looked at, ``MAX_TASKS_PER_OWNER`` in flight
   per owner), so no call grows with the table.
 """
@@ -79,6 +81,7 @@ class CopyTable:
         self.owner_to_count: dict[ClientId, int] = {}
         self.hits: dict[ObjectKey, int] = {}       # reads answered from SSD only, per key
         self.wanted: dict[ObjectKey, None] = {}    # keys to promote, in order
+        self.promote_retry_s = 0.0  # no promotion before this (DRAM had no room)
         self._ids = itertools.count(1)
 
     def add(self, key: ObjectKey, entry: ObjectEntry, source: Placement, target: Placement,
@@ -287,10 +290,12 @@ class Tiering(Mutations):
     def _plan_promotions(self, owner_to_dram: dict[ClientId, list[SegmentState]],
                          now: float) -> None:
         copies = self._copies
-        wanted, copies.wanted = copies.wanted, {}
+        if now < copies.promote_retry_s:
+            return
+        wanted, copies.wanted = list(copies.wanted), {}
         get = self._objects.key_to_object.get
         segment_of = self._segments.id_to_segment.get
-        for key in wanted:
+        for index, key in enumerate(wanted):
             entry = get(key)
             if entry is None or entry.writer_id is not None or key in copies.key_to_task:
                 continue
@@ -304,25 +309,29 @@ class Tiering(Mutations):
                 continue
             target = self._allocate_target(owner_to_dram[owner], entry.size_bytes, Tier.DRAM,
                                            now)
-            if target is not None:
-                copies.add(key, entry, first, target[0], target[1], owner, True, now)
-                self._counters.promotions_started += 1
+            if target is None:  # DRAM is leased through: try the rest again a little later
+                copies.wanted.update(dict.fromkeys(wanted[index:]))
+                copies.promote_retry_s = now + self._config.default_lease_ttl_s / 10
+                return
+            copies.add(key, entry, first, target[0], target[1], owner, True, now)
+            self._counters.promotions_started += 1
 
     def _allocate_target(self, states: list[SegmentState], size_bytes: int, tier: Tier,
                          now: float) -> tuple[Placement, SegmentState] | None:
-        """An extent on one of ``states`` (one owner's segments of ``tier``); an SSD target
-        may evict from SSD once to make room, a DRAM one (a promotion) never evicts."""
+        """An extent on one of ``states`` (one owner's segments of ``tier``), evicting from
+        ``tier`` once to make room (a promoted object is hot: it displaces the least recently
+        used, as a put would)."""
         for attempt in range(2):
             for state in states:
                 placement = self._segments.allocate_on(state, size_bytes)
                 if placement is not None:
                     return placement, state
-            if attempt or tier != Tier.SSD:
+            if attempt:
                 return None
-            capacity = self._segments.tier_to_capacity_bytes[Tier.SSD]
+            capacity = self._segments.tier_to_capacity_bytes[tier]
             wanted = max(aligned(size_bytes),
                          math.ceil(self._config.eviction_ratio * capacity))
-            if not self._evict_pass(Tier.SSD, wanted, now):
+            if not self._evict_pass(tier, wanted, now):
                 return None
         return None
 

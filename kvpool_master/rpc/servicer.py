@@ -257,7 +257,9 @@ class Servicer:
         key = self._core.segment_key(info.segment_id) if info is not None else None
         if info is None or not key:
             return b""
-        return capability.ownership_proof(key, info.segment_id, info.shm_name, info.size_bytes)
+        # the name a same-host reader opens: shared memory, or an SSD segment's file
+        return capability.ownership_proof(key, info.segment_id, info.shm_name or info.file_path,
+                                          info.size_bytes)
 
     # -- writes -----------------------------------------------------------------------------------
 

@@ -192,6 +192,15 @@ def _serve(config_json: str) -> None:
                                                 options=options(cmd))
                     _reply({"batch": n, "statuses": [s.name for s in statuses]})
                 _reply({"done": True})
+            elif op == "tiers":
+                _reply({"tiers": client.batch_tiers(cmd["keys"])})
+            elif op == "ssd":
+                # Where this client's SSD segment is, and how its tier copies went.
+                member = client._client.member  # the test reaches in: to inject disk faults
+                copier = member.copier
+                _reply({"paths": [s.path for s in member.ssd_segments.values()],
+                        "done": copier.copies_done if copier else 0,
+                        "failed": copier.copies_failed if copier else 0})
             elif op == "flush":
                 client.flush()
                 _reply({"flushed": True})
