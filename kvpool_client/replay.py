@@ -65,7 +65,7 @@ class ReplayConfig:
     eviction_ratio: float = 0.05
     lease_ttl_ms: int = 1000
     reply_timeout_s: float = 60.0
-    ssd_blocks: int = 0  # per worker; the simulated pool only (no SSD tier runs live yet)
+    ssd_blocks: int = 0  # per worker: each worker's SSD segment, in blocks
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0 or self.device_blocks <= 0 or self.pool_blocks <= 0:
@@ -214,15 +214,19 @@ def run_live(requests: Sequence[Sequence[int]], config: ReplayConfig, *,
                  "--eviction-ratio", str(config.eviction_ratio),
                  "--default-kv-lease-ttl", str(config.lease_ttl_ms)]
         address = master_address or stack.enter_context(spawned_master(Path(tmp), flags))
-        return _drive(requests, workers_of, config, address, progress)
+        return _drive(requests, workers_of, config, address, progress, Path(tmp) / "ssd")
 
 
 def _drive(requests: Sequence[Sequence[int]], workers_of: Sequence[int], config: ReplayConfig,
-           address: str, progress: bool) -> ReplayResult:
+           address: str, progress: bool, ssd_dir: Path) -> ReplayResult:
     ctx = multiprocessing.get_context("spawn")
-    client_config = {"master_server_address": address, "local_hostname": "127.0.0.1",
-                     "global_segment_size": config.segment_bytes, "local_buffer_size": 0,
-                     "cluster_id": f"replay{os.getpid()}"}
+    client_config: dict[str, Any] = {
+        "master_server_address": address, "local_hostname": "127.0.0.1",
+        "global_segment_size": config.segment_bytes, "local_buffer_size": 0,
+        "cluster_id": f"replay{os.getpid()}"}
+    if config.ssd_blocks:
+        client_config.update(ssd_path=str(ssd_dir),
+                             ssd_segment_size=config.ssd_blocks * aligned(config.object_bytes))
     procs: list[Any] = []
     conns: list[Connection] = []
     try:
@@ -291,9 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--compare", action="store_true",
                       help="run live and simulated, and print how far apart they are")
     parser.add_argument("--ssd-blocks-per-worker", type=int, default=0,
-                        help="SSD space each worker adds to the pool, in blocks: DRAM victims "
-                             "are demoted there and promoted back on a hit (with --simulate "
-                             "only: the model of the SSD tier; default 0, DRAM only)")
+                        help="SSD space each worker adds to the pool, in blocks (a file under "
+                             "a temporary directory, live): DRAM victims are demoted there and "
+                             "promoted back on a hit (default 0, DRAM only)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -307,9 +311,6 @@ def run(args: argparse.Namespace) -> int:
             routing=args.routing, high_watermark_ratio=args.eviction_high_watermark_ratio,
             eviction_ratio=args.eviction_ratio, lease_ttl_ms=args.lease_ttl_ms,
             ssd_blocks=args.ssd_blocks_per_worker)
-        if config.ssd_blocks and not args.simulate:
-            raise ValueError("--ssd-blocks-per-worker needs --simulate: the SSD tier is "
-                             "modelled, it does not run live yet")
         requests = load_trace(args.trace, start=args.start, limit=args.requests,
                               whole_blocks_only=args.whole_blocks_only)
     except (ValueError, OSError) as exc:

@@ -35,6 +35,10 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("rate(kvpool_pending_reclaimed_total[5m])", "reclaimed pending")]),
     ("Segment fill", "percentunit", [
         ("kvpool_segment_used_bytes / kvpool_segment_capacity_bytes", "{{segment}}")]),
+    ("SSD tier: copies and hits", "ops", [
+        ("sum by (kind, result) (rate(kvpool_tier_copies_total[5m]))", "{{kind}} {{result}}"),
+        ("rate(kvpool_ssd_read_hit_keys_total[5m])", "reads from SSD"),
+        ("rate(kvpool_evicted_replicas_total[5m])", "evicted from DRAM, kept on SSD")]),
     ("Refusals and expiries", "short", [
         ("sum by (reason) (increase(kvpool_refusals_total[5m]))", "refused {{reason}}"),
         ("increase(kvpool_clients_expired_total[5m])", "clients expired")]),

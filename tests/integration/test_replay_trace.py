@@ -83,3 +83,19 @@ def test_replay_command_refuses_bad_input(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "error" in done.stderr
+
+
+def test_live_replay_with_an_ssd_tier_keeps_what_dram_evicts() -> None:
+    """The same slice with a DRAM pool a quarter as large: live, SSD segments on each worker
+    turn evictions into demotions, so the pool answers more blocks; every reused block still
+    holds its own bytes."""
+    requests = load_trace(_trace(), limit=NUM_REQUESTS)
+    small = ReplayConfig(num_workers=3, device_blocks=240, pool_blocks=2000, object_bytes=4096,
+                         lease_ttl_ms=50, reply_timeout_s=60.0)
+    tiered = ReplayConfig(num_workers=3, device_blocks=240, pool_blocks=2000, object_bytes=4096,
+                          lease_ttl_ms=50, reply_timeout_s=60.0, ssd_blocks=4000)
+    dram_only = run_live(requests, small)
+    with_ssd = run_live(requests, tiered)
+    assert dram_only.overall.verify_failures == 0 and with_ssd.overall.verify_failures == 0
+    print("DRAM only", dram_only.overall.ratios(), "DRAM + SSD", with_ssd.overall.ratios())
+    assert with_ssd.overall.pool_hits > dram_only.overall.pool_hits * 1.1

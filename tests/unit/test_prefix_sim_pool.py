@@ -165,8 +165,8 @@ def test_replay_takes_an_ssd_capacity_in_the_simulated_run_only(tmp_path: Path,
     replay.add_arguments(parser)
     common = [str(trace), "--workers", "2", "--device-blocks", "16", "--pool-blocks", "16",
               "--object-size", "4KiB", "--no-progress"]
-    assert replay.run(parser.parse_args([*common, "--ssd-blocks-per-worker", "50"])) == 2
-    assert "needs --simulate" in capsys.readouterr().err
+    assert replay.run(parser.parse_args([*common, "--ssd-blocks-per-worker", "-1"])) == 2
+    assert "SSD blocks must be >= 0" in capsys.readouterr().err
     out_json = tmp_path / "ssd.json"
     assert replay.run(parser.parse_args([*common, "--simulate", "--ssd-blocks-per-worker", "50",
                                          "--json", str(out_json)])) == 0
