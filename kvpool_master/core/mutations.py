@@ -366,6 +366,11 @@ class Mutations:
                             self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length,
                                                seq)
                 entry.placements = kept
+                order = self._objects.dram_order
+                if order is not None and state.info.tier == Tier.DRAM and key in order and \
+                        not any((s := self._segments.get(p.segment_id)) is not None
+                                and s.info.tier == Tier.DRAM for p in kept):
+                    del order[key]  # on SSD only now
             else:
                 lost.append(key)
         self._drop(lost, "segment_lost", now, lost=state)

@@ -201,3 +201,16 @@ def test_restore_keeps_ssd_replicas() -> None:
     fresh.mount_segment(SegmentInfo(SSD, A, 20 * BLOCK, tier=Tier.SSD, file_path="/ssd/a"), 100.0)
     assert segments_of(fresh, "k0") == [SSD]
     assert fresh.tiers_of([ObjectKey(b"k0")]) == [Tier.SSD]
+
+
+def test_losing_the_dram_segment_leaves_the_ssd_copies_readable() -> None:
+    core = make()
+    for i in range(7):
+        put(core, f"k{i}", float(i))
+    core.tick(10.0)
+    report(core, fetch(core, 10.0), 11.0)
+    assert core.unmount_segment(A, DRAM, 12.0) == Status.OK
+    assert segments_of(core, "k0") == [SSD]                   # demoted: lives on
+    assert ObjectKey(b"k3") not in core._objects.key_to_object  # DRAM only: gone
+    assert ObjectKey(b"k0") not in core._objects.dram_order  # type: ignore[operator]
+    read(core, "k0", 13.0)
