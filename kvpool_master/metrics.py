@@ -393,8 +393,8 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
                                  "Copies between tiers the master asked owners for (demote: "
                                  "DRAM to SSD, promote: SSD to DRAM), by how they ended",
                                  labels=["kind", "result"])
-    for field_name, labels in _COPIES.items():
-        copies.add_metric(list(labels), getattr(stats, field_name))
+    for field_name, kind_result in _COPIES.items():
+        copies.add_metric(list(kind_result), getattr(stats, field_name))
     yield copies
     yield GaugeMetricFamily("kvpool_tier_copies_in_flight",
                             "Tier copies waiting for their owner or being made",

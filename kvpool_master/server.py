@@ -103,6 +103,8 @@ class MasterServer:
         self._lean: LeanServer | None = None
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
+        self._sweep_wanted: asyncio.Event | None = None
         self.gc_pauses = GcPauses()
         self.metrics.watch_gc(self.gc_pauses)
         self._stop = asyncio.Event()
@@ -150,6 +152,9 @@ class MasterServer:
             self.metrics_port = await self._http.start(self.config.metrics_host,
                                                        self.config.metrics_port)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
+        self._sweep_wanted = asyncio.Event()
+        self.servicer.on_sweep_work = self._sweep_wanted.set
+        self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop())
         log.info("kvpool-master %s serving: grpc %s:%d, lean %s, metrics %s", self.master_id,
                  self.config.host, self.grpc_port,
                  f"{self.config.host}:{self.fast_port}" if self._lean else "off",
@@ -217,7 +222,8 @@ class MasterServer:
 
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return servicer.serve(method, request, "grpc")
+                answer = servicer.serve(method, request, "grpc")
+                return answer if isinstance(answer, bytes) else await answer.answer()
             except BadRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except InternalError as exc:
@@ -284,6 +290,19 @@ class MasterServer:
                 self._tick_store()
             except Exception:
                 log.exception("tick failed")
+
+    async def _sweep_loop(self) -> None:
+        """Sweep lost segments a step at a time, letting requests in between the steps."""
+        wanted = self._sweep_wanted
+        assert wanted is not None
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            try:
+                while self.servicer.sweep():
+                    await asyncio.sleep(0)
+            except Exception:
+                log.exception("sweeping lost segments failed")
 
     def _tick_store(self) -> None:
         store = self.store
@@ -366,10 +385,11 @@ class MasterServer:
             await self._lean.close()
         if self._http is not None:
             await self._http.close()
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tick_task
+        for task in (self._tick_task, self._sweep_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.store is not None:
             if not self.store.healthy:
                 with contextlib.suppress(OSError):

@@ -6,8 +6,9 @@ Rules of this file:
 - Events describe durable facts only (clients, segments, committed objects, removals). Reads,
   leases and PENDING objects are not events: they are either too hot or not worth keeping
   across a restart.
-- ``SegmentUnmounted`` implies that every replica on that segment is gone; the objects that
-  lost their only replica are announced before it with ``ObjectRemoved(reason="segment_lost")``.
+- ``SegmentUnmounted`` implies that every replica on that segment is gone (reads no longer see
+  them); the objects that lost their only replica are announced with
+  ``ObjectRemoved(reason="segment_lost")`` as the sweep of the segment reaches them, after it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Rules of this file:
   (oldest first). A chain is therefore evicted tail first.
 - A DRAM pass walks ``ObjectTable.dram_order`` once SSD segments exist (objects on SSD only
   are not in it); an SSD pass walks the main order and counts SSD bytes only.
+- A pass takes at most ``MAX_VICTIMS`` objects; the tier's next pass (the next put above the
+  watermark, or the tick) goes on from the new least recently used.
 - Selection does not mutate the table (an OrderedDict cannot change while it is walked); the
   caller removes the victims in the returned order. Hard-pinned and PENDING objects met on the
   way are moved to the recent end afterwards, so later passes do not rescan them.
@@ -28,13 +30,16 @@ from kvpool_master.core.segments import SegmentTable
 from kvpool_wire.types import ObjectKey, Pin, Tier
 
 POLICIES = ("lru", "prefix-lru")
+#: Most objects one pass evicts (about 5 ms of work): a watermark pass over small objects
+#: would otherwise hold the master for as long as it takes to evict a few percent of the table.
+MAX_VICTIMS = 4096
 
 
 class _Pass:
     """State of one selection: the victims so far and (prefix-lru) the objects waiting."""
 
     __slots__ = ("victims", "freed_bytes", "need_bytes", "evicted_children", "waiting", "ready",
-                 "scan_index", "skipped")
+                 "scan_index", "skipped", "max_victims")
 
     def __init__(self, need_bytes: int) -> None:
         self.victims: dict[ObjectKey, ObjectEntry] = {}
@@ -45,18 +50,26 @@ class _Pass:
         self.ready: list[tuple[int, ObjectKey]] = []  # heap of waiting objects that became leaves
         self.scan_index = 0
         self.skipped: list[ObjectKey] = []
+        self.max_victims = MAX_VICTIMS
+
+    @property
+    def enough(self) -> bool:
+        return self.freed_bytes >= self.need_bytes or len(self.victims) >= self.max_victims
 
 
 def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_bytes: int,
-                   now: float, prefix_lru: bool) -> list[ObjectKey]:
+                   now: float, prefix_lru: bool,
+                   max_victims: int = MAX_VICTIMS) -> list[ObjectKey]:
     """Return keys to evict, in eviction order, freeing at least ``need_bytes`` of ``tier``.
 
-    Returns fewer when not enough is evictable (possibly none).
+    Returns fewer when not enough is evictable (possibly none), and at most ``max_victims``:
+    a pass never holds the master for long; the next one goes on where it stopped.
     """
     state = _Pass(need_bytes)
+    state.max_victims = max_victims
     # Fast path: every mounted segment is on this tier and none is restored, so an object's
     # bytes on the tier are simply its aligned size times its number of replicas.
-    simple = segments.num_restored == 0 and all(s.info.tier == tier for s in segments.mounted)
+    simple = not segments.filtering and all(s.info.tier == tier for s in segments.mounted)
     order = table.dram_order if tier == Tier.DRAM and table.dram_order is not None \
         else table.key_to_object
     # With SSD segments a DRAM pass is plain LRU: a child on SSD only would keep its parent
@@ -67,7 +80,7 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
         state.waiting.clear()
         state.ready.clear()
         _scan(table, order, segments, tier, now, prefix_lru, simple, allowed, state)
-        if state.freed_bytes >= need_bytes:
+        if state.enough:
             break
     for key in state.skipped:
         if key in order and key not in state.victims:
@@ -107,7 +120,7 @@ def _scan(table: ObjectTable, order: OrderedDict[ObjectKey, ObjectEntry], segmen
         else:
             victims[key] = entry
             state.freed_bytes += num_bytes
-        if state.freed_bytes >= state.need_bytes:
+        if state.enough:
             return
     _drain_ready(state, counts)
 
@@ -127,7 +140,7 @@ def _take(state: _Pass, key: ObjectKey, entry: ObjectEntry, num_bytes: int,
 
 
 def _drain_ready(state: _Pass, counts: dict[ObjectKey, int]) -> None:
-    while state.ready and state.freed_bytes < state.need_bytes:
+    while state.ready and not state.enough:
         _, key = heapq.heappop(state.ready)
         _, entry, num_bytes = state.waiting.pop(key)
         _take(state, key, entry, num_bytes, counts)

@@ -112,7 +112,7 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
     hold = (lease_id, expiry_s, 1)
-    restoring = segments.num_restored > 0
+    restoring = segments.filtering
     results: list[ReadResult] = []
     append = results.append
     granted = lapsed = 0
@@ -161,7 +161,7 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
     timed = (0, expiry_s, 0)
-    restoring = segments.num_restored > 0
+    restoring = segments.filtering
     statuses: list[Status] = []
     sizes: list[int] = []
     status_append = statuses.append
@@ -197,7 +197,7 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     touch = table.key_to_object.move_to_end
     expiry_s = now + ttl_s
     timed = (0, expiry_s, 0)
-    restoring = segments.num_restored > 0
+    restoring = segments.filtering
     count = lapsed = 0
     for key in keys:
         entry = get(key)
@@ -274,7 +274,8 @@ def end_leases(table: ObjectTable, parked: DeferredFrees, segments: SegmentTable
 
 def mounted_placements(segments: SegmentTable,
                        placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Return the placements whose segment is mounted (restored ones are not readable yet)."""
+    """Return the placements whose segment is mounted (restored ones are not readable yet,
+    lost ones not any more)."""
     id_to_segment = segments.id_to_segment
     return tuple(p for p in placements
                  if (state := id_to_segment.get(p.segment_id)) is not None and state.mounted)

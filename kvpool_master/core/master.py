@@ -33,6 +33,7 @@ from kvpool_master.core.objects import ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
+from kvpool_master.core.sweeps import RemoveJob
 from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
@@ -63,6 +64,7 @@ class MasterCore(Tiering):
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
         self._copies = CopyTable()
+        self._jobs: list[RemoveJob] = []
 
     @property
     def config(self) -> CoreConfig:
@@ -176,7 +178,7 @@ class MasterCore(Tiering):
         elif (self._segments.client_to_num_segments.get(segment.client_id, 0)
               >= self._config.max_segments_per_client):
             return Status.RESOURCE_EXHAUSTED
-        self._mount_fresh(segment)
+        self._mount_fresh(segment, now)
         if segment.tier == Tier.SSD:
             build_dram_order(self._objects, self._segments)
         return Status.OK
@@ -323,6 +325,8 @@ class MasterCore(Tiering):
                       if not s.mounted and now > s.restore_deadline_s]:
             self._lose_segment(state, now)
         self._reclaim_stale(now)
+        if self.sweeping:
+            self.sweep(now)
         for tier in Tier:
             self._relieve_watermark(tier, now)
         if self._copies.id_to_task:

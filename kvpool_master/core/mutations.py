@@ -11,9 +11,10 @@ Rules of this file:
 - A PENDING object's extents (revoked or reclaimed) stay parked for ``write_capability_ttl_s``:
   its writer may still hold WRITE capabilities for them, and a late write must land on space
   that belongs to nobody, never on the next object's.
-- Losing a segment parks the extents of its leased objects on it like a forced remove does,
-  and a segment mounted again under that id reserves whatever is still parked (a reader
-  inside its lease may still be copying those bytes of the same memory).
+- Losing a segment (``sweeps.py``: at once, its objects swept in steps) parks the extents of
+  its leased objects on it like a forced remove does, and a segment mounted again under that
+  id reserves whatever is still parked (a reader inside its lease may still be copying those
+  bytes of the same memory).
 - Durability: a ``put_start`` that handed out a placement on a segment with a free not yet
   durable ends with a ``SyncRequired`` event (see ``segments.py`` and ``events.py``).
 - While restored free space is quarantined (``_quarantine``: the first
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool_master.core.allocator import Allocator, aligned
 from kvpool_master.core.clients import ClientTable
@@ -44,11 +46,9 @@ from kvpool_master.core.events import (
     RemoveReason,
     ReplicasChanged,
     SegmentMounted,
-    SegmentUnmounted,
     SyncRequired,
 )
-from kvpool_master.core.eviction import select_victims
-from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
+from kvpool_master.core.eviction import MAX_VICTIMS, select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
@@ -91,6 +91,8 @@ class Mutations:
     _counters: Counters
     _events: list[Event]
     _watermark_retry_s: dict[Tier, float]
+    _jobs: list[Any]  # removal jobs in progress (sweeps.py)
+    _pass_capped = False  # the last eviction pass stopped at MAX_VICTIMS
 
     # ---- two-phase put -------------------------------------------------------------------
 
@@ -128,6 +130,7 @@ class Mutations:
         max_key_bytes = config.max_key_bytes
         get = self._objects.key_to_object.get
         id_to_segment = self._segments.id_to_segment
+        dying = self._segments.dying
         size_to_int = self._objects.size_to_int
         exhausted: set[Tier] = set()
         results: list[PutResult] = []
@@ -150,6 +153,11 @@ class Mutations:
             # per object, as entry and placements both hold it.
             size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
             entry = get(key)
+            if entry is not None and dying and not any(
+                    p.segment_id in id_to_segment for p in entry.placements):
+                self._drop((key,), "segment_lost", now)  # on lost segments only: sweep it now
+                self._counters.segment_lost_objects += 1
+                entry = None
             if entry is not None:
                 if entry.writer_id != client_id:
                     results.append((Status.ALREADY_EXISTS, ()))
@@ -270,28 +278,6 @@ class Mutations:
                 statuses.append(Status.OK)
         return statuses
 
-    def remove_all(self, force: bool, now: float) -> int:
-        """Remove every READY object (leased ones only with ``force``); return how many."""
-        return self._remove_matching(None, force, now)
-
-    def remove_by_regex(self, pattern: str, force: bool, now: float) -> tuple[Status, int]:
-        """Remove READY objects whose key contains a match of ``pattern`` (RE2 syntax, on the
-        key bytes, see ``keyregex``; leased ones only with ``force``). Returns (OK, how many),
-        or (INVALID_ARGUMENT, 0) for a pattern RE2 does not compile (backreferences,
-        lookaround) or one over 4096 chars. Time linear in the total bytes of the keys."""
-        compiled = compile_key_pattern(pattern)
-        if compiled is None:
-            return Status.INVALID_ARGUMENT, 0
-        return Status.OK, self._remove_matching(compiled, force, now)
-
-    def _remove_matching(self, compiled: KeyPattern | None, force: bool, now: float) -> int:
-        doomed = [key for key, entry in self._objects.key_to_object.items()
-                  if entry.writer_id is None and (force or entry.lease_expiry_s <= now)
-                  and (compiled is None or compiled.search(key) is not None)]
-        self._drop(doomed, "remove", now)
-        self._counters.removed_objects += len(doomed)
-        return len(doomed)
-
     # ---- shared machinery ----------------------------------------------------------------
 
     def _missing(self, key: object) -> Status:
@@ -314,11 +300,14 @@ class Mutations:
             if lease_s > now:
                 # A reader may still be copying these bytes: reuse them only after its lease.
                 get = self._segments.id_to_segment.get
+                dying = self._segments.dying
                 parked = []
                 for p in entry.placements:
                     state = get(p.segment_id)
-                    if state is None and lost is not None and p.segment_id == lost.info.segment_id:
-                        state = lost
+                    if state is None:  # a segment being lost: held in case it comes back
+                        state = dying.get(p.segment_id, lost)
+                        if state is not None and state.info.segment_id != p.segment_id:
+                            state = None
                     if state is not None:
                         parked.append(self._deferred.add(lease_s, state, p.offset, p.length, seq))
                 if entry.holds and hold_until_s <= now:
@@ -337,7 +326,7 @@ class Mutations:
         self._counters.pending_reclaimed += 1
         self._events.append(PendingReclaimed(key))
 
-    def _mount_fresh(self, segment: SegmentInfo) -> None:
+    def _mount_fresh(self, segment: SegmentInfo, now: float) -> None:
         state = SegmentState(segment, Allocator(segment.size_bytes), mounted=True)
         # Extents still held on an earlier segment of this id stay held on this one.
         held = self._deferred.adopt(state) + self._quarantine.adopt(state)
@@ -346,53 +335,11 @@ class Mutations:
         self._segments.add(state)
         self._events.append(SegmentMounted(segment))
 
-    def _lose_segment(self, state: SegmentState, now: float) -> None:
-        """Forget a segment; objects whose every replica sat on it are dropped, the others
-        only lose that replica. Extents of leased objects on it stay held (``DeferredFrees``)
-        until the lease ends, in case the segment is mounted again."""
-        self._segments.discard(state)
-        segment_id = state.info.segment_id
-        lost: list[ObjectKey] = []
-        seq = self._segments.next_free_seq()
-        for key, entry in self._live_on(state):
-            if len(entry.placements) == 1:
-                lost.append(key)
-                continue
-            kept = tuple(p for p in entry.placements if p.segment_id != segment_id)
-            if kept:
-                if entry.lease_expiry_s > now:
-                    for p in entry.placements:
-                        if p.segment_id == segment_id:
-                            self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length,
-                                               seq)
-                entry.placements = kept
-                order = self._objects.dram_order
-                if order is not None and state.info.tier == Tier.DRAM and key in order and \
-                        not any((s := self._segments.get(p.segment_id)) is not None
-                                and s.info.tier == Tier.DRAM for p in kept):
-                    del order[key]  # on SSD only now
-            else:
-                lost.append(key)
-        self._drop(lost, "segment_lost", now, lost=state)
-        self._counters.segment_lost_objects += len(lost)
-        self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
-
-    def _live_on(self, state: SegmentState) -> list[tuple[ObjectKey, ObjectEntry]]:
-        """Return (key, entry) of every object with a replica on ``state``, each once."""
-        get = self._objects.key_to_object.get
-        segment_id = state.info.segment_id
-        live = []
-        for key in dict.fromkeys(state.keys):
-            entry = get(key)
-            if entry is None:
-                continue
-            if _on_segment(entry.placements, segment_id):
-                live.append((key, entry))
-        return live
-
     def _note_key(self, state: SegmentState, key: ObjectKey) -> None:
         keys = state.keys
         keys.append(key)
+        if self._jobs:
+            return  # a removal job walks the key lists: append only (see sweeps.py)
         if state.compact_seen is None:
             if len(keys) <= 2 * state.allocator.num_extents + 1024:
                 return
@@ -441,7 +388,7 @@ class Mutations:
                 if tier in exhausted or not capacity:
                     continue
                 wanted = max(need_bytes, math.ceil(self._config.eviction_ratio * capacity))
-                if self._evict_pass(tier, wanted, now) < wanted:
+                if self._evict_pass(tier, wanted, now) < wanted and not self._pass_capped:
                     exhausted.add(tier)
                 break
             else:
@@ -474,8 +421,8 @@ class Mutations:
             return True
         wanted = math.ceil(self._config.eviction_ratio
                            * self._segments.tier_to_capacity_bytes[tier])
-        if self._evict_pass(tier, wanted, now) >= wanted:
-            return True
+        if self._evict_pass(tier, wanted, now) >= wanted or self._pass_capped:
+            return True  # (a pass cut at MAX_VICTIMS: the next one goes on, no backoff)
         self._watermark_retry_s[tier] = now + self._config.default_lease_ttl_s / 10
         return False
 
@@ -484,6 +431,7 @@ class Mutations:
         bytes of that tier actually freed."""
         victims = select_victims(self._objects, self._segments, tier, need_bytes, now,
                                  self._objects.track_children)
+        self._pass_capped = len(victims) >= MAX_VICTIMS
         if not victims:
             return 0
         used = self._segments.tier_to_used_bytes

@@ -56,7 +56,8 @@ class SegmentState:
     """
 
     __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
-                 "mount_no", "index_no", "compact_read", "compact_write", "compact_seen")
+                 "mount_no", "index_no", "compact_read", "compact_write", "compact_seen",
+                 "sweep_at")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -71,6 +72,7 @@ class SegmentState:
         self.compact_read = 0
         self.compact_write = 0
         self.compact_seen: set[ObjectKey] | None = None
+        self.sweep_at = 0  # lost and dying: the next entry of ``keys`` to sweep
 
 
 def segment_info_error(info: SegmentInfo) -> str:
@@ -112,6 +114,9 @@ class SegmentTable:
         self.tier_to_capacity_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.tier_to_used_bytes: dict[Tier, int] = {tier: 0 for tier in Tier}
         self.num_restored = 0  # restored segments still waiting for their owner
+        # Segments discarded whose objects are still being swept (see mutations.py, "Losing
+        # a segment"); a segment id is never mounted again while it is here.
+        self.dying: dict[SegmentId, SegmentState] = {}
         self.client_to_num_segments: dict[ClientId, int] = {}  # mounted or restored
         # Durability of frees (see the module rules). Untracked: nothing is ever newer.
         self.free_seq = 0
@@ -123,6 +128,12 @@ class SegmentTable:
         self._num_pushes = 0
         self._largest_bytes = -1  # largest mounted segment, -1: not known (see its method)
         self._num_dram = -1  # mounted DRAM segments, -1: not known
+
+    @property
+    def filtering(self) -> bool:
+        """Whether some placements in the object table name segments that serve no reads
+        (restored and not mounted again, or lost and not swept yet): reads filter them."""
+        return self.num_restored > 0 or bool(self.dying)
 
     def track_durability(self) -> None:
         """From now on, frees count as durable only once ``mark_durable`` says so."""

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 
 from kvpool_master.core.allocator import aligned
 from kvpool_master.core.events import ReplicasChanged
-from kvpool_master.core.mutations import Mutations
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_master.core.sweeps import Sweeps
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, Tier
 
@@ -130,8 +130,8 @@ def build_dram_order(objects: ObjectTable, segments: SegmentTable) -> None:
         if has_tier(segments, entry.placements, Tier.DRAM))
 
 
-class Tiering(Mutations):
-    """Demotion, promotion and copy tasks; the base of ``MasterCore`` (over ``Mutations``)."""
+class Tiering(Sweeps):
+    """Demotion, promotion and copy tasks; the base of ``MasterCore`` (over ``Sweeps``)."""
 
     # Set by MasterCore.__init__.
     _copies: CopyTable

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kvpool_master.rpc.busypoll import BusyPoller
-from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
+from kvpool_master.rpc.servicer import BadRequest, InternalError, Pending, Servicer
 from kvpool_wire import convert
 from kvpool_wire.framing import (
     FRAME_HEADER,
@@ -190,6 +190,7 @@ class _LeanProtocol(asyncio.Protocol):
         self._greeting_timer: asyncio.TimerHandle | None = None
         self._fd = -1
         self.peer = ""  # the peer's IP address; "" on the local Unix socket
+        self._later: set[asyncio.Task[None]] = set()  # answers waiting for a removal job
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -319,11 +320,26 @@ class _LeanProtocol(asyncio.Protocol):
         except InternalError as exc:
             self.refuse(method_id, request_id, Status.INTERNAL_ERROR, str(exc))
             return
+        if not isinstance(answer, bytes):  # a removal still running: answered when done
+            task = asyncio.get_running_loop().create_task(
+                self._answer_later(method_id, request_id, answer))
+            self._later.add(task)
+            task.add_done_callback(self._later.discard)
+            return
         assert self._transport is not None
         self._transport.writelines(
             (FRAME_HEADER.pack(len(answer) + FRAME_OVERHEAD_BYTES, method_id, request_id),
              answer))
         self._server._servicer.finish()  # work that could wait for the answer to go out
+
+    async def _answer_later(self, method_id: int, request_id: int, pending: Pending) -> None:
+        """Write the answer of a removal once its job is done (others are answered meanwhile:
+        the frame's request id pairs it with its call)."""
+        answer = await pending.answer()
+        if self._transport is not None and not self._closing:
+            self._transport.writelines(
+                (FRAME_HEADER.pack(len(answer) + FRAME_OVERHEAD_BYTES, method_id, request_id),
+                 answer))
 
     def _authenticate(self, request_id: int, payload: bytes) -> None:
         assert self._transport is not None

@@ -26,6 +26,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -35,7 +36,9 @@ from typing import Any, Protocol
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.events import Event
+from kvpool_master.core.keyregex import compile_key_pattern
 from kvpool_master.core.master import MasterCore
+from kvpool_master.core.sweeps import RemoveJob
 from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
@@ -44,8 +47,8 @@ from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
 
 log = logging.getLogger("kvpool.master.rpc")
 
-__all__ = ["CLIENT_SCOPED", "WRITE_METHODS", "BadRequest", "InternalError", "RpcObserver",
-           "Servicer"]
+__all__ = ["CLIENT_SCOPED", "WRITE_METHODS", "BadRequest", "InternalError", "Pending",
+           "RpcObserver", "Servicer"]
 
 #: Calls that act as their ``client_id``: the caller proves it with its client token.
 CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "UnmountSegment",
@@ -54,6 +57,23 @@ CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "Unm
 WRITE_METHODS = frozenset({"RegisterClient", "UnregisterClient", "MountSegment",
                            "UnmountSegment", "PutStart", "PutEnd", "PutRevoke", "Remove",
                            "RemoveAll", "RemoveByRegex", "CopyTasks"})
+
+
+class Pending:
+    """The answer of a call that waits for a removal job: ``await answer()`` gives its bytes
+    once ``Servicer.sweep`` finished the job."""
+
+    def __init__(self, job: RemoveJob, build: Callable[[], bytes]) -> None:
+        self.job = job
+        self._build = build
+        self._done = asyncio.Event()
+
+    def resolve(self) -> None:
+        self._done.set()
+
+    async def answer(self) -> bytes:
+        await self._done.wait()
+        return self._build()
 
 
 class InternalError(RuntimeError):
@@ -84,6 +104,10 @@ class Servicer:
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self.read_only = False  # set by the server while the state directory cannot be written
+        # called after a call that left the core sweeping lost segments (the server then runs
+        # ``sweep`` between requests until it is done)
+        self.on_sweep_work: Callable[[], None] | None = None
+        self._pending: list[Pending] = []  # removals whose answers wait for their job
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
         self._ends_later: list[tuple[ClientId, Any]] = []
         self._handlers: dict[str, Callable[[Any], Any]] = {
@@ -106,8 +130,10 @@ class Servicer:
             "CopyTasks": self._copy_tasks,
         }
 
-    def serve(self, method: RpcMethod, payload: bytes, transport: str) -> bytes:
-        """Answer one request given as protobuf bytes; return the answer's protobuf bytes.
+    def serve(self, method: RpcMethod, payload: bytes, transport: str) -> bytes | Pending:
+        """Answer one request given as protobuf bytes; return the answer's protobuf bytes, or,
+        for a removal too large for one call, a ``Pending`` whose ``answer()`` gives them once
+        the removal is done (the transport awaits it; other requests are served meanwhile).
 
         Raises BadRequest (malformed or unusable request; nothing changed) or InternalError.
         """
@@ -130,6 +156,8 @@ class Servicer:
                 if events and not self._on_events(events):
                     response = convert.refused_response(request, Status.UNAVAILABLE)
             failed = False
+            if isinstance(response, Pending):
+                return response
             return convert.serialize(response)
         except BadRequest:
             raise
@@ -142,6 +170,8 @@ class Servicer:
                 self._on_events(events)
             self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
                                     failed)
+            if self._core.sweeping:
+                self._sweep_work()
 
     def finish(self) -> None:
         """End the leases that the last ``GetReplicas`` calls carried, once their answers went
@@ -166,6 +196,26 @@ class Servicer:
         events = self._core.take_events()
         if events:
             self._on_events(events)
+        self._sweep_work()
+
+    def sweep(self) -> bool:
+        """One step of the core's sweeps (about a millisecond); True while more is left.
+        Removals it finished get their answers."""
+        more = self._core.sweep(self._clock.now())
+        events = self._core.take_events()
+        if events:
+            self._on_events(events)
+        if self._pending:
+            done = [p for p in self._pending if p.job.done]
+            if done:
+                self._pending = [p for p in self._pending if not p.job.done]
+                for pending in done:
+                    pending.resolve()
+        return more
+
+    def _sweep_work(self) -> None:
+        if self._core.sweeping and self.on_sweep_work is not None:
+            self.on_sweep_work()
 
     # -- signing ----------------------------------------------------------------------------------
 
@@ -340,13 +390,26 @@ class Servicer:
 
     def _remove_all(self, request: Any) -> Any:
         _client_id, force = convert.decode_remove_all(request)
-        num_removed = self._core.remove_all(force, self._clock.now())
-        return convert.encode_num_removed(_response_of(request), Status.OK, num_removed)
+        return self._removal(request, self._core.start_remove(None, force, self._clock.now()))
 
     def _remove_by_regex(self, request: Any) -> Any:
         _client_id, pattern, force = convert.decode_remove_by_regex(request)
-        status, num_removed = self._core.remove_by_regex(pattern, force, self._clock.now())
-        return convert.encode_num_removed(_response_of(request), status, num_removed)
+        compiled = compile_key_pattern(pattern)
+        if compiled is None:
+            return convert.encode_num_removed(_response_of(request), Status.INVALID_ARGUMENT, 0)
+        return self._removal(request, self._core.start_remove(compiled, force,
+                                                              self._clock.now()))
+
+    def _removal(self, request: Any, job: RemoveJob) -> Any:
+        """The answer of a removal: now when it is done, else once ``sweep`` finished it."""
+        def answer() -> bytes:
+            return convert.serialize(convert.encode_num_removed(_response_of(request),
+                                                                job.status, job.removed))
+        if job.done:
+            return convert.encode_num_removed(_response_of(request), job.status, job.removed)
+        pending = Pending(job, answer)
+        self._pending.append(pending)
+        return pending
 
     def _get_stats(self, request: Any) -> Any:
         return convert.encode_stats(Status.OK, self._status_document())

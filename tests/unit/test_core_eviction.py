@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvpool_master.core.events import EvictionPass, ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo, Tier
 
 BLOCK = 4096
 A = ClientId("writer")
@@ -250,3 +250,18 @@ def test_allocation_failures_evict_even_during_a_back_off() -> None:
     assert evicted(core) == []
     assert put(core, "b4", 2.6) == Status.OK
     assert evicted(core) == ["b2"]
+
+
+def test_a_pass_evicts_at_most_max_victims_and_the_next_put_goes_on() -> None:
+    from kvpool_master.core.eviction import MAX_VICTIMS
+    core = make(num_blocks=40_000, high=0.5, ratio=0.4)   # a pass wants 16,000 blocks
+    keys_all = [ObjectKey(b"b%d" % i) for i in range(30_000)]
+    for i in range(0, len(keys_all), 1000):
+        chunk = keys_all[i:i + 1000]
+        core.put_start(A, chunk, [BLOCK] * len(chunk), PutOptions(), 1.0)
+        core.put_end(A, chunk, 1.0)
+    passes = [e for e in core.take_events() if isinstance(e, EvictionPass)]
+    assert passes and all(p.num_objects <= MAX_VICTIMS for p in passes)
+    assert passes[0].num_objects == MAX_VICTIMS           # cut, not all it wanted
+    assert len(passes) >= 2                                # the next puts went on
+    assert core.stats().tier_to_used_bytes[Tier.DRAM] <= 0.5 * 40_000 * BLOCK

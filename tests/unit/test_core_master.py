@@ -122,8 +122,8 @@ def test_unregister_drops_segments_objects_and_pending() -> None:
     events = core.take_events()
     assert events == [
         ObjectRemoved(ObjectKey(b"open"), 10, "reclaim"), PendingReclaimed(ObjectKey(b"open")),
-        ObjectRemoved(ObjectKey(b"done"), 1000, "segment_lost"),
-        SegmentUnmounted(SegmentId("seg-client-a"), A), ClientUnregistered(A)]
+        SegmentUnmounted(SegmentId("seg-client-a"), A),
+        ObjectRemoved(ObjectKey(b"done"), 1000, "segment_lost"), ClientUnregistered(A)]
     assert core.exist([ObjectKey(b"done")], 3.0)[0] == [Status.NOT_FOUND]
 
 
@@ -191,8 +191,8 @@ def test_unmount_checks_owner_and_drops_only_sole_replicas() -> None:
         Status.UNKNOWN_CLIENT)
     core.take_events()
     assert core.unmount_segment(B, SegmentId("seg-client-b"), 2.0) == Status.OK
-    assert core.take_events() == [ObjectRemoved(ObjectKey(b"one"), 1000, "segment_lost"),
-                                  SegmentUnmounted(SegmentId("seg-client-b"), B)]
+    assert core.take_events() == [SegmentUnmounted(SegmentId("seg-client-b"), B),
+                                  ObjectRemoved(ObjectKey(b"one"), 1000, "segment_lost")]
     [result] = core.get_replicas([ObjectKey(b"two")], 3.0)
     assert result.status == Status.OK
     assert [p.segment_id for p in result.placements] == ["seg-client-a"]
@@ -497,3 +497,82 @@ def test_the_per_segment_key_index_stays_small_and_exact() -> None:
     assert dropped == sorted(ObjectKey(b"churn-%d" % i) for i in range(10))
     [both] = core.get_replicas([ObjectKey(b"both")], 3.0)
     assert [p.segment_id for p in both.placements] == ["seg-client-b"]
+
+
+def _big_segment_core(num_objects: int) -> MasterCore:
+    core = MasterCore(CoreConfig(client_ttl_s=1e9, put_start_discard_timeout_s=1e9))
+    for client in (A, B):
+        core.register_client(client, "h", b"k" * 32, 0.0)
+        core.mount_segment(SegmentInfo(SegmentId(f"seg-{client}"), client, 1 << 30), 0.0)
+    keys = [ObjectKey(b"k%d" % i) for i in range(num_objects)]
+    for i in range(0, num_objects, 1000):
+        chunk = keys[i:i + 1000]
+        core.put_start(A, chunk, [4096] * len(chunk), PutOptions(preferred_segment="seg-" + A),
+                       1.0)
+        core.put_end(A, chunk, 1.0)
+    twin = [ObjectKey(b"twin")]
+    core.put_start(A, twin, [4096], PutOptions(replica_num=2), 1.0)
+    core.put_end(A, twin, 1.0)
+    core.take_events()
+    return core
+
+
+def test_a_large_segment_is_lost_at_once_and_swept_in_bounded_steps() -> None:
+    from kvpool_master.core.sweeps import SWEEP_STEP_KEYS
+    core = _big_segment_core(5000)
+    assert core.unmount_segment(A, SegmentId("seg-" + A), 2.0) == Status.OK
+    assert core.sweeping
+    # nothing on it is readable, though the sweep has not reached it yet
+    assert core.exist([ObjectKey(b"k0"), ObjectKey(b"k4999")], 2.0)[0] == [Status.NOT_FOUND] * 2
+    [twin] = core.get_replicas([ObjectKey(b"twin")], 2.0)
+    assert twin.status == Status.OK and [p.segment_id for p in twin.placements] == ["seg-" + B]
+    steps = 0
+    while core.sweep(3.0):
+        steps += 1
+        removed = [e for e in core.take_events() if isinstance(e, ObjectRemoved)]
+        assert len(removed) <= SWEEP_STEP_KEYS
+    assert steps >= 4 and core.stats().num_objects == 1
+    assert core.stats().segment_lost_objects_total == 5000
+
+
+def test_a_segment_mounted_again_while_swept_never_serves_old_placements() -> None:
+    core = _big_segment_core(5000)
+    info = SegmentInfo(SegmentId("seg-" + A), A, 1 << 30)
+    assert core.unmount_segment(A, info.segment_id, 2.0) == Status.OK
+    core.sweep(2.0)
+    assert core.mount_segment(info, 2.5) == Status.OK     # finishes the sweep first
+    assert not core.sweeping and core.stats().num_objects == 1
+    assert core.exist([ObjectKey(b"k4999")], 3.0)[0] == [Status.NOT_FOUND]
+
+
+def test_a_put_of_a_key_on_a_lost_segment_only_is_a_fresh_put() -> None:
+    core = _big_segment_core(5000)
+    assert core.unmount_segment(A, SegmentId("seg-" + A), 2.0) == Status.OK
+    [(status, placements)] = core.put_start(B, [ObjectKey(b"k4999")], [4096], PutOptions(),
+                                            2.0)
+    assert status == Status.OK and placements[0].segment_id == "seg-" + B
+    assert core.put_end(B, [ObjectKey(b"k4999")], 2.0) == [Status.OK]
+    while core.sweep(3.0):
+        pass
+    assert core.exist([ObjectKey(b"k4999")], 3.0)[0] == [Status.OK]
+
+
+def test_a_large_removal_is_a_job_done_in_bounded_steps() -> None:
+    from kvpool_master.core.keyregex import compile_key_pattern
+    from kvpool_master.core.sweeps import SWEEP_STEP_KEYS
+    core = _big_segment_core(5000)
+    pattern = compile_key_pattern("^k1")                  # k1, k10-k19, k100-k199, ...
+    assert pattern is not None
+    job = core.start_remove(pattern, False, 2.0)
+    assert not job.done and core.sweeping
+    # a put meanwhile is not the job's business
+    core.put_start(A, [ObjectKey(b"k1-late")], [4096], PutOptions(), 2.1)
+    core.put_end(A, [ObjectKey(b"k1-late")], 2.1)
+    while core.sweep(2.2):
+        assert len([e for e in core.take_events() if isinstance(e, ObjectRemoved)]) <= \
+            SWEEP_STEP_KEYS
+    assert job.done and job.removed == 1111
+    assert core.exist([ObjectKey(b"k1999"), ObjectKey(b"k2"), ObjectKey(b"k1-late")],
+                      3.0)[0] == [Status.NOT_FOUND, Status.OK, Status.OK]
+    assert core.remove_all(True, 3.0) == 5000 - 1111 + 2  # at once: the twin and the late one
+    assert core.stats().num_objects == 0 and not core.sweeping

@@ -1,0 +1,102 @@
+"""Work that grows with the table runs in steps on a real master: a large RemoveAll or
+RemoveByRegex is answered (over gRPC and over the lean framing) once it is done, with every
+other call answered meanwhile; a large segment lost by unmount, unregistration or expiry is
+gone for readers at once and swept behind; a segment mounted again under the same id never
+sees the old placements."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+from token_stub import TokenStub
+
+from kvpool_client.rpc import MasterRpc
+from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
+
+NUM_OBJECTS = 30_000  # thirty times what one call may sweep
+BATCH = 5000
+
+
+async def _owner(address: str, name: str) -> tuple[MasterRpc, SegmentInfo]:
+    rpc = MasterRpc(address, timeout_s=60)
+    await rpc.register_client(name, "host", "")
+    segment = SegmentInfo(SegmentId(f"{name}-seg"), ClientId(name), NUM_OBJECTS * 8192)
+    assert await rpc.mount_segment(name, segment) == Status.OK
+    return rpc, segment
+
+
+async def _fill(rpc: MasterRpc, name: str, prefix: str = "k") -> list[bytes]:
+    keys = [f"{prefix}{i:06d}".encode() for i in range(NUM_OBJECTS)]
+    for i in range(0, NUM_OBJECTS, BATCH):
+        chunk = keys[i:i + BATCH]
+        started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
+        assert {s for s, _ in started} == {Status.OK}
+        assert set(await rpc.put_end(name, chunk)) == {Status.OK}
+    return keys
+
+
+async def _probe_while(rpc: MasterRpc, work: Any) -> tuple[Any, int]:
+    """Run ``work`` and count the Exist calls answered before it finished."""
+    task = asyncio.ensure_future(work)
+    answered = 0
+    while not task.done():
+        await rpc.exist("probe", [b"nothing"])
+        answered += 1
+    return await task, answered
+
+
+def test_large_removals_are_answered_when_done_and_others_are_served_meanwhile(
+        start_master: Any) -> None:
+    master = start_master()
+
+    async def run() -> None:
+        rpc, _ = await _owner(master.address, "owner")
+        probe = MasterRpc(master.address, timeout_s=60)
+        keys = await _fill(rpc, "owner")
+        # RemoveByRegex over the lean framing: every key ending in 7
+        removed, answered = await _probe_while(
+            probe, rpc.remove_by_regex("owner", "7$", force=True))
+        assert removed == NUM_OBJECTS // 10 and answered >= 1
+        statuses, _ = await rpc.exist("owner", [keys[7], keys[8]])
+        assert statuses == [Status.NOT_FOUND, Status.OK]
+        # RemoveAll over gRPC, the lean framing probing meanwhile
+        with grpc.insecure_channel(master.address) as channel:
+            stub = TokenStub(channel)
+            future = asyncio.get_running_loop().run_in_executor(
+                None, lambda: stub.RemoveAll(pb.RemoveAllRequest(force=True), timeout=60))
+            answer, answered = await _probe_while(probe, future)
+        assert answer.status == pb.STATUS_OK and answer.num_removed == NUM_OBJECTS * 9 // 10
+        assert await rpc.exist("owner", [keys[8]]) == ([Status.NOT_FOUND], [0])
+        await rpc.close()
+        await probe.close()
+
+    asyncio.run(run())
+
+
+def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
+        start_master: Any) -> None:
+    master = start_master(client_ttl=1)
+
+    async def run() -> None:
+        rpc, segment = await _owner(master.address, "owner")
+        keys = await _fill(rpc, "owner")
+        assert await rpc.unmount_segment("owner", segment.segment_id) == Status.OK
+        # gone for readers at once, swept behind
+        assert (await rpc.exist("owner", [keys[0], keys[-1]]))[0] == [Status.NOT_FOUND] * 2
+        # mounted again under the same id: fresh memory, none of the old placements
+        assert await rpc.mount_segment("owner", segment) == Status.OK
+        assert (await rpc.exist("owner", [keys[-1]]))[0] == [Status.NOT_FOUND]
+        await _fill(rpc, "owner", "n")
+        # the owner goes silent: expired, and its objects go with it
+        deadline = time.monotonic() + 10
+        while (await rpc.exist("probe", [b"n000000"]))[0] != [Status.NOT_FOUND]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await rpc.close()
+
+    asyncio.run(run())
