@@ -167,7 +167,8 @@ def status_from_stats(stats: CoreStats) -> dict[str, Any]:
         "objects": {"ready": stats.num_objects, "pending": stats.num_pending,
                     "ready_bytes": stats.ready_bytes,
                     "deferred_free_bytes": stats.deferred_free_bytes,
-                    "quarantined_bytes": stats.quarantined_bytes},
+                    "quarantined_bytes": stats.quarantined_bytes,
+                    "sweep_backlog_keys": stats.sweep_backlog_keys},
         "totals": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
         "tier_copies": {**{name: getattr(stats, name) for name in _COPIES},
                         "in_flight": stats.copies_in_flight},
@@ -396,6 +397,10 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
     for field_name, kind_result in _COPIES.items():
         copies.add_metric(list(kind_result), getattr(stats, field_name))
     yield copies
+    yield GaugeMetricFamily("kvpool_sweep_backlog_keys",
+                            "Key-list entries lost segments and removal jobs still have to "
+                            "sweep (done between requests, a step at a time)",
+                            value=stats.sweep_backlog_keys)
     yield GaugeMetricFamily("kvpool_tier_copies_in_flight",
                             "Tier copies waiting for their owner or being made",
                             value=stats.copies_in_flight)

@@ -124,11 +124,13 @@ class CoreStats:
     promotions_failed_total: int
     copies_expired_total: int         # tier copies not reported within copy_task_ttl
     copies_in_flight: int             # tier copies waiting or being made
+    sweep_backlog_keys: int           # key-list entries lost segments and removals still sweep
 
 
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
                 deferred: DeferredFrees, quarantine: DeferredFrees, counters: Counters,
-                leases: LeaseCounters, copies_in_flight: int = 0) -> CoreStats:
+                leases: LeaseCounters, copies_in_flight: int = 0,
+                sweep_backlog_keys: int = 0) -> CoreStats:
     """Return a consistent copy of every counter and gauge."""
     return CoreStats(
         num_clients=len(clients),
@@ -180,4 +182,5 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         promotions_failed_total=counters.promotions_failed,
         copies_expired_total=counters.copies_expired,
         copies_in_flight=copies_in_flight,
+        sweep_backlog_keys=sweep_backlog_keys,
     )

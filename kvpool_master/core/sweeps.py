@@ -155,6 +155,13 @@ class Sweeps(Mutations):
                 jobs.pop(0)
         return self.sweeping
 
+    def sweep_backlog_keys(self) -> int:
+        """Key-list entries the sweeps have still to look at (0: none running)."""
+        backlog = sum(len(s.keys) - s.sweep_at for s in self._segments.dying.values())
+        for job in self._jobs:
+            backlog += sum(end for _, end in job.segments[job.index:]) - job.at
+        return backlog
+
     @property
     def sweeping(self) -> bool:
         """Whether ``sweep`` has work."""
@@ -191,6 +198,8 @@ class Sweeps(Mutations):
                 del order[key]  # on SSD only now
         self._drop(list(lost), "segment_lost", now)
         self._counters.segment_lost_objects += len(lost)
+        # let go of the swept keys now, a step at a time, not all at the end in one go
+        keys[start:stop] = [None] * (stop - start)  # type: ignore[list-item]
         state.sweep_at = stop
         if stop >= len(keys):
             del self._segments.dying[segment_id]
