@@ -184,7 +184,8 @@ class MasterCore(Tiering):
         return Status.OK
 
     def unmount_segment(self, client_id: ClientId, segment_id: SegmentId, now: float) -> Status:
-        """Withdraw a segment; objects whose every replica sat on it are dropped atomically.
+        """Withdraw a segment: at once no read or placement sees it; objects whose every
+        replica sat on it are dropped as ``sweep`` reaches them (``sweeps.py``).
 
         Fails with UNKNOWN_CLIENT, SEGMENT_NOT_FOUND or PERMISSION_DENIED (not the owner).
         """
