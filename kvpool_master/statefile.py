@@ -111,7 +111,7 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence
 # ---- events -> rows -> state -----------------------------------------------------------------
 
 def event_row(event: ev.Event) -> list[Any] | None:
-    if isinstance(event, ev.ObjectCommitted | ev.ReplicasChanged):  # same row: the new state
+    if isinstance(event, ev.ObjectCommitted):  # a commit, or ReplicasChanged: the new state
         return [_OBJECT_COMMITTED, *object_row(event.key, event.size_bytes, event.placements,
                                                event.checksum, event.pin, event.parent_key)]
     if isinstance(event, ev.ObjectRemoved):

@@ -72,17 +72,10 @@ class ObjectCommitted:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicasChanged:
+class ReplicasChanged(ObjectCommitted):
     """A READY object gained a replica on another tier (a copy committed) or lost the ones on
     one tier (evicted from it while a copy elsewhere stays); ``placements`` is what it has now.
-    """
-
-    key: ObjectKey
-    size_bytes: int
-    placements: tuple[Placement, ...]
-    checksum: int
-    pin: Pin
-    parent_key: ObjectKey | None
+    Logged like a commit (the row is the object's new state)."""
 
 
 @dataclass(frozen=True, slots=True)

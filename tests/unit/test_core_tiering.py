@@ -63,6 +63,14 @@ def report(core: MasterCore, tasks: list[CopyTask], now: float,
     assert core.copy_tasks(A, [(t.task_id, int(status)) for t in tasks], 0, now)[0] == Status.OK
 
 
+def _with_copies(core: MasterCore) -> tuple[MasterCore, list[CopyTask]]:
+    """Seven objects (70 % of DRAM): the copies of the three least recently used, fetched."""
+    for i in range(7):
+        put(core, f"k{i}", float(i))
+    core.tick(10.0)
+    return core, fetch(core, 10.0)
+
+
 def test_puts_never_land_on_ssd() -> None:
     core = make()
     for i in range(30):
@@ -138,11 +146,7 @@ def test_promotion_off_and_after_n_hits() -> None:
 
 
 def test_a_copy_that_raced_a_removal_never_commits_and_frees_its_target() -> None:
-    core = make()
-    for i in range(7):
-        put(core, f"k{i}", float(i))
-    core.tick(10.0)
-    tasks = fetch(core, 10.0)
+    core, tasks = _with_copies(make())
     assert core.remove([ObjectKey(b"k0")], False, 10.5) == [Status.OK]
     put(core, "k0", 10.6)                                     # same key, a new object
     report(core, tasks, 11.0)
@@ -154,11 +158,7 @@ def test_a_copy_that_raced_a_removal_never_commits_and_frees_its_target() -> Non
 
 
 def test_a_failed_copy_and_a_late_copy_free_their_targets() -> None:
-    core = make(ttl_s=5.0)
-    for i in range(7):
-        put(core, f"k{i}", float(i))
-    core.tick(10.0)
-    tasks = fetch(core, 10.0)
+    core, tasks = _with_copies(make(ttl_s=5.0))
     report(core, tasks[:1], 11.0, Status.TRANSFER_FAILED)
     assert segments_of(core, "k0") == [DRAM]
     # k0's target is free; the report planned k0's copy again (beside k1's and k2's)
@@ -176,11 +176,7 @@ def test_a_failed_copy_and_a_late_copy_free_their_targets() -> None:
 
 
 def test_another_client_cannot_report_or_fetch_the_owners_copies() -> None:
-    core = make()
-    for i in range(7):
-        put(core, f"k{i}", float(i))
-    core.tick(10.0)
-    tasks = fetch(core, 10.0)
+    core, tasks = _with_copies(make())
     assert fetch(core, 10.0, B) == []
     assert core.copy_tasks(B, [(t.task_id, 0) for t in tasks], 0, 11.0)[0] == Status.OK
     assert segments_of(core, "k0") == [DRAM]                  # B's report changed nothing
