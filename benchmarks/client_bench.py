@@ -56,7 +56,7 @@ HOST = "127.0.0.1"
 BATCH = 32
 APIS = ("single", "single_zc", "batch", "batch_zc")
 
-# Targets (issue 3): (what, row selector, limit, ratio) and ops/s floors.
+# Targets: (what, row selector, limit, ratio) and ops/s floors.
 RATIO_TARGETS = 0.70
 # Force-removed objects keep their bytes until their read leases lapse (readers may still be
 # copying); a short lease lets repetitions reuse the space.

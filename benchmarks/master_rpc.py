@@ -4,7 +4,7 @@ Measures, over gRPC and over the lean framing, through the client stub (``Master
 - single-key ``Exist``: p50 / p99 latency of sequential calls;
 - batched ``Exist`` with 1,000 keys per call: keys/s, one call at a time and with a few calls
   in flight (pipelined on the one lean connection / multiplexed on the gRPC channel).
-Targets (issue 2): batched >= 1,000,000 keys/s, single p50 <= 150 µs.
+Targets: batched >= 1,000,000 keys/s, single p50 <= 150 µs.
 
     .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
 """
