@@ -107,7 +107,7 @@ async def _worker(address: str, index: int, num_clients: int, mixers: int, ttl_s
     Path(out_path).write_text(json.dumps(out))
 
 
-async def _fill(address: str, num_objects: int) -> None:
+async def _fill(address: str, num_objects: int) -> asyncio.Task[None]:
     rpc = MasterRpc(address, timeout_s=120)
     await rpc.register_client("filler", "filler-host", "")
     segment = SegmentInfo(SegmentId("filler-seg"), ClientId("filler"),
@@ -121,7 +121,7 @@ async def _fill(address: str, num_objects: int) -> None:
         if time.monotonic() - beat > 1:
             await rpc.heartbeat("filler")
             beat = time.monotonic()
-    asyncio.get_running_loop().create_task(_keep_alive(rpc))
+    return asyncio.get_running_loop().create_task(_keep_alive(rpc))
 
 
 async def _keep_alive(rpc: MasterRpc) -> None:
@@ -159,7 +159,7 @@ def main() -> int:
             address = f"127.0.0.1:{ready['grpc_port']}"
             started = time.monotonic()
             loop = asyncio.new_event_loop()
-            loop.run_until_complete(_fill(address, args.objects))
+            keep_alive = loop.run_until_complete(_fill(address, args.objects))
             print(f"filled {args.objects:,} objects in {time.monotonic() - started:.1f} s")
             per = args.clients // args.procs
             for index in range(args.procs):
@@ -180,6 +180,8 @@ def main() -> int:
             loop.run_until_complete(asyncio.sleep(args.seconds + 5))
             for proc in procs:
                 proc.wait(args.seconds + 120)
+            keep_alive.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
             loop.close()
             merged: dict[str, Any] = {"heartbeat": [], "put_batch": [], "get_batch": [],
                                       "false_expiries": 0}
