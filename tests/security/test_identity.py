@@ -32,7 +32,7 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
 from kvpool_client.transfer.tcp_frames import RESPONSE, encode_request
-from kvpool_wire.status import Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
 
 
@@ -81,6 +81,9 @@ def test_an_impostor_cannot_act_as_a_live_client(master: Any) -> None:
             assert await impostor.unregister_client("victim") == Status.UNKNOWN_CLIENT
             assert await impostor.unmount_segment("victim", "victim-seg") == \
                 Status.UNKNOWN_CLIENT
+            with pytest.raises(KVPoolError) as copies:   # nor fetch or report its tier copies
+                await impostor.copy_tasks("victim", [(1, Status.OK)], 64)
+            assert copies.value.status == Status.UNKNOWN_CLIENT
             assert (await impostor.exist("x", [b"half-written"]))[0] == [Status.NOT_FOUND]
             # The victim is untouched: still registered, its segment and its put still there.
             assert await victim.heartbeat("victim") == Status.OK
