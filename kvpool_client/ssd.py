@@ -11,9 +11,10 @@ Rules of this file:
   that are gone.
 - Bytes are moved with ``os.preadv`` / ``os.pwritev`` on a file descriptor opened ``O_DIRECT``
   where the filesystem allows it (tmpfs does not: then a plain descriptor, and the page cache).
-  Direct I/O needs page-aligned memory, offsets and lengths: extents are aligned by the master
-  (4 KiB), lengths are rounded up inside the extent, and memory that is not aligned goes
-  through a per-thread aligned bounce buffer.
+  Direct I/O needs page-aligned memory, offsets and lengths, while the master aligns extents to
+  64 bytes: reads cover the enclosing pages, writes patch a page shared with a neighbour under
+  a lock (read, overlay, write back), and memory that is not aligned goes through a per-thread
+  aligned bounce buffer.
 - A restarted client does not trust what a file of an earlier process holds: the master
   dropped those objects when that client expired, and the file is removed. Nothing on SSD is
   served except through the master's placements, and every read of an object with a checksum
@@ -96,27 +97,30 @@ def open_direct(path: str, flags: int) -> tuple[int, bool]:
 def read_range(fd: int, direct: bool, offset: int, length: int,
                regions: Sequence[memoryview]) -> None:
     """Read ``length`` bytes at ``offset`` of the segment file into ``regions`` (which hold
-    exactly ``length`` bytes). Raises OSError, or KVPoolError TRANSFER_FAILED on a short read
-    (a truncated file)."""
-    if direct:
-        whole = aligned_up(length)
-        if len(regions) == 1 and whole == length and _is_aligned(regions[0]):
-            got = os.preadv(fd, [regions[0]], offset)
-            if got != length:
-                raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {offset}: {got}")
-            return
-        bounce = _bounce.get(whole)
-        got = os.preadv(fd, [bounce], offset)
-        if got < length:
+    exactly ``length`` bytes). Direct I/O reads the enclosing whole pages (through the bounce
+    buffer unless the range and the one region are page-aligned). Raises OSError, or
+    KVPoolError TRANSFER_FAILED on a short read (a truncated file)."""
+    if not direct:
+        got = os.preadv(fd, list(regions), offset)
+        if got != length:
             raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {offset}: {got}")
-        at = 0
-        for region in regions:
-            region[:] = bounce[at:at + len(region)]
-            at += len(region)
         return
-    got = os.preadv(fd, list(regions), offset)
-    if got != length:
+    start = offset & ~(ALIGN_BYTES - 1)
+    end = aligned_up(offset + length)
+    if start == offset and end == offset + length and len(regions) == 1 \
+            and _is_aligned(regions[0]):
+        got = os.preadv(fd, [regions[0]], offset)
+        if got != length:
+            raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {offset}: {got}")
+        return
+    bounce = _bounce.get(end - start)
+    got = os.preadv(fd, [bounce], start)
+    if got < offset + length - start:
         raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {offset}: {got}")
+    at = offset - start
+    for region in regions:
+        region[:] = bounce[at:at + len(region)]
+        at += len(region)
 
 
 class SsdSegment:
@@ -131,6 +135,7 @@ class SsdSegment:
         self.size_bytes = size_bytes
         self.client_id = ClientId(client_id)
         self.direct = direct
+        self._patch_lock = threading.Lock()  # pages shared with a neighbour (see write)
         self._fd = fd
         self._lock_fd = lock_fd
 
@@ -207,8 +212,7 @@ class SsdSegment:
         return self._fd
 
     def _check_range(self, offset: int, length: int) -> None:
-        if offset < 0 or length <= 0 or offset + aligned_up(length) > self.size_bytes \
-                or offset % ALIGN_BYTES:
+        if offset < 0 or length <= 0 or offset + length > self.size_bytes:
             raise KVPoolError(Status.INVALID_ARGUMENT,
                               f"[{offset}, {offset + length}) is not an extent of "
                               f"{self.segment_id} ({self.size_bytes} bytes)")
@@ -226,35 +230,56 @@ class SsdSegment:
         """The bytes of an extent, in a fresh page-aligned buffer the file is read into
         directly (what the data server sends from)."""
         self._check_range(offset, length)
-        whole = aligned_up(length)
-        view = memoryview(mmap.mmap(-1, whole))
+        start = offset & ~(ALIGN_BYTES - 1) if self.direct else offset
+        view = memoryview(mmap.mmap(-1, aligned_up(offset + length) - start))
+        need = offset + length - start
         try:
-            got = os.preadv(self._checked_fd(), [view if self.direct else view[:length]],
-                            offset)
+            got = os.preadv(self._checked_fd(), [view if self.direct else view[:need]], start)
         except OSError as exc:
             raise KVPoolError(Status.TRANSFER_FAILED,
                               f"reading {self.segment_id} at {offset}: {exc}") from exc
-        if got < length:
+        if got < need:
             raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {offset}: {got}")
-        return view[:length]
+        return view[offset - start:need]
 
     def write(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset`` (an extent the master handed out for a copy). Raises
-        KVPoolError (NO_SPACE when the disk is full, TRANSFER_FAILED on other I/O errors)."""
+        KVPoolError (NO_SPACE when the disk is full, TRANSFER_FAILED on other I/O errors).
+
+        Extents are aligned to 64 bytes, pages to 4 KiB: with direct I/O the whole pages of
+        the extent are written from a page-aligned buffer, and a page it shares with a
+        neighbour is read, patched and written back under a lock (the neighbour's bytes are
+        written back as they were; only this process writes the file)."""
         length = len(data)
         self._check_range(offset, length)
         fd = self._checked_fd()
         try:
-            whole = aligned_up(length) if self.direct else length
-            if self.direct and (whole != length or not _is_aligned(data)):
-                bounce = _bounce.get(whole)
-                bounce[:length] = data
-                if whole != length:
-                    bounce[length:] = bytes(whole - length)
-                data = bounce
-            written = os.pwritev(fd, [data], offset)
-            if written != whole:
-                raise KVPoolError(Status.TRANSFER_FAILED, f"short write at {offset}: {written}")
+            if not self.direct:
+                if os.pwritev(fd, [data], offset) != length:
+                    raise KVPoolError(Status.TRANSFER_FAILED, f"short write at {offset}")
+                return
+            end = offset + length
+            inner_start, inner_end = aligned_up(offset), end & ~(ALIGN_BYTES - 1)
+            if inner_start < inner_end:  # whole pages
+                inner = data[inner_start - offset:inner_end - offset]
+                if not _is_aligned(inner):
+                    bounce = _bounce.get(inner_end - inner_start)
+                    bounce[:] = inner
+                    inner = bounce
+                if os.pwritev(fd, [inner], inner_start) != inner_end - inner_start:
+                    raise KVPoolError(Status.TRANSFER_FAILED, f"short write at {offset}")
+            mask = ALIGN_BYTES - 1
+            shared = {page for page, partial in ((offset & ~mask, offset & mask),
+                                                 (end & ~mask, end & mask)) if partial}
+            for page in sorted(shared):
+                lo, hi = max(offset, page), min(end, page + ALIGN_BYTES)
+                with self._patch_lock:
+                    buf = _bounce.get(ALIGN_BYTES)
+                    if os.preadv(fd, [buf], page) != ALIGN_BYTES:
+                        raise KVPoolError(Status.TRANSFER_FAILED, f"short read at {page}")
+                    buf[lo - page:hi - page] = data[lo - offset:hi - offset]
+                    if os.pwritev(fd, [buf], page) != ALIGN_BYTES:
+                        raise KVPoolError(Status.TRANSFER_FAILED, f"short write at {page}")
         except OSError as exc:
             status = Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) \
                 else Status.TRANSFER_FAILED

@@ -210,6 +210,10 @@ class SegmentTable:
                 placement = self._allocate_on(preferred, size_bytes)
                 if placement is not None:
                     return (placement,)
+        if replica_num == 1 and not same_host_id:  # the common put: the emptiest segment
+            placement = self._allocate_best(size_bytes)
+            if placement is not None:
+                return (placement,)
         placements: list[Placement] = []
         candidates = self._candidates(replica_num, preferred_segment, same_host_id)
         try:
@@ -223,6 +227,28 @@ class SegmentTable:
         finally:
             candidates.close()  # the segments it handed out go back into the index now
         self.free(placements, seq=-1)  # never handed out: not a free anyone must wait for
+        return None
+
+    def _allocate_best(self, size_bytes: int) -> Placement | None:
+        """One extent on the DRAM segment with the most free bytes, straight off the index
+        (no generator: this is every plain put's path), or None when that one cannot hold it
+        (the caller then tries every segment in order)."""
+        heap = self._by_free
+        while heap:
+            tier, negative_free, mount_no, push_no, state = heap[0]
+            if tier != Tier.DRAM:
+                return None
+            if push_no != state.index_no or not state.mounted or mount_no != state.mount_no:
+                heapq.heappop(heap)  # superseded, unmounted or remounted since
+                continue
+            if state.allocator.free_bytes != -negative_free:
+                self._index(state)  # allocated from off the index: its true value
+                heap = self._by_free
+                continue
+            placement = self._allocate_on(state, size_bytes)
+            if placement is not None:
+                self._index(state)
+            return placement
         return None
 
     def allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:

@@ -264,3 +264,25 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_objects_of_odd_sizes_share_pages_on_ssd_and_come_back_exact(
+        tier_master: Any, tmp_path: Path) -> None:
+    size = 6000                                 # extents 64-byte aligned: they share pages
+    owner = cw.Worker(_config(tier_master, tmp_path / "ssd", global_segment_size=512 << 10,
+                              ssd_segment_size=8 << 20))
+    other_host = cw.Worker(_config(tier_master, None), env=OTHER_HOST)
+    try:
+        keys = [f"odd-{i}" for i in range(300)]  # three times DRAM
+        for i in range(0, len(keys), 10):
+            assert owner.call("put", keys=keys[i:i + 10], size=size)["statuses"] == ["OK"] * 10
+            time.sleep(0.05)
+        tiers = owner.call("tiers", keys=keys)["tiers"]
+        assert tiers.count("SSD") >= 150, tiers
+        for reader in (owner, other_host):
+            results = reader.call("check", keys=keys, size=size)["results"]
+            assert "mismatch" not in results and results.count("ok") >= 250, results
+        assert owner.call("ssd")["failed"] == 0
+    finally:
+        owner.stop()
+        other_host.stop()
