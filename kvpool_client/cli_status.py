@@ -105,6 +105,15 @@ def render(document: dict[str, Any], address: str) -> str:
         lines.append(f"objects: {objects.get('ready', 0)} ready "
                      f"({format_bytes(objects.get('ready_bytes', 0))}), "
                      f"{objects.get('pending', 0)} pending")
+        if objects.get("sweep_backlog_keys"):
+            lines.append(f"sweeping: {objects['sweep_backlog_keys']} key-list entries left "
+                         "(lost segments, removals)")
+    copies = doc.pop("tier_copies", None)
+    if isinstance(copies, dict) and any(copies.values()):
+        lines.append("tier copies: " + ", ".join(
+            f"{kind} {copies.get(f'{kind}s_done_total', 0)} done / "
+            f"{copies.get(f'{kind}s_failed_total', 0)} failed"
+            for kind in ("demotion", "promotion")) + f", {copies.get('in_flight', 0)} in flight")
     rows = segments.get("list") or []
     if rows:
         lines.append("")
