@@ -330,7 +330,8 @@ class MasterCore(Tiering):
             self.sweep(now)
         for tier in Tier:
             self._relieve_watermark(tier, now)
-        if self._copies.id_to_task:
+        if self._copies.id_to_task and now - self._copies.expired_s >= 1.0:
+            self._copies.expired_s = now  # a walk over every task: once a second is enough
             self._expire_copies(now)
         self._plan_copies(now)
 

@@ -24,7 +24,8 @@ Rules of this file:
   room as a put would (least recently used first: mostly DRAM copies of objects that also
   live on SSD).
 - Each pass is bounded (``SCAN_LIMIT`` objects looked at, ``MAX_TASKS_PER_OWNER`` in flight
-  per owner), so no call grows with the table.
+  per owner), so no call grows with the table, and passes run at most every
+  ``PLAN_INTERVAL_S`` however many copiers ask.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ SCAN_LIMIT = 8192
 MAX_TASKS_PER_OWNER = 64
 #: Keys remembered as wanting promotion, and hit counts kept, at most.
 MAX_WANTED = 4096
+#: A pass runs at most this often (every CopyTasks call asks for one; copiers ask often).
+PLAN_INTERVAL_S = 0.02
 
 
 class CopyTask:
@@ -82,6 +85,8 @@ class CopyTable:
         self.hits: dict[ObjectKey, int] = {}       # reads answered from SSD only, per key
         self.wanted: dict[ObjectKey, None] = {}    # keys to promote, in order
         self.promote_retry_s = 0.0  # no promotion before this (DRAM had no room)
+        self.planned_s = -1.0  # when the last pass ran
+        self.expired_s = -1.0  # when late tasks were last looked for
         self._ids = itertools.count(1)
 
     def add(self, key: ObjectKey, entry: ObjectEntry, source: Placement, target: Placement,
@@ -225,8 +230,10 @@ class Tiering(Sweeps):
 
     def _plan_copies(self, now: float) -> None:
         segments = self._segments
-        if not segments.tier_to_capacity_bytes[Tier.SSD] or self._quarantine:
+        if not segments.tier_to_capacity_bytes[Tier.SSD] or self._quarantine \
+                or 0.0 <= now - self._copies.planned_s < PLAN_INTERVAL_S:
             return
+        self._copies.planned_s = now
         owner_to_ssd: dict[ClientId, list[SegmentState]] = {}
         owner_to_dram: dict[ClientId, list[SegmentState]] = {}
         for state in segments.mounted:
