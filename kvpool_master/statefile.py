@@ -172,6 +172,8 @@ class Overlay:
         touched = self.key_to_row
         unmounted_at = self.unmounted_at
         unmounted = set(unmounted_at)   # every unmount of the log follows the snapshot
+        if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
+            return snapshot_rows
 
         def from_snapshot() -> Iterator[Sequence[Any]]:
             for row in snapshot_rows:

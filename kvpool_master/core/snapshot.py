@@ -122,14 +122,20 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         infos[info.segment_id] = info
     segment_to_packed: dict[SegmentId, list[int]] = {s: [] for s in infos}
     segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
+    usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
+    key_to_object = objects.key_to_object
+    add_ready = objects.add_ready
+    mask = _ALIGN_MASK
     for row in snapshot.objects:
-        entry, key = _object_entry(row, infos, max_key_bytes, objects)
-        if entry is None or key in objects.key_to_object:
+        entry = _object_entry(row, infos, usable, max_key_bytes, objects)
+        if entry is None or entry.key in key_to_object:
             dropped += 1
             continue
-        objects.add_ready(key, entry)
+        key = entry.key
+        add_ready(key, entry)
         for p in entry.placements:
-            segment_to_packed[p.segment_id].append(p.offset << OFFSET_BITS | aligned(p.length))
+            segment_to_packed[p.segment_id].append(
+                p.offset << OFFSET_BITS | ((p.length + mask) & ~mask))
             segment_to_keys[p.segment_id].append(key)
     try:
         allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
@@ -194,42 +200,57 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
     return info
 
 
-def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo], max_key_bytes: int,
-                  objects: ObjectTable) -> tuple[ObjectEntry | None, ObjectKey]:
-    """Return the entry a row describes (None when malformed) and its key.
+def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
+                  usable: dict[SegmentId, int], max_key_bytes: int,
+                  objects: ObjectTable) -> ObjectEntry | None:
+    """Return the entry a row describes (None when malformed); ``usable``: the bytes of each
+    segment extents may reach.
 
     Sizes and segment ids are shared with the table (one int per size, the descriptor's id
-    string), as ``put_start`` does, so restored objects cost no more memory than new ones.
+    string), as ``put_start`` does, so restored objects cost no more memory than new ones. One
+    replica (the common case) takes a path without a loop: restore is linear in the index and
+    this is its inner step.
     """
     try:
         key, size_bytes, flat, checksum, pin, parent_key = row
         if (type(key) is not bytes or not 0 < len(key) <= max_key_bytes
                 or type(size_bytes) is not int or size_bytes <= 0
-                or type(checksum) is not int or not 0 <= checksum < 1 << 64
-                or type(pin) is not int or not 0 <= pin < len(_PINS)
+                or type(checksum) is not int or not 0 <= checksum < _U64
+                or type(pin) is not int or not 0 <= pin < _NUM_PINS
                 or not (parent_key is None or (type(parent_key) is bytes
-                                               and 0 < len(parent_key) <= max_key_bytes))
-                or len(flat) % 3 or not flat):
-            return None, _NO_KEY
+                                               and 0 < len(parent_key) <= max_key_bytes))):
+            return None
         size_bytes = objects.size_to_int.setdefault(size_bytes, size_bytes)
-        extent_bytes = aligned(size_bytes)
-        placements: list[Placement] = []
-        for i in range(0, len(flat), 3):
-            segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
+        extent_bytes = (size_bytes + _ALIGN_MASK) & ~_ALIGN_MASK
+        if len(flat) == 3:
+            segment_id, offset, length = flat
             info = infos.get(segment_id)
-            if (info is None or type(offset) is not int or offset < 0 or offset % ALIGN_BYTES
-                    or length != size_bytes
-                    or offset + extent_bytes > info.size_bytes - info.size_bytes % ALIGN_BYTES
-                    or any(p.segment_id == segment_id for p in placements)):
-                return None, _NO_KEY
-            placements.append(Placement(info.segment_id, offset, size_bytes))
+            if (info is None or type(offset) is not int or offset < 0 or offset & _ALIGN_MASK
+                    or length != size_bytes or offset + extent_bytes > usable[segment_id]):
+                return None
+            placements: tuple[Placement, ...] = (Placement(info.segment_id, offset, size_bytes),)
+        else:
+            if len(flat) % 3 or not flat:
+                return None
+            found: list[Placement] = []
+            for i in range(0, len(flat), 3):
+                segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
+                info = infos.get(segment_id)
+                if (info is None or type(offset) is not int or offset < 0
+                        or offset & _ALIGN_MASK or length != size_bytes
+                        or offset + extent_bytes > usable[segment_id]
+                        or any(p.segment_id == segment_id for p in found)):
+                    return None
+                found.append(Placement(info.segment_id, offset, size_bytes))
+            placements = tuple(found)
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
-        return None, _NO_KEY
+        return None
     parent = objects.shared_key(ObjectKey(parent_key)) if parent_key is not None else None
-    entry = ObjectEntry(ObjectKey(key), size_bytes, tuple(placements), None, _PINS[pin], parent,
-                        checksum)
-    return entry, ObjectKey(key)
+    return ObjectEntry(ObjectKey(key), size_bytes, placements, None, _PINS[pin], parent,
+                       checksum)
 
 
 _PINS = tuple(Pin)
-_NO_KEY = ObjectKey(b"")
+_NUM_PINS = len(_PINS)
+_U64 = 1 << 64
+_ALIGN_MASK = ALIGN_BYTES - 1
