@@ -45,12 +45,15 @@ calls, not several per request.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from kvpool_client.segments import LocalSegment
 from kvpool_client.ssd import SsdSegment
@@ -115,6 +118,7 @@ class DataServer:
         self._unproven: dict[socket.socket, None] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._ssd_reads: concurrent.futures.ThreadPoolExecutor | None = None
         self.requests_total = 0
         self.refused_total = 0
         self.bad_frames_total = 0
@@ -179,6 +183,8 @@ class DataServer:
             threads.append(self._accept_thread)
         for thread in threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
+        if self._ssd_reads is not None:
+            self._ssd_reads.shutdown(wait=False)
 
     def _count(self, **increments: int) -> None:
         with self._lock:
@@ -319,7 +325,10 @@ class DataServer:
             self._refuse(conn, deadline_s, error.status, request_id, error.message)
             return
         self._set_unproven(conn.sock, False)
-        if op == Op.WRITE:
+        if isinstance(target, _SsdRead):  # read on the pool; later requests go on meanwhile
+            conn.answer_later(self._ssd_pool().submit(self._read_ssd, target, request_id),
+                              length, deadline_s)
+        elif op == Op.WRITE:
             with target:
                 # Not one byte lands after the capability expired: the master may have given
                 # the range to another object by then.
@@ -333,9 +342,9 @@ class DataServer:
 
     def _authorise(self, segment_id: str, op: Op, offset: int, length: int, cap_offset: int,
                    cap_length: int, cap_expiry_ms: int, cap: bytes, put_id: int = 0,
-                   ) -> tuple[memoryview | None, KVPoolError | None, float]:
-        """Return (a view of the requested bytes, None, the monotonic time the capability
-        expires), or (None, why it is refused, 0)."""
+                   ) -> tuple[memoryview | _SsdRead | None, KVPoolError | None, float]:
+        """Return (a view of the requested bytes, or the read of an SSD segment to make, None,
+        the monotonic time the capability expires), or (None, why it is refused, 0)."""
         segment = self.segments.get(segment_id)
         if segment is None or segment.closed:
             return None, KVPoolError(Status.SEGMENT_NOT_FOUND,
@@ -358,14 +367,34 @@ class DataServer:
             return None, KVPoolError(Status.PERMISSION_DENIED,
                                      "invalid or expired capability"), 0.0
         try:
-            if isinstance(segment, SsdSegment):  # read from the file, on this thread
+            if isinstance(segment, SsdSegment):  # read from the file (see _serve_one)
                 if op != Op.READ:
                     return None, KVPoolError(Status.PERMISSION_DENIED,
                                              "an SSD segment takes no remote writes"), 0.0
-                return segment.read(offset, length), None, deadline_s
+                return _SsdRead(segment, offset, length), None, deadline_s
             return segment.buffer[offset:offset + length], None, deadline_s
         except KVPoolError as exc:  # closed since the lookup, or an I/O error
             return None, exc, 0.0
+
+    def _ssd_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        pool = self._ssd_reads
+        if pool is None:
+            with self._lock:
+                if self._ssd_reads is None:
+                    self._ssd_reads = concurrent.futures.ThreadPoolExecutor(
+                        SSD_READ_THREADS, thread_name_prefix="kvpool-ssd-serve")
+                pool = self._ssd_reads
+        return pool
+
+    def _read_ssd(self, read: _SsdRead, request_id: int) -> list[Any]:
+        """The answer to one READ of an SSD segment: its bytes, or why not."""
+        try:
+            data = read.segment.read(read.offset, read.length)
+        except KVPoolError as exc:
+            self._count(refused_total=1, requests_total=1)
+            return [encode_response(exc.status, request_id, message=exc.message)]
+        self._count(requests_total=1, bytes_read_total=read.length)
+        return [encode_response(Status.OK, request_id, read.length), data]
 
     def _refuse(self, conn: Connection, deadline_s: float, status: Status, request_id: int,
                 message: str, *, bad_frame: bool = False, closing: bool = False) -> None:
@@ -377,6 +406,19 @@ class DataServer:
         if closing:
             with contextlib.suppress(Closed, OSError):
                 conn.flush()
+
+
+#: SSD reads one data server makes at once (for all its connections).
+SSD_READ_THREADS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _SsdRead:
+    """A READ of an SSD segment that passed its checks, to be made on the read pool."""
+
+    segment: SsdSegment
+    offset: int
+    length: int
 
 
 def _keepalive(sock: socket.socket) -> None:

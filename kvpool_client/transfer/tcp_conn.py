@@ -6,7 +6,9 @@ a payload that has not arrived yet is received directly into its target (one ``M
 call). Read-ahead bytes stay in this buffer, never in a segment, until their request passed its
 checks. Answers are queued and sent together with one ``sendmsg`` whenever the connection would
 otherwise wait (or the queue is full), so a batch of small requests costs a few system calls,
-not four per request. A READ's answer holds its view of the segment until it is sent.
+not four per request. A READ's answer holds its view of the segment until it is sent. An
+answer still being made on another thread (an SSD read, ``answer_later``) takes its place in
+the queue; sending waits for it when it comes to it, so reads run while earlier answers go out.
 
 Every wait is bounded by a deadline (``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` set before a blocking
 call only); a missed deadline, an error or the end of the stream raise ``Closed``.
@@ -18,6 +20,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 READ_AHEAD_BYTES = 128 << 10
@@ -43,7 +46,7 @@ class Connection:
         self._view = memoryview(self._buffer)
         self._start = 0
         self._end = 0
-        self._answers: list[memoryview] = []
+        self._answers: list[memoryview | Future[list[Any]]] = []
         self._held: list[memoryview] = []
         self._queued_bytes = 0
         self._send_deadline_s = float("inf")
@@ -139,6 +142,14 @@ class Connection:
         if len(self._answers) >= MAX_QUEUED_ANSWERS or self._queued_bytes >= MAX_QUEUED_BYTES:
             self.flush()
 
+    def answer_later(self, parts: Future[list[Any]], num_bytes: int, deadline_s: float) -> None:
+        """Queue an answer another thread is still making (its parts, once done)."""
+        self._answers.append(parts)
+        self._queued_bytes += num_bytes
+        self._send_deadline_s = min(self._send_deadline_s, deadline_s)
+        if len(self._answers) >= MAX_QUEUED_ANSWERS or self._queued_bytes >= MAX_QUEUED_BYTES:
+            self.flush()
+
     def flush(self) -> None:
         """Send every queued answer (before the earliest of their deadlines) and release the
         views they held."""
@@ -146,23 +157,30 @@ class Connection:
         flags: int = socket.MSG_DONTWAIT  # first without waiting: no timeout to set if room
         try:
             while views:
+                ready = next((i for i, v in enumerate(views[:1024])
+                              if isinstance(v, Future)), min(len(views), 1024))
+                if not ready:  # an answer made elsewhere comes next: wait for it
+                    made = views[0]
+                    assert isinstance(made, Future)
+                    views[0:1] = [memoryview(part) for part in made.result()]
+                    continue
                 if not flags and not self._settimeout(socket.SO_SNDTIMEO,
                                                       self._send_deadline_s):
                     raise Closed
                 try:
-                    sent = self.sock.sendmsg(views[:1024], [], flags)
+                    sent = self.sock.sendmsg(views[:ready], [], flags)  # type: ignore[arg-type]
                 except (BlockingIOError, InterruptedError):
                     flags = 0  # no room (or SO_SNDTIMEO passed): wait, the deadline decides
                     continue
                 except OSError:
                     raise Closed from None
                 index = 0
-                while index < len(views) and sent >= views[index].nbytes:
-                    sent -= views[index].nbytes
+                while index < ready and sent >= views[index].nbytes:  # type: ignore[union-attr]
+                    sent -= views[index].nbytes  # type: ignore[union-attr]
                     index += 1
                 del views[:index]
                 if sent:
-                    views[0] = views[0][sent:]
+                    views[0] = views[0][sent:]  # type: ignore[index]
                 flags = 0
         finally:
             self.release()
