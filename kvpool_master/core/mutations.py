@@ -437,8 +437,8 @@ class Mutations:
         used = self._segments.tier_to_used_bytes
         before = used[tier]
         total_before = sum(used.values())
-        kept = self._strip_tier(victims, tier) if len(
-            [t for t, n in self._segments.tier_to_capacity_bytes.items() if n]) > 1 else 0
+        # once an SSD segment exists, a victim may live on another tier too
+        kept = self._strip_tier(victims, tier) if self._objects.dram_order is not None else 0
         self._drop(victims, "evict", now)
         counters = self._counters
         counters.eviction_passes += 1
@@ -447,7 +447,6 @@ class Mutations:
         counters.evicted_bytes += total_before - sum(used.values())
         self._events.append(EvictionPass(len(victims), total_before - sum(used.values())))
         return before - used[tier]
-
 
     def _strip_tier(self, victims: list[ObjectKey], tier: Tier) -> int:
         """Take the victims that also live on another tier out of ``victims``: they only lose

@@ -233,6 +233,18 @@ class SegmentTable:
         """One extent on the DRAM segment with the most free bytes, straight off the index
         (no generator: this is every plain put's path), or None when that one cannot hold it
         (the caller then tries every segment in order)."""
+        state = self._best()
+        if state is None:
+            return None
+        placement = self._allocate_on(state, size_bytes)
+        if placement is not None:
+            self._index(state)
+        return placement
+
+    def _best(self) -> SegmentState | None:
+        """The DRAM segment at the top of the index, its entry there current (superseded
+        entries dropped, values changed off the index pushed again), or None when the index
+        holds no DRAM segment (DRAM sorts first: what follows is SSD, which takes no puts)."""
         heap = self._by_free
         while heap:
             tier, negative_free, mount_no, push_no, state = heap[0]
@@ -240,16 +252,18 @@ class SegmentTable:
                 return None
             if push_no != state.index_no or not state.mounted or mount_no != state.mount_no:
                 heapq.heappop(heap)  # superseded, unmounted or remounted since
-                continue
-            if state.allocator.free_bytes != -negative_free:
+            elif state.allocator.free_bytes != -negative_free:
                 self._index(state)  # allocated from off the index: its true value
                 heap = self._by_free
-                continue
-            placement = self._allocate_on(state, size_bytes)
-            if placement is not None:
-                self._index(state)
-            return placement
+            else:
+                return state
         return None
+
+    def has_tier(self, placements: tuple[Placement, ...], tier: Tier) -> bool:
+        """True when one of ``placements`` is on a known segment of ``tier``."""
+        get = self.id_to_segment.get
+        return any((state := get(p.segment_id)) is not None and state.info.tier == tier
+                   for p in placements)
 
     def allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
         """One extent of ``size_bytes`` on the mounted segment ``state``, or None."""
@@ -358,23 +372,15 @@ class SegmentTable:
                               self._num_pushes, state))
 
     def _by_rank(self) -> Generator[SegmentState, None, None]:
-        """Mounted segments, DRAM first and most free bytes first, each once (ties: the
-        earlier mounted). Segments handed out are indexed again when the iteration ends."""
-        heap = self._by_free
+        """Mounted DRAM segments, most free bytes first, each once (ties: the earlier
+        mounted). Segments handed out are indexed again when the iteration ends."""
         handed: list[SegmentState] = []
         seen: set[int] = set()
         try:
-            while heap:
-                if heap[0][0] != Tier.DRAM:
-                    break  # DRAM sorts first: the rest is SSD, which takes no puts
-                _, negative_free, mount_no, push_no, state = heapq.heappop(heap)
-                if push_no != state.index_no or not state.mounted or mount_no != state.mount_no \
-                        or id(state) in seen:
-                    continue  # superseded, unmounted or remounted since, or handed out already
-                if state.allocator.free_bytes != -negative_free:
-                    self._index(state)  # allocated from off the index: its true value
-                    heap = self._by_free
-                    continue
+            while (state := self._best()) is not None:
+                heapq.heappop(self._by_free)  # its current entry: handed out
+                if id(state) in seen:
+                    continue  # indexed again since it was handed out
                 seen.add(id(state))
                 handed.append(state)
                 yield state

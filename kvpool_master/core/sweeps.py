@@ -46,7 +46,6 @@ class RemoveJob:
     at: int = 0                                 # the next entry of its key list
     removed: int = 0
     done: bool = False
-    status: Status = Status.OK
 
 
 class Sweeps(Mutations):
@@ -193,8 +192,7 @@ class Sweeps(Mutations):
                         self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length, seq)
             entry.placements = kept
             if order is not None and state.info.tier == Tier.DRAM and key in order and \
-                    not any((s := self._segments.get(p.segment_id)) is not None
-                            and s.info.tier == Tier.DRAM for p in kept):
+                    not self._segments.has_tier(kept, Tier.DRAM):
                 del order[key]  # on SSD only now
         self._drop(list(lost), "segment_lost", now)
         self._counters.segment_lost_objects += len(lost)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from kvpool_master.core.allocator import aligned
@@ -115,24 +115,13 @@ class CopyTable:
         return len(queue) if queue else 0
 
 
-def has_tier(segments: SegmentTable, placements: tuple[Placement, ...], tier: Tier) -> bool:
-    """True when one of ``placements`` is on a known segment of ``tier``."""
-    get = segments.id_to_segment.get
-    for p in placements:
-        state = get(p.segment_id)
-        if state is not None and state.info.tier == tier:
-            return True
-    return False
-
-
 def build_dram_order(objects: ObjectTable, segments: SegmentTable) -> None:
     """Start keeping ``objects.dram_order`` (the first SSD segment was mounted or restored)."""
     if objects.dram_order is not None:
         return
-    from collections import OrderedDict
     objects.dram_order = OrderedDict(
         (key, entry) for key, entry in objects.key_to_object.items()
-        if has_tier(segments, entry.placements, Tier.DRAM))
+        if segments.has_tier(entry.placements, Tier.DRAM))
 
 
 class Tiering(Sweeps):
@@ -266,19 +255,16 @@ class Tiering(Sweeps):
                 break
             if key in copies.key_to_task:
                 continue
-            source = None
+            if segments.has_tier(entry.placements, Tier.SSD):
+                continue  # on SSD already
+            source, owner = None, ClientId("")
             for p in entry.placements:
                 state = get(p.segment_id)
-                if state is None:
-                    continue
-                if state.info.tier == Tier.SSD:
-                    source = None
+                if state is not None and state.mounted:
+                    source, owner = p, state.info.client_id
                     break
-                if source is None and state.mounted:
-                    source = p
             if source is None:
                 continue
-            owner = get(source.segment_id).info.client_id  # type: ignore[union-attr]
             if owner in owner_to_ssd and owner not in full:
                 if copies.owner_to_count.get(owner, 0) >= MAX_TASKS_PER_OWNER:
                     full.add(owner)
@@ -328,18 +314,20 @@ class Tiering(Sweeps):
         """An extent on one of ``states`` (one owner's segments of ``tier``), evicting from
         ``tier`` once to make room (a promoted object is hot: it displaces the least recently
         used, as a put would)."""
-        for attempt in range(2):
-            for state in states:
-                placement = self._segments.allocate_on(state, size_bytes)
-                if placement is not None:
-                    return placement, state
-            if attempt:
-                return None
+        target = self._allocate_on_any(states, size_bytes)
+        if target is None:
             capacity = self._segments.tier_to_capacity_bytes[tier]
-            wanted = max(aligned(size_bytes),
-                         math.ceil(self._config.eviction_ratio * capacity))
-            if not self._evict_pass(tier, wanted, now):
-                return None
+            wanted = max(aligned(size_bytes), math.ceil(self._config.eviction_ratio * capacity))
+            if self._evict_pass(tier, wanted, now):
+                target = self._allocate_on_any(states, size_bytes)
+        return target
+
+    def _allocate_on_any(self, states: list[SegmentState], size_bytes: int
+                         ) -> tuple[Placement, SegmentState] | None:
+        for state in states:
+            placement = self._segments.allocate_on(state, size_bytes)
+            if placement is not None:
+                return placement, state
         return None
 
     def _expire_copies(self, now: float) -> None:

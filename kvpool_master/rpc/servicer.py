@@ -404,9 +404,9 @@ class Servicer:
         """The answer of a removal: now when it is done, else once ``sweep`` finished it."""
         def answer() -> bytes:
             return convert.serialize(convert.encode_num_removed(_response_of(request),
-                                                                job.status, job.removed))
+                                                                Status.OK, job.removed))
         if job.done:
-            return convert.encode_num_removed(_response_of(request), job.status, job.removed)
+            return convert.encode_num_removed(_response_of(request), Status.OK, job.removed)
         pending = Pending(job, answer)
         self._pending.append(pending)
         return pending
