@@ -126,8 +126,6 @@ def read_range(fd: int, direct: bool, offset: int, length: int,
 class SsdSegment:
     """One SSD segment of this process: a 0600 file, allocated, locked by its owner."""
 
-    tier = Tier.SSD
-
     def __init__(self, segment_id: str, path: str, size_bytes: int, fd: int, direct: bool,
                  lock_fd: int, client_id: str) -> None:
         self.segment_id = SegmentId(segment_id)

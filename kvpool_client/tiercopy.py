@@ -61,8 +61,6 @@ class TierCopier:
                                                            thread_name_prefix="kvpool-tier-io")
         self._thread = threading.Thread(target=self._main, name=f"kvpool-tier-{client_id}",
                                         daemon=True)
-        self.copies_done = 0
-        self.copies_failed = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -121,10 +119,7 @@ class TierCopier:
             kind = "promote" if task.source.segment_id in self._ssd else "demote"
             self._metrics.count_failures(kind, [int(status)])
             if status == Status.OK:
-                self.copies_done += 1
                 self._metrics.observe_transfer("ssd", kind, task.source.length, seconds)
-            else:
-                self.copies_failed += 1
 
     def _copy(self, task: CopyTask, received_s: float) -> tuple[Status, float]:
         """(how the copy went, the seconds it took)."""

@@ -326,20 +326,21 @@ class _LeanProtocol(asyncio.Protocol):
             self._later.add(task)
             task.add_done_callback(self._later.discard)
             return
+        self._write_answer(method_id, request_id, answer)
+        self._server._servicer.finish()  # work that could wait for the answer to go out
+
+    def _write_answer(self, method_id: int, request_id: int, answer: bytes) -> None:
         assert self._transport is not None
         self._transport.writelines(
             (FRAME_HEADER.pack(len(answer) + FRAME_OVERHEAD_BYTES, method_id, request_id),
              answer))
-        self._server._servicer.finish()  # work that could wait for the answer to go out
 
     async def _answer_later(self, method_id: int, request_id: int, pending: Pending) -> None:
         """Write the answer of a removal once its job is done (others are answered meanwhile:
         the frame's request id pairs it with its call)."""
         answer = await pending.answer()
         if self._transport is not None and not self._closing:
-            self._transport.writelines(
-                (FRAME_HEADER.pack(len(answer) + FRAME_OVERHEAD_BYTES, method_id, request_id),
-                 answer))
+            self._write_answer(method_id, request_id, answer)
 
     def _authenticate(self, request_id: int, payload: bytes) -> None:
         assert self._transport is not None

@@ -197,10 +197,13 @@ def _serve(config_json: str) -> None:
             elif op == "ssd":
                 # Where this client's SSD segment is, and how its tier copies went.
                 member = client._client.member  # the test reaches in: to inject disk faults
-                copier = member.copier
+                metrics = client.metrics
                 _reply({"paths": [s.path for s in member.ssd_segments.values()],
-                        "done": copier.copies_done if copier else 0,
-                        "failed": copier.copies_failed if copier else 0})
+                        "done": sum(metrics.transfer_seconds[("ssd", kind)].count
+                                    for kind in ("demote", "promote")
+                                    if ("ssd", kind) in metrics.transfer_seconds),
+                        "failed": sum(n for (op, _), n in metrics.op_failures.items()
+                                      if op in ("demote", "promote"))})
             elif op == "flush":
                 client.flush()
                 _reply({"flushed": True})
