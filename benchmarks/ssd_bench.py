@@ -90,8 +90,7 @@ def tier_rows(directory: Path, total_bytes: int, block_bytes: int) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp, spawned_master(Path(tmp), flags) as address:
         owner = KVPoolClient(_config(address, global_segment_size=2 * total_bytes,
                                      ssd_path=str(directory / "tier"),
-                                     ssd_segment_size=3 * total_bytes,
-                                     ssd_poll_interval_s=0.02))
+                                     ssd_segment_size=3 * total_bytes))
         try:
             # writes: DRAM at 50 % is past the start of demotions (35 %), and the window
             # (90 % of DRAM) holds every object
@@ -156,8 +155,7 @@ def put_latency(directory: Path, with_ssd: bool, num_puts: int,
     flags = ["--eviction-high-watermark-ratio", "0.9", "--eviction-ratio", "0.1"]
     dram_bytes = num_puts * block_bytes // 4
     extra: dict[str, Any] = {"ssd_path": str(directory / "lat"),
-                             "ssd_segment_size": 2 * num_puts * block_bytes,
-                             "ssd_poll_interval_s": 0.05} if with_ssd else {}
+                             "ssd_segment_size": 2 * num_puts * block_bytes} if with_ssd else {}
     value = os.urandom(4096) * (block_bytes // 4096)
     samples = []
     with tempfile.TemporaryDirectory() as tmp, spawned_master(Path(tmp), flags) as address, \

@@ -129,7 +129,7 @@ class ClientConfig:
     ssd_segment_size: int = 0
     enable_ssd_offload: bool = False
     ssd_copy_threads: int = 4  # tier copies (demotions, promotions) in flight at once
-    ssd_poll_interval_s: float = 0.5  # how often the copier asks the master for tier copies
+    ssd_poll_interval_s: float = 2.0  # longest the copier's call waits at the master for copies
 
     @property
     def ssd_bytes(self) -> int:

@@ -195,7 +195,7 @@ class Member:
         if ssd_segments:
             copier = TierCopier(client_id, partial(master.blocking_stub, session), segments,
                                 ssd_segments, config.ssd_copy_threads, metrics,
-                                config.ssd_poll_interval_s)
+                                min(config.ssd_poll_interval_s, config.rpc_timeout_s / 2))
             session.on_copy_tasks = copier.poke
             copier.start()
             undo.push_async_callback(off_loop, copier.stop)

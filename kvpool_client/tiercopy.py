@@ -2,12 +2,12 @@
 
 Rules of this file:
 - The master never moves bytes: when it wants an object of one of this client's DRAM
-  segments copied to one of its SSD segments (or back), its heartbeat answer says copies
-  wait, and this client's copier thread fetches them (``CopyTasks``), makes them and reports
-  the results in its next ``CopyTasks`` call (which also fetches more, at once while there
-  are some). It also asks every ``ssd_poll_interval_s`` on its own: heartbeats come a third
-  of client_ttl apart, while a busy writer fills the demotion window in about a second; and
-  for ``BUSY_S`` after copies came, every ``BUSY_POLL_INTERVAL_S``.
+  segments copied to one of its SSD segments (or back), it hands this client's copier thread
+  a task. The copier keeps one ``CopyTasks`` call at the master: it reports the results of
+  the last batch and waits there (up to ``wait_s``) until tasks come, so a burst of puts is
+  met within the master's pass interval, not a poll interval, while an idle copier costs one
+  call per ``wait_s``. A master that answers at once (it does not wait) gets the same pace
+  from a local wait, which a heartbeat saying copies wait cuts short.
 - Both ends of a copy are this client's own segments: no capability, no network. The copies
   of one batch run on ``ssd_copy_threads`` threads, so several SSD writes are in flight.
 - A copy is started only within the time the master gave (``start_within_s`` from when the
@@ -15,8 +15,10 @@ Rules of this file:
   handed the target to someone else by then. A copy checks the object's checksum (when it
   has one) over the bytes it moved, and reports CHECKSUM_MISMATCH instead of committing bytes
   that are not the object's.
-- The copier stops with the client; results it could not report are dropped (the master
-  drops those tasks at their ttl).
+- The copier stops with the client: a call of its own that fetches nothing ends the wait
+  at the master, and tasks handed out but not made are reported so (their targets are freed
+  at once). Results it could not report are dropped (the master drops those tasks at their
+  ttl).
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: Most tasks fetched per call.
 MAX_TASKS_PER_CALL = 64
-#: For this long after copies came, the copier asks every BUSY_POLL_INTERVAL_S.
-BUSY_S = 5.0
-BUSY_POLL_INTERVAL_S = 0.05
+#: An error from the master: ask again after this long.
+RETRY_AFTER_S = 1.0
 
 
 class TierCopier:
@@ -48,13 +49,13 @@ class TierCopier:
 
     def __init__(self, client_id: str, stub: Callable[[], object],
                  dram: Mapping[str, LocalSegment], ssd: Mapping[str, SsdSegment],
-                 threads: int, metrics: ClientMetrics, poll_interval_s: float = 0.5) -> None:
+                 threads: int, metrics: ClientMetrics, wait_s: float = 2.0) -> None:
         self._client_id = client_id
         self._stub = stub
         self._dram = dram
         self._ssd = ssd
         self._metrics = metrics
-        self._poll_interval_s = poll_interval_s
+        self._wait_s = wait_s
         self._wake = threading.Event()
         self._stopping = False
         self._pool = concurrent.futures.ThreadPoolExecutor(threads,
@@ -71,41 +72,52 @@ class TierCopier:
             self._wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop fetching; wait for the copies in flight (idempotent)."""
+        """Stop fetching; wait for the copies in flight (idempotent). A call waiting at the
+        master is answered at once by a call that fetches nothing."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
+            rpc = self._stub()
+            try:
+                rpc.copy_tasks(self._client_id, [], 0)  # type: ignore[attr-defined]
+            except KVPoolError as exc:
+                logger.debug("ending the copier's wait failed: %s", exc)
+            finally:
+                rpc.close()  # type: ignore[attr-defined]
             self._thread.join(timeout_s)
         self._pool.shutdown(wait=True)
 
     def _main(self) -> None:
         rpc = self._stub()
         done: list[tuple[int, Status]] = []
-        busy_until_s = 0.0  # after copies came, ask often for a while: more are likely
         try:
             while not self._stopping:
-                if not done:
-                    self._wake.wait(BUSY_POLL_INTERVAL_S if time.monotonic() < busy_until_s
-                                    else self._poll_interval_s)
-                    self._wake.clear()
-                    if self._stopping:
-                        break
+                asked_s = time.monotonic()
                 try:
                     tasks = rpc.copy_tasks(self._client_id, done,  # type: ignore[attr-defined]
-                                           MAX_TASKS_PER_CALL)
+                                           MAX_TASKS_PER_CALL, self._wait_s)
                 except KVPoolError as exc:
                     logger.debug("CopyTasks failed: %s", exc)
                     done = []
-                    self._wake.wait(1.0)
+                    self._wake.wait(RETRY_AFTER_S)
+                    self._wake.clear()
                     continue
                 done = []
                 if tasks:
                     received_s = time.monotonic()
-                    busy_until_s = received_s + BUSY_S
                     results = list(self._pool.map(self._copy, tasks,
                                                   [received_s] * len(tasks)))
                     done = [(t.task_id, s) for t, (s, _) in zip(tasks, results, strict=True)]
                     self._count(tasks, results)
+                    continue
+                left_s = self._wait_s - (time.monotonic() - asked_s)
+                if left_s > self._wait_s / 2:  # answered at once: a master that does not wait
+                    self._wake.wait(left_s)
+                self._wake.clear()
+            if done:  # copies not made (stopping): their targets are freed at once
+                rpc.copy_tasks(self._client_id, done, 0)  # type: ignore[attr-defined]
+        except KVPoolError as exc:
+            logger.debug("reporting the last tier copies failed: %s", exc)
         except Exception:  # a bug must stop the copies, never the client
             logger.exception("tier copier failed; no more tier copies in this client")
         finally:

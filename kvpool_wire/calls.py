@@ -256,11 +256,13 @@ class CopyTask:
 
 
 def copy_tasks(client_id: str, client_token: bytes, done: Sequence[tuple[int, Status]],
-               max_tasks: int) -> Call[list[CopyTask]]:
+               max_tasks: int, wait_s: float = 0.0) -> Call[list[CopyTask]]:
     """Report the results ``done`` ((task id, status) each) and fetch up to ``max_tasks``
-    new tasks."""
+    new tasks; when none waits, the master answers once some do or ``wait_s`` passed (a
+    master that does not wait answers at once)."""
     request = pb.CopyTasksRequest(
         client_id=client_id, client_token=client_token, max_tasks=max_tasks,
+        wait_ms=max(0, int(wait_s * 1000)),
         done=[pb.CopyResult(task_id=task_id, status=cast(Any, int(status)))
               for task_id, status in done])
 

@@ -113,10 +113,12 @@ def encode_heartbeat(status: Status, master_clock_ms: int,
                                 copy_tasks_waiting=copy_tasks_waiting)
 
 
-def decode_copy_tasks(request: Any) -> tuple[ClientId, list[tuple[int, int]], int]:
-    """(caller, [(task id, status)] reported, most tasks wanted) of a CopyTasks request."""
+def decode_copy_tasks(request: Any) -> tuple[ClientId, list[tuple[int, int]], int, float]:
+    """(caller, [(task id, status)] reported, most tasks wanted, seconds to wait for some) of
+    a CopyTasks request."""
     return (ClientId(_name(request.client_id, "client_id")),
-            [(int(r.task_id), int(r.status)) for r in request.done], int(request.max_tasks))
+            [(int(r.task_id), int(r.status)) for r in request.done], int(request.max_tasks),
+            int(request.wait_ms) / 1000)
 
 
 def encode_copy_tasks(status: Status, tasks: Sequence[Any], start_within_ms: int

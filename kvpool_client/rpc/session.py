@@ -149,9 +149,12 @@ class MasterCalls:
         return status
 
     def copy_tasks(self, client_id: str, done: Sequence[tuple[int, Status]],
-                   max_tasks: int) -> Any:
-        """Report tier copies made and fetch more -> list of ``calls.CopyTask``."""
-        return self._run(calls.copy_tasks(client_id, self.session.token, done, max_tasks))
+                   max_tasks: int, wait_s: float = 0.0) -> Any:
+        """Report tier copies made and fetch more -> list of ``calls.CopyTask``; with
+        ``wait_s``, the master may hold the answer that long until some wait (keep it well
+        under the stub's timeout)."""
+        return self._run(calls.copy_tasks(client_id, self.session.token, done, max_tasks,
+                                          wait_s))
 
     def unregister_client(self, client_id: str) -> Any:
         """Graceful close -> OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""

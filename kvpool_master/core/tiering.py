@@ -14,6 +14,10 @@ Rules of this file:
   reused only ``write_capability_ttl_s`` after that (the copier refuses to start a copy after
   half the ttl, so it never writes that late). A task never handed out is dropped at its
   ttl and its target freed at once. Tasks of a client that leaves go with its segments.
+- An owner's copier may wait at the master for tasks (``CopyTasks`` with a wait): the core
+  names the owners that got new tasks (``take_fresh_copy_owners``) so their waiting calls are
+  answered at once. Passes run on every commit too (bounded as below), so a burst of puts is
+  met by demotions within a pass interval, not a poll interval.
 - Demotion runs ahead of eviction: once DRAM is within ``2 x eviction_ratio`` of its high
   watermark, the least recently used DRAM objects worth ``3 x eviction_ratio`` of DRAM
   capacity get an SSD copy. A DRAM eviction then drops only the DRAM replica of an object that
@@ -82,6 +86,7 @@ class CopyTable:
         self.key_to_task: dict[ObjectKey, CopyTask] = {}
         self.owner_to_waiting: dict[ClientId, deque[CopyTask]] = {}
         self.owner_to_count: dict[ClientId, int] = {}
+        self.fresh_owners: set[ClientId] = set()  # got tasks since take_fresh_copy_owners
         self.hits: dict[ObjectKey, int] = {}       # reads answered from SSD only, per key
         self.wanted: dict[ObjectKey, None] = {}    # keys to promote, in order
         self.promote_retry_s = 0.0  # no promotion before this (DRAM had no room)
@@ -98,6 +103,7 @@ class CopyTable:
         self.key_to_task[key] = task
         self.owner_to_waiting.setdefault(owner, deque()).append(task)
         self.owner_to_count[owner] = self.owner_to_count.get(owner, 0) + 1
+        self.fresh_owners.add(owner)
         return task
 
     def forget(self, task: CopyTask) -> None:
@@ -149,6 +155,11 @@ class Tiering(Sweeps):
             if task is not None and task.owner == client_id and task.deadline_s:
                 self._finish_copy(task, status == Status.OK, now)
         self._plan_copies(now)
+        return Status.OK, self.hand_copy_tasks(client_id, max_tasks, now)
+
+    def hand_copy_tasks(self, client_id: ClientId, max_tasks: int, now: float
+                        ) -> list[CopyTask]:
+        """Hand ``client_id`` up to ``max_tasks`` of its waiting tasks (their ttl starts now)."""
         queue = self._copies.owner_to_waiting.get(client_id)
         handed: list[CopyTask] = []
         deadline_s = now + self._config.copy_task_ttl_s
@@ -158,7 +169,22 @@ class Tiering(Sweeps):
             handed.append(task)
         if queue is not None and not queue:
             del self._copies.owner_to_waiting[client_id]
-        return Status.OK, handed
+        return handed
+
+    def take_fresh_copy_owners(self) -> set[ClientId]:
+        """The owners that got new tasks since the last call (their copiers may be waiting)."""
+        fresh = self._copies.fresh_owners
+        if fresh:
+            self._copies.fresh_owners = set()
+        return fresh
+
+    def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
+                checksums: Sequence[int] | None = None) -> list[Status]:
+        """``Mutations.put_end``, then a demotion pass when one is due (committed objects are
+        what demotions copy: a burst of puts must not outrun them)."""
+        statuses = super().put_end(client_id, keys, now, checksums)
+        self._plan_copies(now)
+        return statuses
 
     def _finish_copy(self, task: CopyTask, ok: bool, now: float) -> None:
         self._copies.forget(task)

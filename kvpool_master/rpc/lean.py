@@ -190,7 +190,7 @@ class _LeanProtocol(asyncio.Protocol):
         self._greeting_timer: asyncio.TimerHandle | None = None
         self._fd = -1
         self.peer = ""  # the peer's IP address; "" on the local Unix socket
-        self._later: set[asyncio.Task[None]] = set()  # answers waiting for a removal job
+        self._later: set[asyncio.Task[None]] = set()  # answers that come later (Pending)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -320,7 +320,7 @@ class _LeanProtocol(asyncio.Protocol):
         except InternalError as exc:
             self.refuse(method_id, request_id, Status.INTERNAL_ERROR, str(exc))
             return
-        if not isinstance(answer, bytes):  # a removal still running: answered when done
+        if not isinstance(answer, bytes):  # answered later (a removal, a wait)
             task = asyncio.get_running_loop().create_task(
                 self._answer_later(method_id, request_id, answer))
             self._later.add(task)
@@ -336,8 +336,8 @@ class _LeanProtocol(asyncio.Protocol):
              answer))
 
     async def _answer_later(self, method_id: int, request_id: int, pending: Pending) -> None:
-        """Write the answer of a removal once its job is done (others are answered meanwhile:
-        the frame's request id pairs it with its call)."""
+        """Write the answer of a call that answers later once it is ready (others are
+        answered meanwhile: the frame's request id pairs it with its call)."""
         answer = await pending.answer()
         if self._transport is not None and not self._closing:
             self._write_answer(method_id, request_id, answer)

@@ -22,11 +22,17 @@ Rules of this file:
   (``finish``, which the lean transport calls after writing, and any next call or tick
   before it runs); those a ``PutStart`` or ``Remove`` carries, before them (they may need the
   space).
+- Two calls may answer later (``serve`` returns a ``Pending``; the transport awaits it while
+  it serves others): a removal too large for one call, once its job is done, and a
+  ``CopyTasks`` that asked to wait (``wait_ms``) when no task waits for its caller, as soon
+  as one does or when the wait ends (at most ``MAX_COPY_WAIT_S``; a newer wait of the same
+  caller, even one that fetches nothing, answers the older at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -59,20 +65,28 @@ WRITE_METHODS = frozenset({"RegisterClient", "UnregisterClient", "MountSegment",
                            "RemoveAll", "RemoveByRegex", "CopyTasks"})
 
 
-class Pending:
-    """The answer of a call that waits for a removal job: ``await answer()`` gives its bytes
-    once ``Servicer.sweep`` finished the job."""
+#: The longest a CopyTasks call waits for tasks, whatever it asked.
+MAX_COPY_WAIT_S = 10.0
 
-    def __init__(self, job: RemoveJob, build: Callable[[], bytes]) -> None:
-        self.job = job
+
+class Pending:
+    """The answer of a call that waits: ``await answer()`` gives its bytes once ``resolve``
+    was called, or once ``wait_s`` passed (None: no limit)."""
+
+    def __init__(self, build: Callable[[], bytes], wait_s: float | None = None) -> None:
         self._build = build
+        self._wait_s = wait_s
         self._done = asyncio.Event()
 
     def resolve(self) -> None:
         self._done.set()
 
     async def answer(self) -> bytes:
-        await self._done.wait()
+        if self._wait_s is None:
+            await self._done.wait()
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), self._wait_s)
         return self._build()
 
 
@@ -107,7 +121,8 @@ class Servicer:
         # called after a call that left the core sweeping lost segments (the server then runs
         # ``sweep`` between requests until it is done)
         self.on_sweep_work: Callable[[], None] | None = None
-        self._pending: list[Pending] = []  # removals whose answers wait for their job
+        self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
+        self._copy_waits: dict[ClientId, Pending] = {}  # CopyTasks calls waiting for tasks
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
         self._ends_later: list[tuple[ClientId, Any]] = []
         self._handlers: dict[str, Callable[[Any], Any]] = {
@@ -132,8 +147,8 @@ class Servicer:
 
     def serve(self, method: RpcMethod, payload: bytes, transport: str) -> bytes | Pending:
         """Answer one request given as protobuf bytes; return the answer's protobuf bytes, or,
-        for a removal too large for one call, a ``Pending`` whose ``answer()`` gives them once
-        the removal is done (the transport awaits it; other requests are served meanwhile).
+        for a call that answers later (see the rules above), a ``Pending`` whose ``answer()``
+        gives them (the transport awaits it; other requests are served meanwhile).
 
         Raises BadRequest (malformed or unusable request; nothing changed) or InternalError.
         """
@@ -170,6 +185,7 @@ class Servicer:
                 self._on_events(events)
             self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
                                     failed)
+            self._wake_copiers()
             if self._core.sweeping:
                 self._sweep_work()
 
@@ -196,6 +212,7 @@ class Servicer:
         events = self._core.take_events()
         if events:
             self._on_events(events)
+        self._wake_copiers()
         self._sweep_work()
 
     def sweep(self) -> bool:
@@ -205,13 +222,22 @@ class Servicer:
         events = self._core.take_events()
         if events:
             self._on_events(events)
-        if self._pending:
-            done = [p for p in self._pending if p.job.done]
+        if self._removals:
+            done = [p for job, p in self._removals if job.done]
             if done:
-                self._pending = [p for p in self._pending if not p.job.done]
+                self._removals = [(job, p) for job, p in self._removals if not job.done]
                 for pending in done:
                     pending.resolve()
         return more
+
+    def _wake_copiers(self) -> None:
+        """Answer the waiting CopyTasks calls of owners that got tasks."""
+        fresh = self._core.take_fresh_copy_owners()
+        if fresh and self._copy_waits:
+            for owner in fresh:
+                pending = self._copy_waits.pop(owner, None)
+                if pending is not None:
+                    pending.resolve()
 
     def _sweep_work(self) -> None:
         if self._core.sweeping and self.on_sweep_work is not None:
@@ -272,11 +298,25 @@ class Servicer:
                                         self._core.copy_tasks_waiting(client_id))
 
     def _copy_tasks(self, request: Any) -> Any:
-        client_id, done, max_tasks = convert.decode_copy_tasks(request)
+        client_id, done, max_tasks, wait_s = convert.decode_copy_tasks(request)
         status, tasks = self._core.copy_tasks(client_id, done, max_tasks, self._clock.now())
         # the copier starts no copy after half the ttl: the target is reused only later
         start_within_ms = int(self._core.config.copy_task_ttl_s * 500)
-        return convert.encode_copy_tasks(status, tasks, start_within_ms)
+        older = self._copy_waits.pop(client_id, None)
+        if older is not None:  # a newer call of the same caller answers the older at once
+            older.resolve()
+        if tasks or status != Status.OK or not wait_s or not max_tasks:
+            return convert.encode_copy_tasks(status, tasks, start_within_ms)
+
+        def answer() -> bytes:
+            if self._copy_waits.get(client_id) is pending:
+                del self._copy_waits[client_id]
+            later = self._core.hand_copy_tasks(client_id, max_tasks, self._clock.now())
+            return convert.serialize(convert.encode_copy_tasks(Status.OK, later,
+                                                               start_within_ms))
+        pending = Pending(answer, min(wait_s, MAX_COPY_WAIT_S))
+        self._copy_waits[client_id] = pending
+        return pending
 
     def _unregister_client(self, request: Any) -> Any:
         status = self._core.unregister_client(convert.decode_client_id(request),
@@ -407,8 +447,8 @@ class Servicer:
                                                                 Status.OK, job.removed))
         if job.done:
             return convert.encode_num_removed(_response_of(request), Status.OK, job.removed)
-        pending = Pending(job, answer)
-        self._pending.append(pending)
+        pending = Pending(answer)
+        self._removals.append((job, pending))
         return pending
 
     def _get_stats(self, request: Any) -> Any:

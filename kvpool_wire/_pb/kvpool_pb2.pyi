@@ -520,16 +520,18 @@ class CopyResult(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class CopyTasksRequest(_message.Message):
-    __slots__ = ("client_id", "client_token", "done", "max_tasks")
+    __slots__ = ("client_id", "client_token", "done", "max_tasks", "wait_ms")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     client_token: bytes
     done: _containers.RepeatedCompositeFieldContainer[CopyResult]
     max_tasks: int
-    def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ..., done: _Optional[_Iterable[_Union[CopyResult, _Mapping]]] = ..., max_tasks: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., client_token: _Optional[bytes] = ..., done: _Optional[_Iterable[_Union[CopyResult, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class CopyTasksResponse(_message.Message):
     __slots__ = ("status", "tasks")

@@ -248,7 +248,7 @@ def _valid_request(rng: random.Random, name: str, me: Identity) -> bytes:
         "Remove": lambda: pb.RemoveRequest(keys=keys),
         "GetStats": lambda: pb.GetStatsRequest(),
         "CopyTasks": lambda: pb.CopyTasksRequest(
-            client_id=mallory, client_token=token, max_tasks=(1 << 32) - 1,
+            client_id=mallory, client_token=token, max_tasks=(1 << 32) - 1, wait_ms=50,
             done=[pb.CopyResult(task_id=n, status=0) for n in range(1, 6)]),
     }
     return builders[name]().SerializeToString()

@@ -10,7 +10,7 @@ import pytest
 from kvpool_client.rpc import ClientIdTaken, MasterRpc
 from kvpool_wire import capability
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, Op, PutOptions, SegmentId, SegmentInfo, Tier
 
 SEGMENT_BYTES = 1 << 20
 
@@ -216,3 +216,44 @@ async def test_only_the_reader_ends_its_lease(master, use_fast_path: bool) -> No
     finally:
         await owner.close()
         await impostor.close()
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_copy_tasks_waits_for_tasks_and_a_newer_call_ends_the_wait(
+        master, use_fast_path: bool) -> None:
+    """A CopyTasks call that asks to wait is answered when no task came after its wait, at
+    once when a commit makes tasks for its caller, and at once when the same caller calls
+    again; other calls are served meanwhile."""
+    rpc = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
+    try:
+        await rpc.register_client("c1", "host-a", "127.0.0.1:1")
+        assert await rpc.mount_segment("c1", _segment("c1")) == Status.OK
+        ssd = SegmentInfo(SegmentId("c1-ssd"), ClientId("c1"), 4 * SEGMENT_BYTES, Tier.SSD,
+                          host_id="host-a", tcp_endpoint="127.0.0.1:1",
+                          file_path="/nonexistent/c1.kvpool")
+        assert await rpc.mount_segment("c1", ssd) == Status.OK
+
+        started = time.monotonic()
+        assert await rpc.copy_tasks("c1", [], 64, 0.5) == []      # nothing to copy: the wait
+        assert 0.4 <= time.monotonic() - started < 3.0
+
+        waiting = asyncio.ensure_future(rpc.copy_tasks("c1", [], 64, 4.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        size = SEGMENT_BYTES // 16
+        keys = [f"k{i}".encode() for i in range(14)]            # 87.5 %: past the 85 % line
+        for key in keys:                                        # served while the call waits
+            [(status, _)] = await rpc.put_start("c1", [key], [size], PutOptions())
+            assert status == Status.OK and await rpc.put_end("c1", [key]) == [Status.OK]
+        tasks = await asyncio.wait_for(waiting, 2.0)              # well before its 4 s
+        assert tasks and {t.key for t in tasks} <= set(keys)
+        assert all(t.target.segment_id == "c1-ssd" for t in tasks)
+
+        waiting = asyncio.ensure_future(rpc.copy_tasks("c1", [], 64, 4.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        # a call that fetches nothing (a copier stopping) answers the waiting one at once
+        assert await rpc.copy_tasks("c1", [], 0) == []
+        await asyncio.wait_for(waiting, 2.0)
+    finally:
+        await rpc.close()

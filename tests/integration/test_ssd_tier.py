@@ -37,9 +37,7 @@ def _config(master: Any, ssd_dir: Path | None, **extra: Any) -> dict[str, Any]:
                               "global_segment_size": DRAM_BYTES if ssd_dir else 0,
                               "checksum": True}
     if ssd_dir is not None:
-        # a DRAM this small fills in a fraction of a second: ask for copies that often
-        config.update(ssd_path=str(ssd_dir), ssd_segment_size=SSD_BYTES,
-                      ssd_poll_interval_s=0.05)
+        config.update(ssd_path=str(ssd_dir), ssd_segment_size=SSD_BYTES)
     config.update(extra)
     return config
 
@@ -286,3 +284,26 @@ def test_objects_of_odd_sizes_share_pages_on_ssd_and_come_back_exact(
     finally:
         owner.stop()
         other_host.stop()
+
+
+def test_the_copier_waits_at_the_master_and_is_answered_when_copies_wait(
+        start_master: Any, tmp_path: Path) -> None:
+    """A copier whose call waits 8 s at the master and whose heartbeats come 20 s apart still
+    starts demoting as soon as DRAM crosses the line: the master answers the waiting call when
+    it makes tasks. Closing the client ends that wait at once."""
+    master = start_master(eviction_high_watermark_ratio=0.8, eviction_ratio=0.2, client_ttl=60)
+    owner = cw.Worker(_config(master, tmp_path / "ssd", ssd_poll_interval_s=8.0,
+                              rpc_timeout_s=20.0))
+    try:
+        time.sleep(1.0)                                # the copier's call is waiting now
+        started = time.monotonic()
+        _fill(owner, "w", 8, 0)                        # 50 % of DRAM: past the 40 % line
+        while owner.call("ssd")["done"] < 2:           # copies made
+            assert time.monotonic() - started < 3.0     # well within one 8 s wait
+            time.sleep(0.05)
+        time.sleep(1.0)                                # a fresh wait at the master
+        closing = time.monotonic()
+        assert owner.call("close", timeout_s=20)["closed"]
+        assert time.monotonic() - closing < 4.0
+    finally:
+        owner.stop()
