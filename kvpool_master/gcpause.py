@@ -5,8 +5,13 @@ Rules of this file:
   (``gc.freeze``): it is live, and the object table is most of it. Later collections walk only
   what was allocated since, so a pause is bounded by the allocations between collections and
   not by the size of the table (``benchmarks/master_core.py`` measures it; figures in the
-  README). It does not help a table that churns: objects living seconds are allocated since
-  the last full collection, and the next one walks them all.
+  README).
+- The server's tick also runs a full collection (``collect_recent``) whenever objects left
+  the youngest generation since the last one. The collector starts a full collection of its
+  own once a quarter of what survived the last one is new: after a freeze, with a table of
+  millions, that is hundreds of thousands of objects walked in one pause. Collected every
+  tick instead, a pause walks what one tick interval allocated, and the survivors are frozen
+  at once.
 - The price: a reference cycle among frozen objects that later becomes garbage is never
   collected. The master's tables hold no cycles (restore freezes them for the same reason,
   ``persist.py``); what could leak is a cycle the event loop had in flight at the instant of a
@@ -44,6 +49,14 @@ class GcPauses:
         if self._installed:
             gc.callbacks.remove(self._on_gc)
             self._installed = False
+
+    def collect_recent(self) -> None:
+        """A full collection now when objects left the youngest generation since the last
+        one (its survivors are frozen by the callback); nothing when ``freeze`` is off."""
+        if self.freeze:
+            _, young, old = gc.get_count()
+            if young or old:
+                gc.collect(2)
 
     @property
     def frozen_objects(self) -> int:

@@ -288,6 +288,7 @@ class MasterServer:
             try:
                 self.servicer.tick()
                 self._tick_store()
+                self.gc_pauses.collect_recent()
             except Exception:
                 log.exception("tick failed")
 

@@ -59,3 +59,17 @@ def test_without_freeze_pauses_are_only_counted() -> None:
         timer.uninstall()
     gc.collect()
     assert timer.collections[2] == 1  # no longer timing
+
+
+def test_collect_recent_freezes_what_a_tick_allocated_and_skips_an_idle_one(
+        pauses: GcPauses) -> None:
+    gc.collect()
+    collections = pauses.collections[2]
+    pauses.collect_recent()                # nothing left the youngest generation since
+    assert pauses.collections[2] == collections
+    table = [Node() for _ in range(20_000)]  # a tick's worth of new objects
+    frozen = pauses.frozen_objects
+    pauses.collect_recent()
+    assert pauses.collections[2] == collections + 1
+    assert pauses.frozen_objects >= frozen + len(table)
+    assert gc.get_count()[1:] == (0, 0)
