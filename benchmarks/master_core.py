@@ -59,13 +59,16 @@ def keys_of(start: int, count: int) -> list[ObjectKey]:
 
 
 def fill(core: MasterCore, keys: list[ObjectKey], batch: int = 1000, now: float = 1.0,
-         chain_length: int = 0) -> None:
+         chain_length: int = 0, every_batch: Callable[[], object] | None = None) -> None:
     """Put and commit ``keys`` as the RPC layer would: fresh int objects per size, a 64-bit
     checksum per object, and (``chain_length`` > 0) each key's predecessor in its chain as a
-    fresh parent-key bytes object, as a decoded request carries them."""
+    fresh parent-key bytes object, as a decoded request carries them. ``every_batch`` runs
+    after each batch."""
     rng = random.Random(len(keys))
     zero = int("0")
     for i in range(0, len(keys), batch):
+        if every_batch is not None:
+            every_batch()
         chunk = keys[i:i + batch]
         sizes = [OBJECT_BYTES + zero for _ in chunk]
         checksums = [rng.getrandbits(64) for _ in chunk]
@@ -236,29 +239,37 @@ def bench_many_segments() -> None:
 
 
 def bench_gc_pauses(num_objects: int) -> None:
-    """The collector's pauses while a core fills, as it runs and with the master's policy
-    (``kvpool_master.gcpause``: freeze what survives a full collection)."""
+    """The collector's pauses while a core fills: as Python runs it, with the survivors of
+    each full collection frozen, and with that plus the master's tick collection
+    (``kvpool_master.gcpause``: ``collect_recent`` every tick; here every 100 ms of filling)."""
     from kvpool_master.gcpause import GcPauses
 
     print(f"\ncyclic collector while filling {num_objects:,} objects (longest pause, total, "
           "then one full collection)")
-    for freeze in (False, True):
+    for label, freeze, tick in (("as Python runs it", False, False),
+                                ("frozen after full collections", True, False),
+                                ("and collected every tick", True, True)):
         gc.collect()
         pauses = GcPauses(freeze=freeze)
         pauses.install()
+        last = [time.perf_counter()]
+
+        def every_batch(pauses: GcPauses = pauses, last: list[float] = last) -> None:
+            if time.perf_counter() - last[0] >= 0.1:
+                pauses.collect_recent()
+                last[0] = time.perf_counter()
         try:
             core = make_core(num_objects, 0.9)
-            fill(core, keys_of(0, num_objects))
+            fill(core, keys_of(0, num_objects), every_batch=every_batch if tick else None)
             started = time.perf_counter()
             gc.collect()
             full_ms = (time.perf_counter() - started) * 1e3
         finally:
             pauses.uninstall()
-        label = "frozen after full collections" if freeze else "as Python runs it"
         print(f"  {label:<30} longest {max(pauses.longest_pause_s) * 1e3:6.1f} ms, total "
               f"{sum(pauses.pause_s) * 1e3:7.1f} ms, full collection {full_ms:6.1f} ms")
         del core
-    gc.unfreeze()
+        gc.unfreeze()
 
 
 def bench_put_after_removes() -> None:

@@ -108,21 +108,33 @@ class Allocator:
 
         ``size_bytes`` must be positive (the caller validates input).
         """
+        return self.allocate_run(size_bytes, 1)[0]
+
+    def allocate_run(self, size_bytes: int, count: int) -> tuple[int, int]:
+        """Carve up to ``count`` (>= 1) back-to-back extents of ``aligned(size_bytes)`` bytes
+        out of one free extent: the smallest that holds them all, else the largest. Return
+        (offset of the first, how many), or (-1, 0) if not even one fits. Each is an extent of
+        its own, freed on its own later, as ``allocate`` gives them.
+        """
         size = aligned(size_bytes)
         by_size = self._by_size
-        index = by_size.bisect_left(size << OFFSET_BITS)
+        index = by_size.bisect_left(size * count << OFFSET_BITS)
         if index == len(by_size):
-            return -1
+            if not by_size or by_size[-1] >> OFFSET_BITS < size:
+                return -1, 0
+            index -= 1
         packed: int = by_size.pop(index)
         extent_size = packed >> OFFSET_BITS
         offset = packed & _OFFSET_MASK
         del self._start_to_size[offset]
         del self._end_to_start[offset + extent_size]
-        if extent_size > size:
-            self._add_free(offset + size, extent_size - size)
-        self.used_bytes += size
-        self.num_extents += 1
-        return offset
+        got = min(count, extent_size // size)
+        taken = got * size
+        if extent_size > taken:
+            self._add_free(offset + taken, extent_size - taken)
+        self.used_bytes += taken
+        self.num_extents += got
+        return offset, got
 
     def free(self, offset: int, size_bytes: int) -> None:
         """Return the extent ``allocate`` gave at ``offset`` for ``size_bytes`` to free space.

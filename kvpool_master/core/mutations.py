@@ -135,6 +135,10 @@ class Mutations:
         exhausted: set[Tier] = set()
         results: list[PutResult] = []
         started = no_space = 0
+        # plain puts of one size in a row take their extents from one run (see _carve_run)
+        plain = replica_num == 1 and not options.preferred_segment and not same_host_id \
+            and not self._quarantine
+        run: _Run | None = None
         for i, key in enumerate(keys):
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
@@ -166,11 +170,23 @@ class Mutations:
                 else:
                     results.append((Status.INVALID_ARGUMENT, ()))
                 continue
-            placements = None
-            if aligned(size) <= largest_bytes and replica_num <= num_segments:
-                placements = self._allocate(size, replica_num, options.preferred_segment,
-                                            same_host_id, now, exhausted)
-            if placements is None:
+            placements: tuple[Placement, ...] | None = None
+            on_run = run is not None and run.size_bytes == size and run.left > 0
+            if not on_run and aligned(size) <= largest_bytes and replica_num <= num_segments:
+                if run is not None:
+                    self._end_run(run)
+                    run = None
+                if plain:
+                    run = self._carve_run(size, _same_size_after(sizes_bytes, i), now,
+                                          exhausted)
+                    on_run = run is not None
+                if not on_run:
+                    placements = self._allocate(size, replica_num, options.preferred_segment,
+                                                same_host_id, now, exhausted)
+            if on_run:
+                assert run is not None
+                placements = (self._take(run, key, now, exhausted),)
+            elif placements is None:
                 no_space += 1
                 results.append((Status.NO_SPACE, ()))
                 continue
@@ -178,10 +194,13 @@ class Mutations:
                 parent = self._objects.shared_key(parent)
             self._objects.add_pending(
                 key, ObjectEntry(key, size, placements, client_id, pin, parent), now)
-            for p in placements:
-                self._note_key(id_to_segment[p.segment_id], key)
+            if not on_run:
+                for p in placements:
+                    self._note_key(id_to_segment[p.segment_id], key)
             started += 1
             results.append((Status.OK, placements))
+        if run is not None:
+            self._end_run(run)
         self._counters.put_started += started
         self._counters.put_no_space += no_space
         if segments.needs_sync:
@@ -336,16 +355,33 @@ class Mutations:
         self._events.append(SegmentMounted(segment))
 
     def _note_key(self, state: SegmentState, key: ObjectKey) -> None:
-        keys = state.keys
-        keys.append(key)
+        state.keys.append(key)
+        self._noted(state, 1)
+
+    def _noted(self, state: SegmentState, count: int) -> None:
+        """``count`` keys were appended to ``state.keys``: compact the list a step per key
+        once it holds far more entries than the segment holds extents."""
         if self._jobs:
             return  # a removal job walks the key lists: append only (see sweeps.py)
         if state.compact_seen is None:
-            if len(keys) <= 2 * state.allocator.num_extents + 1024:
+            if len(state.keys) <= 2 * state.allocator.num_extents + 1024:
                 return
             state.compact_seen = set()
             state.compact_read = state.compact_write = 0
-        self._compact_keys(state, COMPACT_STEP)
+        self._compact_keys(state, COMPACT_STEP * count)
+
+    def _end_run(self, run: _Run) -> None:
+        """Free the extents of ``run`` never handed out (nobody saw them: no free to wait
+        for) and account for the keys it noted."""
+        if run.left:
+            self._segments.tier_to_used_bytes[Tier.DRAM] += run.left * run.step_bytes
+            self._segments.free([Placement(run.state.info.segment_id,
+                                           run.offset + k * run.step_bytes, run.size_bytes)
+                                 for k in range(run.left)], seq=-1)
+            run.left = 0
+        if run.noted:
+            self._noted(run.state, run.noted)
+            run.noted = 0
 
     def _compact_keys(self, state: SegmentState, budget: int) -> None:
         """Advance the in-place compaction of ``state.keys`` by ``budget`` entries: live keys
@@ -373,6 +409,34 @@ class Mutations:
             state.compact_seen = None
         else:
             state.compact_read, state.compact_write = read, write
+
+    def _carve_run(self, size_bytes: int, count: int, now: float,
+                   exhausted: set[Tier]) -> _Run | None:
+        """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved
+        back to back from the emptiest DRAM segment at once (one allocator and one index
+        update instead of one per key); None when a run is not worth it (``count`` 1) or
+        that segment has no room (the caller then allocates one key the usual way, evicting
+        if it must). Its tier counts an extent as used once ``_take`` hands it out."""
+        if count < 2:
+            return None
+        carved = self._segments.allocate_run(size_bytes, count)
+        if carved is None:
+            return None
+        state, offset, got = carved
+        run = _Run(state, offset, size_bytes, got)
+        # the tier counts each extent as it is handed out, so watermark passes run exactly
+        # where they would for puts placed one at a time
+        self._segments.tier_to_used_bytes[Tier.DRAM] -= got * run.step_bytes
+        return run
+
+    def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Placement:
+        """The next extent of ``run``, for ``key``; a watermark pass follows, as after any
+        allocation."""
+        self._segments.tier_to_used_bytes[Tier.DRAM] += run.step_bytes
+        placement = run.take(key)
+        if Tier.DRAM not in exhausted and not self._relieve_watermark(Tier.DRAM, now):
+            exhausted.add(Tier.DRAM)
+        return placement
 
     def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
                   same_host_id: str, now: float,
@@ -493,3 +557,41 @@ def _on_segment(placements: tuple[Placement, ...], segment_id: str) -> bool:
     if len(placements) == 1:
         return placements[0].segment_id == segment_id
     return any(p.segment_id == segment_id for p in placements)
+
+
+#: Most extents one run carves (a batch still spreads over segments in runs this long).
+RUN_MAX_KEYS = 64
+
+
+class _Run:
+    """Extents carved back to back for the plain puts of one batch, handed out in order; the
+    keys they went to are appended to the segment's key list as they go (``noted``)."""
+
+    __slots__ = ("state", "offset", "size_bytes", "step_bytes", "left", "noted")
+
+    def __init__(self, state: SegmentState, offset: int, size_bytes: int, count: int) -> None:
+        self.state = state
+        self.offset = offset
+        self.size_bytes = size_bytes
+        self.step_bytes = aligned(size_bytes)
+        self.left = count
+        self.noted = 0
+
+    def take(self, key: ObjectKey) -> Placement:
+        placement = Placement(self.state.info.segment_id, self.offset, self.size_bytes)
+        self.offset += self.step_bytes
+        self.left -= 1
+        self.state.keys.append(key)
+        self.noted += 1
+        return placement
+
+
+def _same_size_after(sizes_bytes: Sequence[int], i: int) -> int:
+    """How many sizes from ``i`` on equal ``sizes_bytes[i]`` (at most RUN_MAX_KEYS)."""
+    size = sizes_bytes[i]
+    end = min(len(sizes_bytes), i + RUN_MAX_KEYS)
+    j = i + 1
+    while j < end and sizes_bytes[j] == size:
+        j += 1
+    return j - i
+

@@ -241,6 +241,22 @@ class SegmentTable:
             self._index(state)
         return placement
 
+    def allocate_run(self, size_bytes: int, count: int) -> tuple[SegmentState, int, int] | None:
+        """Up to ``count`` back-to-back extents of ``size_bytes`` on the DRAM segment with the
+        most free bytes (``Allocator.allocate_run``): (segment, offset of the first, how
+        many), or None when that segment cannot hold one."""
+        state = self._best()
+        if state is None:
+            return None
+        offset, got = state.allocator.allocate_run(size_bytes, count)
+        if not got:
+            return None
+        self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes) * got
+        if state.freed_seq > self.durable_seq:
+            self.needs_sync = True
+        self._index(state)
+        return state, offset, got
+
     def _best(self) -> SegmentState | None:
         """The DRAM segment at the top of the index, its entry there current (superseded
         entries dropped, values changed off the index pushed again), or None when the index

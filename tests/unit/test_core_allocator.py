@@ -29,7 +29,7 @@ def check_invariants(allocator: Allocator, live: dict[int, int]) -> None:
     assert allocator.largest_free_bytes == max((s for _, s in free), default=0)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "free_many"]),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "run", "free", "free_many"]),
                          st.integers(1, SEGMENT // 4), st.integers(0, 2**32)),
                max_size=200)
 
@@ -50,6 +50,22 @@ def test_allocator_matches_a_model(operations: list[tuple[str, int, int]]) -> No
                 # Best fit: carved from the start of a smallest extent that fits.
                 assert free_before.get(offset) == best
                 live[offset] = size
+        elif op == "run":
+            count = 1 + pick % 9
+            size = max(1, size // 8)
+            step = aligned(size)
+            free_before = dict(allocator.free_extents())
+            holding = [s for s in free_before.values() if s >= step * count]
+            offset, got = allocator.allocate_run(size, count)
+            if holding:   # the smallest extent that holds all of them
+                assert got == count and free_before.get(offset) == min(holding)
+            elif max(free_before.values(), default=0) >= step:   # else the largest
+                assert free_before.get(offset) == max(free_before.values())
+                assert got == free_before[offset] // step < count
+            else:
+                assert (offset, got) == (-1, 0)
+            for k in range(got):   # each an extent of its own
+                live[offset + k * step] = size
         elif op == "free" and live:
             offset = sorted(live)[pick % len(live)]
             allocator.free(offset, live.pop(offset))
