@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NewType
 
+from kvpool_wire.records import fast_init
+
 ObjectKey = NewType("ObjectKey", bytes)
 ClientId = NewType("ClientId", str)
 SegmentId = NewType("SegmentId", str)
@@ -59,6 +61,7 @@ class SegmentInfo:
     ownership_proof: bytes = field(default=b"", compare=False)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Placement:
     """One replica of an object: ``length`` bytes at ``offset`` of ``segment_id``.

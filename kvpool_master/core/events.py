@@ -1,8 +1,9 @@
 """Side effects of the master core, drained by the server with ``MasterCore.take_events()``.
 
 Rules of this file:
-- Every event is a frozen, slotted dataclass; the core appends them in the order the changes
-  happened, so replaying them in order (``kvpool_master/persist.py``) rebuilds the same index.
+- Every event is a frozen, slotted dataclass (those made per key built with ``fast_init``);
+  the core appends them in the order the changes happened, so replaying them in order
+  (``kvpool_master/persist.py``) rebuilds the same index.
 - Events describe durable facts only (clients, segments, committed objects, removals). Reads,
   leases and PENDING objects are not events: they are either too hot or not worth keeping
   across a restart.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpool_wire.records import fast_init
 from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo
 
 RemoveReason = Literal["remove", "evict", "segment_lost", "revoke", "reclaim"]
@@ -59,6 +61,7 @@ class SegmentUnmounted:
     client_id: ClientId
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ObjectCommitted:
     """An object became READY (``put_end``)."""
@@ -71,6 +74,7 @@ class ObjectCommitted:
     parent_key: ObjectKey | None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReplicasChanged(ObjectCommitted):
     """A READY object gained a replica on another tier (a copy committed) or lost the ones on
@@ -78,6 +82,7 @@ class ReplicasChanged(ObjectCommitted):
     Logged like a commit (the row is the object's new state)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ObjectRemoved:
     """A READY or PENDING object left the index; ``reason`` says why."""
