@@ -431,11 +431,25 @@ class Mutations:
 
     def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Placement:
         """The next extent of ``run``, for ``key``; a watermark pass follows, as after any
-        allocation."""
-        self._segments.tier_to_used_bytes[Tier.DRAM] += run.step_bytes
-        placement = run.take(key)
-        if Tier.DRAM not in exhausted and not self._relieve_watermark(Tier.DRAM, now):
-            exhausted.add(Tier.DRAM)
+        allocation (checked only once the tier may be above its high watermark: ``quiet``
+        counts the extents that cannot take it there)."""
+        step = run.step_bytes
+        used = self._segments.tier_to_used_bytes
+        used[Tier.DRAM] += step
+        placement = Placement(run.state.info.segment_id, run.offset, run.size_bytes)
+        run.offset += step
+        run.left -= 1
+        run.state.keys.append(key)
+        run.noted += 1
+        if run.quiet:
+            run.quiet -= 1
+        else:
+            if Tier.DRAM not in exhausted and not self._relieve_watermark(Tier.DRAM, now):
+                exhausted.add(Tier.DRAM)
+            # one check to spare: float rounding never lets a crossing go unchecked
+            room = (self._config.eviction_high_watermark_ratio
+                    * self._segments.tier_to_capacity_bytes[Tier.DRAM] - used[Tier.DRAM])
+            run.quiet = max(0, int(room // step) - 1)
         return placement
 
     def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
@@ -564,10 +578,11 @@ RUN_MAX_KEYS = 64
 
 
 class _Run:
-    """Extents carved back to back for the plain puts of one batch, handed out in order; the
-    keys they went to are appended to the segment's key list as they go (``noted``)."""
+    """Extents carved back to back for the plain puts of one batch, handed out in order by
+    ``Mutations._take``; the keys they went to are appended to the segment's key list as
+    they go (``noted``)."""
 
-    __slots__ = ("state", "offset", "size_bytes", "step_bytes", "left", "noted")
+    __slots__ = ("state", "offset", "size_bytes", "step_bytes", "left", "noted", "quiet")
 
     def __init__(self, state: SegmentState, offset: int, size_bytes: int, count: int) -> None:
         self.state = state
@@ -576,14 +591,7 @@ class _Run:
         self.step_bytes = aligned(size_bytes)
         self.left = count
         self.noted = 0
-
-    def take(self, key: ObjectKey) -> Placement:
-        placement = Placement(self.state.info.segment_id, self.offset, self.size_bytes)
-        self.offset += self.step_bytes
-        self.left -= 1
-        self.state.keys.append(key)
-        self.noted += 1
-        return placement
+        self.quiet = 0  # extents to hand out before the watermark is checked again
 
 
 def _same_size_after(sizes_bytes: Sequence[int], i: int) -> int:

@@ -59,7 +59,7 @@ def test_batched_puts_never_overlap_and_give_back_what_they_do_not_use(
         results = core.put_start(A, keys, sizes, PutOptions(), now)
         started = [k for k, (status, _) in zip(keys, results, strict=True)
                    if status == Status.OK]
-        for key, (status, placements), size in zip(keys, results, sizes, strict=True):
+        for (status, placements), size in zip(results, sizes, strict=True):
             if status == Status.OK:
                 assert [p.length for p in placements] == [size]
         _check(core, segments)
