@@ -30,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from master_rpc import BATCH_KEYS, start_master  # noqa: E402  (a sibling benchmark)
@@ -164,6 +166,7 @@ def main() -> int:
         for kind in args.only.split(","):
             windows[kind] = asyncio.run(scenario(address, kind, args.objects))
             time.sleep(0.5)
+        gc_pauses = master_gc_pauses(ready)
     finally:
         assert prober.stdin is not None
         prober.stdin.close()
@@ -184,7 +187,22 @@ def main() -> int:
         print(f"  {kind:<12} {ended - started:>8.2f}s {len(during):>8} "
               f"{percentile(during, 0.5) * 1e6:>8.0f} {percentile(during, 0.99) * 1e6:>8.0f} "
               f"{percentile(during, 0.999) * 1e6:>9.0f} {max(during, default=0) * 1e3:>8.1f}")
+    print("  the master's own longest collector pause, whole run (ms, generation 0 / 1 / 2): "
+          + " / ".join(f"{gc_pauses.get(g, 0.0) * 1e3:.1f}" for g in ("0", "1", "2")))
     return 0
+
+
+def master_gc_pauses(ready: dict[str, Any]) -> dict[str, float]:
+    """The master's ``kvpool_master_gc_longest_pause_seconds`` per generation."""
+    url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    pauses = {}
+    for line in text.splitlines():
+        if line.startswith('kvpool_master_gc_longest_pause_seconds{generation="'):
+            generation = line.split('"')[1]
+            pauses[generation] = float(line.rsplit(" ", 1)[1])
+    return pauses
 
 
 if __name__ == "__main__":
