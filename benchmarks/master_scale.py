@@ -160,7 +160,8 @@ def main() -> int:
             started = time.monotonic()
             loop = asyncio.new_event_loop()
             keep_alive = loop.run_until_complete(_fill(address, args.objects))
-            print(f"filled {args.objects:,} objects in {time.monotonic() - started:.1f} s")
+            print(f"filled {args.objects:,} objects in {time.monotonic() - started:.1f} s; "
+                  f"master RSS {_rss_bytes(master.pid) / 2**30:.2f} GiB", flush=True)
             per = args.clients // args.procs
             for index in range(args.procs):
                 procs.append(subprocess.Popen(
@@ -208,6 +209,12 @@ def main() -> int:
                 values = merged[key]
                 print(f"  {label:<22} {len(values):>8} {_pct(values, 0.5):>8.2f} "
                       f"{_pct(values, 0.99):>8.2f} {_pct(values, 0.999):>9.2f}")
+            longest = max((float(line.split()[-1]) for line in metrics.splitlines()
+                           if line.startswith("kvpool_master_gc_longest_pause_seconds")),
+                          default=0.0)
+            print(f"  master RSS at the end {_rss_bytes(master.pid) / 2**30:.2f} GiB, "
+                  f"peak {_rss_bytes(master.pid, 'VmHWM') / 2**30:.2f} GiB; its longest "
+                  f"collector pause {longest * 1e3:.1f} ms")
             print(f"  false expiries (heartbeats answered UNKNOWN_CLIENT): "
                   f"{merged['false_expiries']}; kvpool_clients_expired_total {expired}; "
                   f"objects evicted {evicted}")
@@ -220,6 +227,14 @@ def main() -> int:
                 master.wait(30)
             except subprocess.TimeoutExpired:
                 master.kill()
+    return 0
+
+
+def _rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (``VmRSS``) or its peak (``VmHWM``), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
     return 0
 
 
