@@ -224,6 +224,8 @@ class _LeanProtocol(asyncio.Protocol):
         for timer in (self._partial_timer, self._greeting_timer):
             if timer is not None:
                 timer.cancel()
+        for task in list(self._later):  # nobody to answer: a waiting CopyTasks hands nothing
+            task.cancel()
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it does.

@@ -257,3 +257,34 @@ async def test_copy_tasks_waits_for_tasks_and_a_newer_call_ends_the_wait(
         await asyncio.wait_for(waiting, 2.0)
     finally:
         await rpc.close()
+
+
+async def test_a_copy_wait_whose_connection_closed_hands_nothing(master) -> None:
+    """The tasks made after a waiting CopyTasks lost its connection wait for the owner's next
+    call instead of going to nobody (and waiting out their ttl)."""
+    first = MasterRpc(master.address, timeout_s=5.0)
+    second = MasterRpc(master.address, timeout_s=5.0, session=first.session)
+    try:
+        await first.register_client("c1", "host-a", "127.0.0.1:1")
+        assert await first.mount_segment("c1", _segment("c1")) == Status.OK
+        ssd = SegmentInfo(SegmentId("c1-ssd"), ClientId("c1"), 4 * SEGMENT_BYTES, Tier.SSD,
+                          host_id="host-a", tcp_endpoint="127.0.0.1:1",
+                          file_path="/nonexistent/c1.kvpool")
+        assert await first.mount_segment("c1", ssd) == Status.OK
+        waiting = asyncio.ensure_future(first.copy_tasks("c1", [], 64, 4.0))
+        await asyncio.sleep(0.2)
+        await first.close()                                      # the copier's process died
+        with pytest.raises(KVPoolError):
+            await waiting
+        await asyncio.sleep(0.2)
+        size = SEGMENT_BYTES // 16
+        keys = [f"k{i}".encode() for i in range(14)]            # past the demotion line
+        for key in keys:
+            [(status, _)] = await second.put_start("c1", [key], [size], PutOptions())
+            assert status == Status.OK and await second.put_end("c1", [key]) == [Status.OK]
+        await asyncio.sleep(0.5)                                # a tick's pass made tasks
+        tasks = await second.copy_tasks("c1", [], 64, 2.0)
+        assert tasks and {t.key for t in tasks} <= set(keys)
+    finally:
+        await first.close()
+        await second.close()
