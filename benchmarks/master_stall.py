@@ -9,7 +9,8 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``unmount``: the owner unmounts the segment that holds them;
 - ``unregister``: the owner leaves the pool;
 - ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
-- ``fill``: the fill itself (batched puts of 1,000 keys), as a baseline.
+- ``fill``: the fill itself (batched puts of 1,000 keys), as a baseline; with ``--state``
+  the master persists, and the fill's log grows past the size that starts compactions.
 
 Per operation it prints how long the operation took (until the master's sweep backlog, which
 ``/status`` reports, is empty again) and the probe's p50 / p99 / p99.9 / max while it ran: the
@@ -149,13 +150,17 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objects", type=int, default=200_000)
     ap.add_argument("--only", default=",".join(SCENARIOS), help="scenarios, comma-separated")
+    ap.add_argument("--state", action="store_true",
+                    help="the master persists its index (--state-dir in a temporary "
+                         "directory), so state-log compactions run during the operations")
     ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:
         asyncio.run(probe(*args._probe))
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-stall-"))
-    master, ready = start_master(workdir, "--client-ttl", str(CLIENT_TTL_S))
+    state = ["--state-dir", str(workdir / "state")] if args.state else []
+    master, ready = start_master(workdir, "--client-ttl", str(CLIENT_TTL_S), *state)
     address = f"127.0.0.1:{ready['grpc_port']}"
     probe_out = workdir / "probe.json"
     prober = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_probe", address,

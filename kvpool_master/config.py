@@ -62,6 +62,7 @@ class MasterConfig:
     frame_timeout_s: float = 30.0
     state_dir: str = ""
     state_fsync: str = "batch"
+    state_compact_bytes: int = 64 * 2**20
     restore_grace_s: float = 60.0
     tls_cert: str = ""
     tls_key: str = ""
@@ -253,6 +254,9 @@ OPTIONS: tuple[Option, ...] = (
            "when the state log is fsynced: always (every change), batch (at most 50 ms "
            "after a change; default), never (left to the OS; a killed master still loses "
            "nothing, a machine crash may)", "POLICY"),
+    Option("state_compact_bytes", "state_compact_bytes", _size(4096, 2**40),
+           "state log size that starts a compaction into a new snapshot, written by a forked "
+           "child while the master serves (default 64mb)", "BYTES"),
     Option("restore_grace", "restore_grace_s", _float(0.0, 24 * HOUR_S),
            "seconds restored segments have to be remounted before their objects are dropped "
            "(default 60)", "SECONDS"),

@@ -12,6 +12,18 @@ API (server.py wires it; every call is synchronous and made from the event loop 
     store.compact(core)                  # a full snapshot; the way out of read-only mode
     store.close()
 
+With ``background=True`` (the server's choice), a compaction that the log's size calls for
+(``maybe_compact``) does not hold the caller: the store forks, the child writes the snapshot
+of the index as it was at the fork and exits, and the parent goes on logging to the current
+log. Once the child is done (``record`` and ``flush`` look), the parent appends the log
+records written since the fork to the new snapshot as its tail (``statefile.py``), fsyncs
+it, renames it into place and starts the new log: the only work on the caller's thread is
+that copy, bounded by what changed while the child wrote. A crash of either before the
+rename leaves the old snapshot and log, which hold everything. The child's pages are the
+parent's until either writes them (copy-on-write), so a compaction may need up to the
+master's resident memory again, for its duration. An explicit ``compact`` (the way out of
+read-only mode) abandons a child that is still writing and snapshots in the caller.
+
 Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp`` (records and replay:
 ``statefile.py``). Both are sequences of records
 ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``. The first record of each
@@ -78,6 +90,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,6 +109,10 @@ from kvpool_master.statefile import (
     next_record,
     read_snapshot_head,
     read_snapshot_objects,
+    read_snapshot_tail,
+    tail_trailer,
+    trailer_tail_offset,
+    whole_records_bytes,
 )
 
 log = logging.getLogger("kvpool.master.persist")
@@ -104,7 +121,22 @@ SNAPSHOT_NAME = "snapshot.kvp"
 LOG_NAME = "log.kvp"
 FSYNC_POLICIES = ("always", "batch", "never")
 _OBJECTS_PER_CHUNK = 4096
+#: A compaction child copies the log written since its fork in rounds, until a round finds
+#: less than this (or after this many rounds); the parent copies the rest when it swaps.
+_CAUGHT_UP_BYTES = 64 << 10
+_CATCH_UP_ROUNDS = 8
 
+
+
+@dataclass(frozen=True, slots=True)
+class _Child:
+    """A compaction running in a forked child."""
+
+    pid: int
+    generation: int
+    path: Path          # the snapshot it writes (renamed into place by the parent)
+    log_offset: int     # the log's size at the fork: what follows becomes the tail
+    started_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +159,7 @@ class StateStore:
 
     def __init__(self, state_dir: str | os.PathLike[str], fsync: str = "batch",
                  fsync_interval_s: float = 0.05, restore_grace_s: float = 30.0,
-                 compact_log_bytes: int = 64 << 20) -> None:
+                 compact_log_bytes: int = 64 << 20, background: bool = False) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if not fsync_interval_s >= 0 or not restore_grace_s >= 0 or compact_log_bytes < 1:
@@ -145,6 +177,8 @@ class StateStore:
         self._synced_bytes = 0
         self._last_sync_s = time.monotonic()
         self._failure = ""   # why the state directory is untrustworthy; "" when healthy
+        self._background = background and hasattr(os, "fork")
+        self._child: _Child | None = None
 
     @property
     def log_bytes(self) -> int:
@@ -155,6 +189,11 @@ class StateStore:
     def synced_log_bytes(self) -> int:
         """Size of the log at its last fsync: what survives a power cut (policy permitting)."""
         return self._synced_bytes
+
+    @property
+    def compacting(self) -> bool:
+        """True while a forked child writes a snapshot."""
+        return self._child is not None
 
     @property
     def healthy(self) -> bool:
@@ -190,8 +229,11 @@ class StateStore:
                 snapshot_file = None
                 lost_snapshot = True
                 warnings.append(self._set_aside(snapshot_path, str(exc)))
+        tail = (read_snapshot_tail(snapshot_file, warnings)
+                if snapshot_file is not None else [])
         log_records, truncated, generation = self._read_log(generation, lost_snapshot,
                                                             warnings)
+        log_records = tail + log_records
         # Restoring creates millions of long-lived objects; the cyclic collector would rescan
         # them over and over (half the restore time at 100k objects) and there are no cycles.
         gc_was_enabled = gc.isenabled()
@@ -332,6 +374,9 @@ class StateStore:
         if self._fd >= 0 and self._unsynced and self._fsync != "never" and not self._failure:
             with contextlib.suppress(OSError):
                 self._sync()
+        if core is not None and self._child is not None:
+            with contextlib.suppress(OSError):
+                self._poll_child(core)
         if core is not None and not self._failure and not (
                 self._unsynced and self._fsync != "never"):
             core.mark_durable(core.free_seq)
@@ -362,7 +407,11 @@ class StateStore:
 
         Call it right after ``append`` of every event taken from ``core`` so far.
         """
+        if self._child is not None:
+            return self._poll_child(core)
         if self._log_bytes < self._compact_log_bytes:
+            return False
+        if self._background and self._fork_child(core):
             return False
         self.compact(core)
         return True
@@ -374,6 +423,7 @@ class StateStore:
         every free of ``core`` durable. Raises OSError (the store is then read-only; the
         temporary file is removed so that a full disk gets its space back).
         """
+        self._abandon_child()
         generation = self._generation + 1
         tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
         try:
@@ -390,7 +440,101 @@ class StateStore:
         self._failure = ""
         core.mark_durable(core.free_seq)
 
-    def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> None:
+    def _fork_child(self, core: MasterCore) -> bool:
+        """Start a compaction in a forked child (see the module docstring); False when no
+        child could be made (the caller then compacts itself)."""
+        generation = self._generation + 1
+        path = self._dir / (SNAPSHOT_NAME + ".tmp")
+        offset = self._log_bytes
+        started_s = time.monotonic()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            log.warning("cannot fork a background compaction (%s): compacting in place", exc)
+            return False
+        if pid == 0:  # the child: write the index as it is now, then leave at once
+            code = 1
+            try:
+                signal.set_wakeup_fd(-1)  # the parent's event loop must not see our signals
+                for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(number, signal.SIG_DFL)
+                gc.disable()  # a collection would touch (and so copy) every page
+                self._write_snapshot(core, path, generation, tail_from=offset)
+                code = 0
+            finally:
+                os._exit(code)
+        self._child = _Child(pid, generation, path, offset, started_s)
+        log.info("compacting the state log in the background (pid %d, generation %d; the "
+                 "fork took %.1f ms)", pid, generation, (time.monotonic() - started_s) * 1e3)
+        return True
+
+    def _poll_child(self, core: MasterCore) -> bool:
+        """Finish the child's compaction if it is done; True when a new snapshot is in place.
+        A child that failed is logged and forgotten (the next log growth tries again)."""
+        child = self._child
+        assert child is not None
+        pid, status = os.waitpid(child.pid, os.WNOHANG)
+        if pid == 0:
+            return False
+        self._child = None
+        if status != 0 or self._failure:
+            log.warning("background compaction (pid %d) %s; the log goes on", child.pid,
+                        f"failed (wait status {status})" if status else
+                        "outlived a failed write")
+            with contextlib.suppress(OSError):
+                child.path.unlink(missing_ok=True)
+            return False
+        finishing_s = time.monotonic()
+        try:
+            with child.path.open("r+b") as f:
+                # the child carried the log up to where it stopped: add only what came after
+                tail_offset = trailer_tail_offset(f)
+                if tail_offset < 0:
+                    raise OSError(f"{child.path}: the child's snapshot has no trailer")
+                end = f.seek(0, 2) - len(tail_trailer(0))
+                carried = end - tail_offset
+                with (self._dir / LOG_NAME).open("rb") as log_file:
+                    log_file.seek(child.log_offset + carried)
+                    changed = log_file.read(self._log_bytes - child.log_offset - carried)
+                f.seek(end)
+                f.truncate()
+                f.write(changed)
+                f.write(tail_trailer(tail_offset))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(child.path, self._dir / SNAPSHOT_NAME)
+            self._sync_dir()
+            self._generation = child.generation
+            self._open_log(fresh=True)
+        except OSError as exc:
+            self._fail(exc)
+            with contextlib.suppress(OSError):
+                child.path.unlink(missing_ok=True)
+            raise
+        core.mark_durable(core.free_seq)
+        log.info("background compaction done in %.2f s (generation %d; changes made meanwhile "
+                 "carried as its tail: %d bytes by the child, %d by the swap, which took "
+                 "%.1f ms)", time.monotonic() - child.started_s, child.generation, carried,
+                 len(changed), (time.monotonic() - finishing_s) * 1e3)
+        return True
+
+    def _abandon_child(self) -> None:
+        """Stop a child still writing a snapshot and remove its file."""
+        child, self._child = self._child, None
+        if child is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child.pid, 0)
+        with contextlib.suppress(OSError):
+            child.path.unlink(missing_ok=True)
+
+    def _write_snapshot(self, core: MasterCore, path: Path, generation: int,
+                        tail_from: int = -1) -> None:
+        """Write ``core``'s snapshot to ``path`` and fsync it. A compaction child
+        (``tail_from``: the log's size at its fork) then carries the log records written
+        since, as they come, until it has caught up, and ends the file with the trailer."""
         snapshot = core.snapshot()
         with path.open("wb") as f:
             f.write(frame({"format": "kvpool-snapshot", "version": VERSION,
@@ -409,13 +553,27 @@ class StateStore:
                 f.write(frame(chunk))
                 num_objects += len(chunk)
             f.write(frame({"end": True, "num_objects": num_objects}))
+            if tail_from >= 0:
+                tail_offset = f.tell()
+                with (self._dir / LOG_NAME).open("rb") as log_file:
+                    log_file.seek(tail_from)
+                    for _ in range(_CATCH_UP_ROUNDS):
+                        data = log_file.read()
+                        whole = whole_records_bytes(data)
+                        f.write(data[:whole])
+                        log_file.seek(whole - len(data), 1)  # a record being written: later
+                        if whole < _CAUGHT_UP_BYTES:
+                            break
+                f.write(tail_trailer(tail_offset))
             f.flush()
             os.fsync(f.fileno())
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Fsync (unless ``fsync="never"`` or read-only) and close the log. Idempotent."""
+        """Fsync (unless ``fsync="never"`` or read-only) and close the log. Idempotent. A
+        compaction still running in a child is abandoned."""
+        self._abandon_child()
         if self._fd < 0:
             return
         try:

@@ -237,7 +237,9 @@ class MasterServer:
             return
         self.store = StateStore(self.config.state_dir, fsync=self.config.state_fsync,
                                 fsync_interval_s=STATE_FSYNC_INTERVAL_S,
-                                restore_grace_s=self.config.restore_grace_s)
+                                restore_grace_s=self.config.restore_grace_s,
+                                compact_log_bytes=self.config.state_compact_bytes,
+                                background=True)
         report = self.store.load(self.core, self.clock.now())
         log.info("restored from %s: %d clients, %d segments, %d objects (%d log records, "
                  "%d rows dropped, %d objects dropped for overlapping extents, %d torn log "

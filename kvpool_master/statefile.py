@@ -7,6 +7,11 @@ Rules of this file:
   half-used.
 - Only events that change durable state become log rows (``event_row``); ``Overlay`` applies
   rows on top of a snapshot and streams the restored object rows in LRU order.
+- A snapshot written in the background (``persist.py``) shows the index as it was when its
+  writer forked; the log records of what changed while it was written follow its end record
+  as its *tail*, and a fixed trailer (``TAIL_MAGIC``, the tail's offset) ends the file. They
+  apply before the log of the snapshot's generation. A snapshot without the trailer has no
+  tail.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ _MAX_RECORD_BYTES = 1 << 30
 # Event rows: [code, fields...]. Only events that change durable state are logged.
 _CLIENT_REGISTERED, _CLIENT_GONE, _SEGMENT_MOUNTED, _SEGMENT_UNMOUNTED = 1, 2, 3, 4
 _OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
+#: The trailer of a snapshot with a tail: this magic, then the tail's offset (u64 LE).
+TAIL_MAGIC = b"KVPTAIL1"
+_TRAILER = struct.Struct("<8sQ")
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -91,6 +99,65 @@ def read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
     return (header["generation"],
             {row[0]: row for row in clients if isinstance(row, list) and row},
             {row[0]: row for row in segments if isinstance(row, list) and row})
+
+
+def whole_records_bytes(data: bytes) -> int:
+    """How many leading bytes of ``data`` are whole records (by their lengths; a record still
+    being appended is left out)."""
+    offset = 0
+    while len(data) - offset >= _FRAME.size:
+        length = _FRAME.unpack_from(data, offset)[0]
+        if offset + _FRAME.size + length > len(data):
+            break
+        offset += _FRAME.size + length
+    return offset
+
+
+def trailer_tail_offset(f: BinaryIO) -> int:
+    """The tail offset named by the trailer that ends ``f``, or -1 when it has none."""
+    size = f.seek(0, 2)
+    if size < _TRAILER.size:
+        return -1
+    f.seek(size - _TRAILER.size)
+    magic, tail_offset = _TRAILER.unpack(f.read(_TRAILER.size))
+    return tail_offset if magic == TAIL_MAGIC else -1
+
+
+def tail_trailer(tail_offset: int) -> bytes:
+    """The bytes that end a snapshot whose tail starts at ``tail_offset``."""
+    return _TRAILER.pack(TAIL_MAGIC, tail_offset)
+
+
+def read_snapshot_tail(f: BinaryIO, warnings: list[str]) -> list[list[Any]]:
+    """The tail records of the snapshot open in ``f`` (none without a trailer); ``f`` is
+    left where it was. A damaged tail record ends the tail, with a warning."""
+    here = f.tell()
+    try:
+        size = f.seek(0, 2)
+        if size < _TRAILER.size:
+            return []
+        f.seek(size - _TRAILER.size)
+        magic, tail_offset = _TRAILER.unpack(f.read(_TRAILER.size))
+        if magic != TAIL_MAGIC:
+            return []
+        if not 0 < tail_offset <= size - _TRAILER.size:
+            warnings.append("snapshot: impossible tail offset; changes made while it was "
+                            "written are lost")
+            return []
+        f.seek(tail_offset)
+        data = f.read(size - _TRAILER.size - tail_offset)
+    finally:
+        f.seek(here)
+    records: list[list[Any]] = []
+    offset = 0
+    while offset < len(data):
+        record, offset, problem = next_record(data, offset)
+        if problem or not isinstance(record, list):
+            warnings.append(f"snapshot tail: {problem or 'malformed record'}; changes after "
+                            "it are lost")
+            break
+        records.append(record)
+    return records
 
 
 def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence[Any]]:

@@ -263,3 +263,38 @@ def test_restored_free_space_waits_for_old_write_capabilities(start_master: Any,
         assert status == pb.STATUS_NO_SPACE or not overlaps(extents, in_flight)
     assert not any(s == pb.STATUS_OK for s, _ in early)
     assert waited_s >= 1.0
+
+
+def test_compactions_run_in_a_child_while_the_master_serves_and_survive_a_kill(
+        start_master: Any, tmp_path: Path) -> None:
+    """With a small --state-compact-bytes, compactions start again and again while puts and
+    removals go on; the master keeps answering (a child writes each snapshot), and a master
+    killed at any point restores exactly what the last one answered."""
+    state = tmp_path / "state"
+    master = start_master(state_dir=str(state), restore_grace=30, state_compact_bytes=4096)
+    live: dict[bytes, tuple] = {}
+    with grpc.insecure_channel(master.address) as channel:
+        stub = pb_grpc.MasterStub(channel)
+        join(stub)
+        for round_no in range(40):
+            keys = [b"r%02d-%02d" % (round_no, i) for i in range(8)]
+            assert all(status == pb.STATUS_OK for status, _ in put(stub, keys))
+            gone = keys[:2]
+            assert set(stub.Remove(pb.RemoveRequest(keys=gone)).statuses) == {pb.STATUS_OK}
+            live.update(extents_of(stub, keys[2:]))
+            time.sleep(0.05)   # ticks: children finish and their snapshots are swapped in
+        log_text = master.log()
+        assert (state / SNAPSHOT_NAME).exists(), log_text
+        assert extents_of(stub, list(live)) == live
+    log_text = master.log()
+    master.kill()
+    done = log_text.count("background compaction done")
+    assert done >= 2, log_text
+    second = start_master(state_dir=str(state), restore_grace=30)
+    with grpc.insecure_channel(second.address) as channel:
+        stub = pb_grpc.MasterStub(channel)
+        join(stub)
+        assert extents_of(stub, list(live)) == live
+        removed = [b"r%02d-%02d" % (r, i) for r in range(40) for i in range(2)]
+        assert extents_of(stub, removed) == {}
+    print(f"{done} background compactions; {len(live)} objects restored exactly")

@@ -413,3 +413,117 @@ def test_log_replay_drops_replicas_unmounted_after_their_commit_only() -> None:
                    commit(b"new", Placement(SegmentId("s"), 0, 64))])
     rows = {row[0]: row[2] for row in overlay.objects(iter([]))}
     assert rows == {b"both": ["t", 0, 64], b"new": ["s", 0, 64]}
+
+
+def _wait_compacted(store: StateStore, core: MasterCore) -> None:
+    """Poll the store (as the server's tick does) until its child finished."""
+    import time
+    deadline = time.monotonic() + 30
+    while store.compacting:
+        assert time.monotonic() < deadline, "the compaction child never finished"
+        store.flush(core)
+        time.sleep(0.01)
+
+
+def test_a_background_compaction_keeps_what_changed_while_the_child_wrote(
+        tmp_path: Path) -> None:
+    """The child snapshots the index as it was at the fork; removals, commits, an unmount and
+    a new client logged meanwhile come back too (the snapshot's tail), as does what the new
+    log holds after the swap."""
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
+    populate(store, core)
+    assert store.maybe_compact(core) is False and store.compacting   # nothing waited for it
+    assert not (tmp_path / SNAPSHOT_NAME).exists()
+    # changes while the child writes: into the current log, then into the snapshot's tail
+    core.remove([ObjectKey(b"obj-0"), ObjectKey(b"obj-1")], False, 2.0)
+    core.put_start(A, [ObjectKey(b"obj-19")], [999], PutOptions(preferred_segment="seg-a"), 2.0)
+    core.put_end(A, [ObjectKey(b"obj-19")], 2.0, checksums=[99])
+    core.unmount_segment(B, SegmentId("seg-b"), 2.0)
+    core.register_client(ClientId("late"), "h3", b"c" * 32, 2.0)
+    sync(store, core)
+    _wait_compacted(store, core)
+    assert (tmp_path / SNAPSHOT_NAME).exists() and store.log_bytes < 100
+    core.remove([ObjectKey(b"obj-2")], False, 3.0)                     # after the swap
+    sync(store, core)
+    expected = readable(core, 4.0)
+    assert ObjectKey(b"obj-19") in expected and ObjectKey(b"obj-0") not in expected
+    store.close()
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.generation == 1 and report.num_clients == 3 and report.num_segments == 1
+    come_back(restored, 101.0, SEG_A)
+    assert readable(restored, 102.0) == expected
+
+
+def test_a_compaction_child_that_dies_leaves_the_old_snapshot_and_log(tmp_path: Path) -> None:
+    import signal
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
+    populate(store, core)
+    store.maybe_compact(core)
+    assert store.compacting
+    child = store._child
+    assert child is not None
+    os.kill(child.pid, signal.SIGKILL)                                  # killed mid-write
+    core.remove([ObjectKey(b"obj-3")], False, 2.0)
+    sync(store, core)
+    _wait_compacted(store, core)
+    assert not (tmp_path / SNAPSHOT_NAME).exists()
+    assert not child.path.exists()                                     # its file is gone
+    expected = readable(core, 4.0)
+    store.close()
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.generation == 0
+    come_back(restored, 101.0, SEG_A, SEG_B)
+    assert readable(restored, 102.0) == expected
+
+
+def test_an_explicit_compaction_abandons_a_running_child(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
+    populate(store, core)
+    store.maybe_compact(core)
+    assert store.compacting
+    core.remove([ObjectKey(b"obj-4")], False, 2.0)
+    sync(store, core)
+    store.compact(core)                                   # e.g. the way out of read-only
+    assert not store.compacting
+    expected = readable(core, 4.0)
+    store.close()
+    restored = MasterCore(CONFIG)
+    assert StateStore(tmp_path).load(restored, 100.0).generation == 1
+    come_back(restored, 101.0, SEG_A, SEG_B)
+    assert readable(restored, 102.0) == expected
+
+
+def test_a_slow_compaction_child_carries_the_changes_itself(tmp_path: Path) -> None:
+    """A child still writing when changes are logged copies them into its snapshot's tail
+    itself (the parent's swap then copies only what came after); a record being appended
+    while it reads is left for the parent."""
+    import time
+
+    from kvpool_master.statefile import frame, whole_records_bytes
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
+    populate(store, core)
+    snapshot = core.snapshot
+
+    def slow_snapshot() -> Any:
+        time.sleep(0.5)            # in the child: the parent logs changes meanwhile
+        return snapshot()
+    core.snapshot = slow_snapshot  # type: ignore[method-assign]
+    store.maybe_compact(core)
+    assert store.compacting
+    for n in range(5, 10):
+        core.remove([ObjectKey(b"obj-%d" % n)], False, 2.0)
+        sync(store, core)
+    _wait_compacted(store, core)
+    expected = readable(core, 4.0)
+    assert ObjectKey(b"obj-5") not in expected
+    store.close()
+    restored = MasterCore(CONFIG)
+    report = StateStore(tmp_path).load(restored, 100.0)
+    assert report.generation == 1 and report.num_log_records == 5   # the tail's records
+    come_back(restored, 101.0, SEG_A, SEG_B)
+    assert readable(restored, 102.0) == expected
+    whole = frame([1, 2]) + frame({"a": 1})
+    assert whole_records_bytes(whole + frame([3])[:-1]) == len(whole)
+    assert whole_records_bytes(whole[:5]) == 0
