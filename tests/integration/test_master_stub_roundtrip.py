@@ -218,6 +218,17 @@ async def test_only_the_reader_ends_its_lease(master, use_fast_path: bool) -> No
         await impostor.close()
 
 
+async def _join_with_ssd(rpc: MasterRpc) -> None:
+    """Register "c1" with a DRAM segment and an SSD one (no file behind it: the master never
+    opens it)."""
+    await rpc.register_client("c1", "host-a", "127.0.0.1:1")
+    assert await rpc.mount_segment("c1", _segment("c1")) == Status.OK
+    ssd = SegmentInfo(SegmentId("c1-ssd"), ClientId("c1"), 4 * SEGMENT_BYTES, Tier.SSD,
+                      host_id="host-a", tcp_endpoint="127.0.0.1:1",
+                      file_path="/nonexistent/c1.kvpool")
+    assert await rpc.mount_segment("c1", ssd) == Status.OK
+
+
 @pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
 async def test_copy_tasks_waits_for_tasks_and_a_newer_call_ends_the_wait(
         master, use_fast_path: bool) -> None:
@@ -226,12 +237,7 @@ async def test_copy_tasks_waits_for_tasks_and_a_newer_call_ends_the_wait(
     again; other calls are served meanwhile."""
     rpc = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
     try:
-        await rpc.register_client("c1", "host-a", "127.0.0.1:1")
-        assert await rpc.mount_segment("c1", _segment("c1")) == Status.OK
-        ssd = SegmentInfo(SegmentId("c1-ssd"), ClientId("c1"), 4 * SEGMENT_BYTES, Tier.SSD,
-                          host_id="host-a", tcp_endpoint="127.0.0.1:1",
-                          file_path="/nonexistent/c1.kvpool")
-        assert await rpc.mount_segment("c1", ssd) == Status.OK
+        await _join_with_ssd(rpc)
 
         started = time.monotonic()
         assert await rpc.copy_tasks("c1", [], 64, 0.5) == []      # nothing to copy: the wait
@@ -265,12 +271,7 @@ async def test_a_copy_wait_whose_connection_closed_hands_nothing(master) -> None
     first = MasterRpc(master.address, timeout_s=5.0)
     second = MasterRpc(master.address, timeout_s=5.0, session=first.session)
     try:
-        await first.register_client("c1", "host-a", "127.0.0.1:1")
-        assert await first.mount_segment("c1", _segment("c1")) == Status.OK
-        ssd = SegmentInfo(SegmentId("c1-ssd"), ClientId("c1"), 4 * SEGMENT_BYTES, Tier.SSD,
-                          host_id="host-a", tcp_endpoint="127.0.0.1:1",
-                          file_path="/nonexistent/c1.kvpool")
-        assert await first.mount_segment("c1", ssd) == Status.OK
+        await _join_with_ssd(first)
         waiting = asyncio.ensure_future(first.copy_tasks("c1", [], 64, 4.0))
         await asyncio.sleep(0.2)
         await first.close()                                      # the copier's process died

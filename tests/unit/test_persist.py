@@ -415,6 +415,16 @@ def test_log_replay_drops_replicas_unmounted_after_their_commit_only() -> None:
     assert rows == {b"both": ["t", 0, 64], b"new": ["s", 0, 64]}
 
 
+def _restores(path: Path, expected: dict[bytes, tuple], generation: int,  # type: ignore[type-arg]
+              *segments: SegmentInfo) -> None:
+    """A fresh master restored from ``path`` is at ``generation`` and, once ``segments`` are
+    back, reads exactly ``expected``."""
+    restored = MasterCore(CONFIG)
+    assert StateStore(path).load(restored, 100.0).generation == generation
+    come_back(restored, 101.0, *segments)
+    assert readable(restored, 102.0) == expected
+
+
 def _wait_compacted(store: StateStore, core: MasterCore) -> None:
     """Poll the store (as the server's tick does) until its child finished."""
     import time
@@ -471,11 +481,7 @@ def test_a_compaction_child_that_dies_leaves_the_old_snapshot_and_log(tmp_path: 
     assert not child.path.exists()                                     # its file is gone
     expected = readable(core, 4.0)
     store.close()
-    restored = MasterCore(CONFIG)
-    report = StateStore(tmp_path).load(restored, 100.0)
-    assert report.generation == 0
-    come_back(restored, 101.0, SEG_A, SEG_B)
-    assert readable(restored, 102.0) == expected
+    _restores(tmp_path, expected, 0, SEG_A, SEG_B)
 
 
 def test_an_explicit_compaction_abandons_a_running_child(tmp_path: Path) -> None:
@@ -489,10 +495,7 @@ def test_an_explicit_compaction_abandons_a_running_child(tmp_path: Path) -> None
     assert not store.compacting
     expected = readable(core, 4.0)
     store.close()
-    restored = MasterCore(CONFIG)
-    assert StateStore(tmp_path).load(restored, 100.0).generation == 1
-    come_back(restored, 101.0, SEG_A, SEG_B)
-    assert readable(restored, 102.0) == expected
+    _restores(tmp_path, expected, 1, SEG_A, SEG_B)
 
 
 def test_a_slow_compaction_child_carries_the_changes_itself(tmp_path: Path) -> None:
