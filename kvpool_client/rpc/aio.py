@@ -297,6 +297,13 @@ class MasterRpc(MasterCalls):
                 payload, timeout=max(deadline - loop.time(), 0.001), metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc.code(), exc.details()) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and (task is None or not task.cancelling()):
+                # the channel was closed under the call (not this task cancelled): a failure
+                raise KVPoolError(Status.RPC_FAILED,
+                                  f"{method.name}: the stub was closed") from None
+            raise
 
     async def _lean_call(self, conn: _LeanConnection, method: RpcMethod,
                          future: asyncio.Future[bytes], deadline: float) -> Any:

@@ -265,10 +265,12 @@ async def test_copy_tasks_waits_for_tasks_and_a_newer_call_ends_the_wait(
         await rpc.close()
 
 
-async def test_a_copy_wait_whose_connection_closed_hands_nothing(master) -> None:
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_a_copy_wait_whose_connection_closed_hands_nothing(
+        master, use_fast_path: bool) -> None:
     """The tasks made after a waiting CopyTasks lost its connection wait for the owner's next
     call instead of going to nobody (and waiting out their ttl)."""
-    first = MasterRpc(master.address, timeout_s=5.0)
+    first = MasterRpc(master.address, timeout_s=5.0, use_fast_path=use_fast_path)
     second = MasterRpc(master.address, timeout_s=5.0, session=first.session)
     try:
         await _join_with_ssd(first)
