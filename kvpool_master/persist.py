@@ -101,6 +101,7 @@ from kvpool_master.core import events as ev
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.snapshot import Snapshot
 from kvpool_master.statefile import (
+    TRAILER_BYTES,
     VERSION,
     Corrupt,
     Overlay,
@@ -491,7 +492,7 @@ class StateStore:
                 tail_offset = trailer_tail_offset(f)
                 if tail_offset < 0:
                     raise OSError(f"{child.path}: the child's snapshot has no trailer")
-                end = f.seek(0, 2) - len(tail_trailer(0))
+                end = f.seek(0, 2) - TRAILER_BYTES
                 carried = end - tail_offset
                 with (self._dir / LOG_NAME).open("rb") as log_file:
                     log_file.seek(child.log_offset + carried)

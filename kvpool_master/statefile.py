@@ -37,6 +37,7 @@ _OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
 #: The trailer of a snapshot with a tail: this magic, then the tail's offset (u64 LE).
 TAIL_MAGIC = b"KVPTAIL1"
 _TRAILER = struct.Struct("<8sQ")
+TRAILER_BYTES = _TRAILER.size
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -133,19 +134,16 @@ def read_snapshot_tail(f: BinaryIO, warnings: list[str]) -> list[list[Any]]:
     left where it was. A damaged tail record ends the tail, with a warning."""
     here = f.tell()
     try:
-        size = f.seek(0, 2)
-        if size < _TRAILER.size:
+        tail_offset = trailer_tail_offset(f)
+        if tail_offset < 0:
             return []
-        f.seek(size - _TRAILER.size)
-        magic, tail_offset = _TRAILER.unpack(f.read(_TRAILER.size))
-        if magic != TAIL_MAGIC:
-            return []
-        if not 0 < tail_offset <= size - _TRAILER.size:
+        end = f.seek(0, 2) - _TRAILER.size
+        if not 0 < tail_offset <= end:
             warnings.append("snapshot: impossible tail offset; changes made while it was "
                             "written are lost")
             return []
         f.seek(tail_offset)
-        data = f.read(size - _TRAILER.size - tail_offset)
+        data = f.read(end - tail_offset)
     finally:
         f.seek(here)
     records: list[list[Any]] = []
