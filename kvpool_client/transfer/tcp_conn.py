@@ -138,14 +138,16 @@ class Connection:
             self._queued_bytes += view.nbytes
         if hold is not None:
             self._held.append(hold)
-        self._send_deadline_s = min(self._send_deadline_s, deadline_s)
-        if len(self._answers) >= MAX_QUEUED_ANSWERS or self._queued_bytes >= MAX_QUEUED_BYTES:
-            self.flush()
+        self._queued(deadline_s)
 
     def answer_later(self, parts: Future[list[Any]], num_bytes: int, deadline_s: float) -> None:
         """Queue an answer another thread is still making (its parts, once done)."""
         self._answers.append(parts)
         self._queued_bytes += num_bytes
+        self._queued(deadline_s)
+
+    def _queued(self, deadline_s: float) -> None:
+        """An answer was queued: keep the earliest deadline; send the queue when full."""
         self._send_deadline_s = min(self._send_deadline_s, deadline_s)
         if len(self._answers) >= MAX_QUEUED_ANSWERS or self._queued_bytes >= MAX_QUEUED_BYTES:
             self.flush()

@@ -41,7 +41,7 @@ class _Pass:
     __slots__ = ("victims", "freed_bytes", "need_bytes", "evicted_children", "waiting", "ready",
                  "scan_index", "skipped", "max_victims")
 
-    def __init__(self, need_bytes: int) -> None:
+    def __init__(self, need_bytes: int, max_victims: int) -> None:
         self.victims: dict[ObjectKey, ObjectEntry] = {}
         self.freed_bytes = 0
         self.need_bytes = need_bytes
@@ -50,7 +50,7 @@ class _Pass:
         self.ready: list[tuple[int, ObjectKey]] = []  # heap of waiting objects that became leaves
         self.scan_index = 0
         self.skipped: list[ObjectKey] = []
-        self.max_victims = MAX_VICTIMS
+        self.max_victims = max_victims
 
     @property
     def enough(self) -> bool:
@@ -65,8 +65,7 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
     Returns fewer when not enough is evictable (possibly none), and at most ``max_victims``:
     a pass never holds the master for long; the next one goes on where it stopped.
     """
-    state = _Pass(need_bytes)
-    state.max_victims = max_victims
+    state = _Pass(need_bytes, max_victims)
     # Fast path: every mounted segment is on this tier and none is restored, so an object's
     # bytes on the tier are simply its aligned size times its number of replicas.
     simple = not segments.filtering and all(s.info.tier == tier for s in segments.mounted)

@@ -177,8 +177,7 @@ class Mutations:
                     self._end_run(run)
                     run = None
                 if plain:
-                    run = self._carve_run(size, _same_size_after(sizes_bytes, i), now,
-                                          exhausted)
+                    run = self._carve_run(size, _same_size_after(sizes_bytes, i))
                     on_run = run is not None
                 if not on_run:
                     placements = self._allocate(size, replica_num, options.preferred_segment,
@@ -410,8 +409,7 @@ class Mutations:
         else:
             state.compact_read, state.compact_write = read, write
 
-    def _carve_run(self, size_bytes: int, count: int, now: float,
-                   exhausted: set[Tier]) -> _Run | None:
+    def _carve_run(self, size_bytes: int, count: int) -> _Run | None:
         """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved
         back to back from the emptiest DRAM segment at once (one allocator and one index
         update instead of one per key); None when a run is not worth it (``count`` 1) or

@@ -251,9 +251,7 @@ class SegmentTable:
         offset, got = state.allocator.allocate_run(size_bytes, count)
         if not got:
             return None
-        self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes) * got
-        if state.freed_seq > self.durable_seq:
-            self.needs_sync = True
+        self._taken(state, aligned(size_bytes) * got)
         self._index(state)
         return state, offset, got
 
@@ -290,10 +288,15 @@ class SegmentTable:
         offset = state.allocator.allocate(size_bytes)
         if offset < 0:
             return None
-        self.tier_to_used_bytes[state.info.tier] += aligned(size_bytes)
+        self._taken(state, aligned(size_bytes))
+        return Placement(state.info.segment_id, offset, size_bytes)
+
+    def _taken(self, state: SegmentState, num_bytes: int) -> None:
+        """``num_bytes`` of ``state`` were just allocated: count them; a put that may reuse
+        a free not yet durable must sync first (see the module rules)."""
+        self.tier_to_used_bytes[state.info.tier] += num_bytes
         if state.freed_seq > self.durable_seq:
             self.needs_sync = True
-        return Placement(state.info.segment_id, offset, size_bytes)
 
     def free(self, placements: Iterable[Placement], seq: int = 0) -> None:
         """Free the extents of ``placements`` that sit on segments still known, as free number

@@ -183,7 +183,7 @@ class Sweeps(Mutations):
             if entry is None or not _on_segment(entry.placements, segment_id):
                 continue  # gone, re-put elsewhere, or a repeat already swept
             kept = tuple(p for p in entry.placements if p.segment_id != segment_id)
-            if not kept or not any(p.segment_id in self._segments.id_to_segment for p in kept):
+            if not any(p.segment_id in self._segments.id_to_segment for p in kept):
                 lost[key] = None
                 continue
             if entry.lease_expiry_s > now:
