@@ -21,6 +21,7 @@ import argparse
 import gc
 import os
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -139,6 +140,13 @@ def bench_memory_and_eviction(num_objects: int) -> None:
     print(f"  RSS {rss_bytes() / 2**20:.0f} MiB in all; growth {grown / 2**20:.0f} MiB for "
           f"{stats.num_objects:,} objects = {grown / stats.num_objects:.0f} B/object "
           f"= {grown / stats.num_objects * 1e6 / 2**20:.0f} MiB per million")
+    entry = next(reversed(core._objects.key_to_object.values()))
+    placement = entry.placements[0]
+    print(f"  of which one object's own: entry {sys.getsizeof(entry)} B, key "
+          f"{sys.getsizeof(entry.key)} B, replica tuple {sys.getsizeof(entry.placements)} B, "
+          f"placement {sys.getsizeof(placement)} B, offset and checksum ints "
+          f"{sys.getsizeof(placement.offset) + sys.getsizeof(entry.checksum)} B; the rest is "
+          f"the table's slot and recency node, and the segment's key list")
     started = time.perf_counter()
     gc.collect()
     print(f"  one full gc.collect() with this table alive: "
@@ -292,6 +300,23 @@ def bench_put_after_removes() -> None:
             core.remove([key], True, 2.0)
 
 
+def bench_table_churn(num_objects: int) -> None:
+    """The longest single insert into an ``OrderedDict`` of ``num_objects`` keys while keys
+    come and go at a constant size, as the object table does under eviction: now and then
+    the dict rebuilds its whole table in that one insert."""
+    from collections import OrderedDict
+    table: OrderedDict[bytes, None] = OrderedDict((b"%016d" % i, None)
+                                                  for i in range(num_objects))
+    longest_s = 0.0
+    for i in range(num_objects, num_objects + num_objects * 3 // 2):
+        started = time.perf_counter()
+        table[b"%016d" % i] = None
+        table.popitem(last=False)
+        longest_s = max(longest_s, time.perf_counter() - started)
+    print(f"\nobject-table churn ({num_objects:,} keys, {num_objects * 3 // 2:,} inserts and "
+          f"deletes): longest single insert {longest_s * 1e3:.1f} ms (a dict rebuild)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
@@ -309,6 +334,7 @@ def main() -> None:
     bench_many_segments()
     bench_put_after_removes()
     bench_gc_pauses(1_000_000 if args.full else 200_000)
+    bench_table_churn(2_000_000 if args.full else 200_000)
 
 
 if __name__ == "__main__":

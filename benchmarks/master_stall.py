@@ -10,7 +10,8 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``unregister``: the owner leaves the pool;
 - ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
 - ``fill``: the fill itself (batched puts of 1,000 keys), as a baseline; with ``--state``
-  the master persists, and the fill's log grows past the size that starts compactions.
+  the master persists, and the fill's log grows past the size that starts compactions (the
+  master then logs at info level: its compaction lines give the fork and swap times).
 
 Per operation it prints how long the operation took (until the master's sweep backlog, which
 ``/status`` reports, is empty again) and the probe's p50 / p99 / p99.9 / max while it ran: the
@@ -159,7 +160,8 @@ def main() -> int:
         asyncio.run(probe(*args._probe))
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-stall-"))
-    state = ["--state-dir", str(workdir / "state")] if args.state else []
+    # with --state the master logs at info: its compaction lines give the fork and swap times
+    state = ["--state-dir", str(workdir / "state"), "--log-level", "info"] if args.state else []
     master, ready = start_master(workdir, "--client-ttl", str(CLIENT_TTL_S), *state)
     address = f"127.0.0.1:{ready['grpc_port']}"
     probe_out = workdir / "probe.json"
