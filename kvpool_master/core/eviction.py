@@ -1,7 +1,7 @@
 """Choosing eviction victims: LRU over READY, un-leased objects, soft pins last.
 
 Rules of this file:
-- Candidates are walked in the order of ``ObjectTable.key_to_object`` (least recently used
+- Candidates are walked in the order of ``ObjectTable.recency`` (least recently used
   first). A candidate is READY, has no live lease (``lease_expiry_s <= now``) and is not
   hard-pinned; it must hold bytes on a mounted segment of the tier being relieved.
 - First pass: unpinned objects only. Only if that frees too little does a second pass also take
@@ -14,7 +14,7 @@ Rules of this file:
   are not in it); an SSD pass walks the main order and counts SSD bytes only.
 - A pass takes at most ``MAX_VICTIMS`` objects; the tier's next pass (the next put above the
   watermark, or the tick) goes on from the new least recently used.
-- Selection does not mutate the table (an OrderedDict cannot change while it is walked); the
+- Selection does not mutate the table (the walk must see it whole); the
   caller removes the victims in the returned order. Hard-pinned and PENDING objects met on the
   way are moved to the recent end afterwards, so later passes do not rescan them.
 """
@@ -22,10 +22,9 @@ Rules of this file:
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 
 from kvpool_master.core.allocator import ALIGN_BYTES, aligned
-from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable, Recency
 from kvpool_master.core.segments import SegmentTable
 from kvpool_wire.types import ObjectKey, Pin, Tier
 
@@ -49,7 +48,7 @@ class _Pass:
         self.waiting: dict[ObjectKey, tuple[int, ObjectEntry, int]] = {}
         self.ready: list[tuple[int, ObjectKey]] = []  # heap of waiting objects that became leaves
         self.scan_index = 0
-        self.skipped: list[ObjectKey] = []
+        self.skipped: list[ObjectEntry] = []
         self.max_victims = max_victims
 
     @property
@@ -70,10 +69,10 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
     # bytes on the tier are simply its aligned size times its number of replicas.
     simple = not segments.filtering and all(s.info.tier == tier for s in segments.mounted)
     order = table.dram_order if tier == Tier.DRAM and table.dram_order is not None \
-        else table.key_to_object
+        else table.recency
     # With SSD segments a DRAM pass is plain LRU: a child on SSD only would keep its parent
     # waiting forever.
-    prefix_lru = prefix_lru and order is table.key_to_object and not table.dram_order
+    prefix_lru = prefix_lru and order is table.recency and not table.dram_order
     for allowed in ((Pin.NONE,), (Pin.NONE, Pin.SOFT)):
         # Each pass rescans from the oldest object, so waiting objects are found again in order.
         state.waiting.clear()
@@ -81,24 +80,29 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
         _scan(table, order, segments, tier, now, prefix_lru, simple, allowed, state)
         if state.enough:
             break
-    for key in state.skipped:
-        if key in order and key not in state.victims:
-            order.move_to_end(key)
-    return list(state.victims)
+    victims = state.victims
+    for entry in state.skipped:
+        if entry.key not in victims:
+            if order is table.recency:
+                order.touch(entry)
+            elif entry.dram is not None:
+                order.touch(entry.dram)
+    return list(victims)
 
 
-def _scan(table: ObjectTable, order: OrderedDict[ObjectKey, ObjectEntry], segments: SegmentTable,
+def _scan(table: ObjectTable, order: Recency, segments: SegmentTable,
           tier: Tier, now: float, prefix_lru: bool, simple: bool, allowed: tuple[Pin, ...],
           state: _Pass) -> None:
     victims = state.victims
-    counts = table.parent_to_num_children
+    counts = table.child_counts or []  # kept whenever prefix_lru is
     evicted_children = state.evicted_children
     waiting = state.waiting
     hard = Pin.HARD
     align_mask = ALIGN_BYTES - 1
-    for key, entry in order.items():
+    for entry in order.entries():
+        key = entry.key
         if entry.writer_id is not None or entry.pin is hard:
-            state.skipped.append(key)
+            state.skipped.append(entry)
             continue
         if entry.pin not in allowed or entry.lease_expiry_s > now or key in victims:
             continue
@@ -109,23 +113,23 @@ def _scan(table: ObjectTable, order: OrderedDict[ObjectKey, ObjectEntry], segmen
             if not num_bytes:
                 continue
         if prefix_lru:
-            if counts.get(key, 0) - evicted_children.get(key, 0) > 0:
+            if counts[hash(key) & SHARD_MASK].get(key, 0) - evicted_children.get(key, 0) > 0:
                 if key not in waiting:
                     waiting[key] = (state.scan_index, entry, num_bytes)
                     state.scan_index += 1
                 continue
-            _take(state, key, entry, num_bytes, counts)
-            _drain_ready(state, counts)
+            _take(state, key, entry, num_bytes, table)
+            _drain_ready(state, table)
         else:
             victims[key] = entry
             state.freed_bytes += num_bytes
         if state.enough:
             return
-    _drain_ready(state, counts)
+    _drain_ready(state, table)
 
 
 def _take(state: _Pass, key: ObjectKey, entry: ObjectEntry, num_bytes: int,
-          counts: dict[ObjectKey, int]) -> None:
+          table: ObjectTable) -> None:
     state.victims[key] = entry
     state.freed_bytes += num_bytes
     parent = entry.parent_key
@@ -134,15 +138,15 @@ def _take(state: _Pass, key: ObjectKey, entry: ObjectEntry, num_bytes: int,
     evicted = state.evicted_children.get(parent, 0) + 1
     state.evicted_children[parent] = evicted
     waiting = state.waiting.get(parent)
-    if waiting is not None and counts.get(parent, 0) - evicted <= 0:
+    if waiting is not None and table.num_children(parent) - evicted <= 0:
         heapq.heappush(state.ready, (waiting[0], parent))
 
 
-def _drain_ready(state: _Pass, counts: dict[ObjectKey, int]) -> None:
+def _drain_ready(state: _Pass, table: ObjectTable) -> None:
     while state.ready and not state.enough:
         _, key = heapq.heappop(state.ready)
         _, entry, num_bytes = state.waiting.pop(key)
-        _take(state, key, entry, num_bytes, counts)
+        _take(state, key, entry, num_bytes, table)
 
 
 def _bytes_on_tier(segments: SegmentTable, entry: ObjectEntry, tier: Tier) -> int:

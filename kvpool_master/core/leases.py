@@ -36,7 +36,7 @@ import heapq
 from collections.abc import Sequence
 
 from kvpool_master.core.allocator import OFFSET_BITS, aligned
-from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, Placement, ReadResult
@@ -108,16 +108,18 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY.
     With ``reader``, each lease is a share of that reader's hold under ``lease_id``, which it
     may end; the keys granted are appended to ``covered``."""
-    get = table.key_to_object.get
-    touch = table.key_to_object.move_to_end
+    shards = table.shards
+    mask = SHARD_MASK
+    touched: list[ObjectEntry] = []
+    touch = touched.append
     expiry_s = now + ttl_s
     hold = (lease_id, expiry_s, 1)
     restoring = segments.filtering
     results: list[ReadResult] = []
     append = results.append
-    granted = lapsed = 0
+    lapsed = 0
     for key in keys:
-        entry = get(key)
+        entry = shards[hash(key) & mask].get(key)
         if entry is None or entry.writer_id is not None:
             append(_NOT_FOUND_RESULT if _well_formed(key, max_key_bytes) else _INVALID_KEY_RESULT)
             continue
@@ -145,10 +147,10 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
             covered.append(key)  # type: ignore[union-attr]
         elif holds is not None:
             add_timed(entry, holds, hold)
-        touch(key)
-        granted += 1
+        touch(entry)
         append(ReadResult(0, entry.size_bytes, placements, entry.checksum))
-    counters.leases_granted += granted
+    table.touch_all(touched)
+    counters.leases_granted += len(touched)
     counters.leases_lapsed += lapsed
     return results
 
@@ -157,8 +159,10 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
           ttl_s: float, max_key_bytes: int,
           counters: LeaseCounters) -> tuple[list[Status], list[int]]:
     """Return (statuses, sizes_bytes): OK (leased) | NOT_FOUND | INVALID_KEY, size 0 unless OK."""
-    get = table.key_to_object.get
-    touch = table.key_to_object.move_to_end
+    shards = table.shards
+    mask = SHARD_MASK
+    touched: list[ObjectEntry] = []
+    touch = touched.append
     expiry_s = now + ttl_s
     timed = (0, expiry_s, 0)
     restoring = segments.filtering
@@ -166,9 +170,9 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
     sizes: list[int] = []
     status_append = statuses.append
     size_append = sizes.append
-    granted = lapsed = 0
+    lapsed = 0
     for key in keys:
-        entry = get(key)
+        entry = shards[hash(key) & mask].get(key)
         if (entry is None or entry.writer_id is not None
                 or (restoring and not mounted_placements(segments, entry.placements))):
             status_append(NOT_FOUND if _well_formed(key, max_key_bytes) else INVALID_KEY)
@@ -181,11 +185,11 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
             entry.lease_expiry_s = expiry_s
         if entry.holds is not None:
             add_timed(entry, entry.holds, timed)
-        touch(key)
-        granted += 1
+        touch(entry)
         status_append(OK)
         size_append(entry.size_bytes)
-    counters.leases_granted += granted
+    table.touch_all(touched)
+    counters.leases_granted += len(touched)
     counters.leases_lapsed += lapsed
     return statuses, sizes
 
@@ -193,14 +197,16 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
 def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
                  now: float, ttl_s: float, counters: LeaseCounters) -> int:
     """Return the number of leading READY keys, leasing and touching each of them."""
-    get = table.key_to_object.get
-    touch = table.key_to_object.move_to_end
+    shards = table.shards
+    mask = SHARD_MASK
+    touched: list[ObjectEntry] = []
+    touch = touched.append
     expiry_s = now + ttl_s
     timed = (0, expiry_s, 0)
     restoring = segments.filtering
-    count = lapsed = 0
+    lapsed = 0
     for key in keys:
-        entry = get(key)
+        entry = shards[hash(key) & mask].get(key)
         if (entry is None or entry.writer_id is not None
                 or (restoring and not mounted_placements(segments, entry.placements))):
             break
@@ -211,11 +217,11 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
             entry.lease_expiry_s = expiry_s
         if entry.holds is not None:
             add_timed(entry, entry.holds, timed)
-        touch(key)
-        count += 1
-    counters.leases_granted += count
+        touch(entry)
+    table.touch_all(touched)
+    counters.leases_granted += len(touched)
     counters.leases_lapsed += lapsed
-    return count
+    return len(touched)
 
 
 def add_timed(entry: ObjectEntry, holds: dict[str, tuple[int, float, int]],
@@ -261,7 +267,7 @@ def end_leases(table: ObjectTable, parked: DeferredFrees, segments: SegmentTable
     """Take lease ``lease_id``'s share off ``reader``'s holds on ``keys`` (what it covered):
     on live objects, and on force-removed ones still parked (freed now when no live hold is
     left)."""
-    get = table.key_to_object.get
+    get = table.get
     ended = 0
     for key in keys:
         entry = get(key)

@@ -29,7 +29,7 @@ from kvpool_master.core.events import (
     Event,
     SegmentMounted,
 )
-from kvpool_master.core.objects import ObjectTable
+from kvpool_master.core.objects import SHARD_MASK, ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
@@ -241,12 +241,11 @@ class MasterCore(Tiering):
         if covered:
             self._open_leases.add(self.last_lease_id, reader,  # type: ignore[arg-type]
                                   covered, now + ttl_s)
-        if self._objects.dram_order is not None:
+        if self._objects.dram_order is not None and \
+                self._segments.tier_to_capacity_bytes[Tier.SSD]:
             hit = [(key, r.placements[0]) for key, r in zip(keys, results, strict=True)
                    if r.status == 0]
-            self._objects.touch([key for key, _ in hit])
-            if self._segments.tier_to_capacity_bytes[Tier.SSD]:
-                self._note_ssd_hits([key for key, _ in hit], [p for _, p in hit])
+            self._note_ssd_hits([key for key, _ in hit], [p for _, p in hit])
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return results
@@ -272,9 +271,6 @@ class MasterCore(Tiering):
         result = leases.exist(self._objects, self._segments, keys, now,
                               self._config.default_lease_ttl_s, self._config.max_key_bytes,
                               counters)
-        if self._objects.dram_order is not None:
-            self._objects.touch([key for key, status in zip(keys, result[0], strict=True)
-                                 if status == Status.OK])
         self._counters.read_keys += len(keys)
         self._counters.read_hit_keys += counters.leases_granted - before
         return result
@@ -286,8 +282,6 @@ class MasterCore(Tiering):
             return 0
         count = leases.query_prefix(self._objects, self._segments, keys, now,
                                     self._config.default_lease_ttl_s, self._lease_counters)
-        if count and self._objects.dram_order is not None:
-            self._objects.touch(list(keys[:count]))
         counters = self._counters
         counters.lookup_queries += 1
         counters.lookup_keys += len(keys)
@@ -299,7 +293,7 @@ class MasterCore(Tiering):
         SSD segment was ever mounted (everything is in DRAM). Changes nothing."""
         if self._objects.dram_order is None:
             return None
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         segment_of = self._segments.id_to_segment.get
         tiers: list[Tier] = []
         for key in keys:
@@ -399,8 +393,9 @@ class MasterCore(Tiering):
     # ---- helpers shared with mutations.py ------------------------------------------------
 
     def _drop_client(self, client_id: ClientId, now: float) -> None:
-        for key in [k for k, started in self._objects.pending_key_to_started_s.items()
-                    if self._objects.key_to_object[k].writer_id == client_id]:
+        objects = self._objects
+        for key in [k for k in objects.pending_key_to_started_s
+                    if objects.shards[hash(k) & SHARD_MASK][k].writer_id == client_id]:
             self._reclaim(key, now)
         for state in self._segments.owned_by(client_id):
             self._lose_segment(state, now)

@@ -50,7 +50,7 @@ from kvpool_master.core.events import (
 )
 from kvpool_master.core.eviction import MAX_VICTIMS, select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
-from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
 from kvpool_wire.status import Status
@@ -128,7 +128,8 @@ class Mutations:
         largest_bytes = self._segments.largest_segment_bytes()
         num_segments = self._segments.num_dram_segments()
         max_key_bytes = config.max_key_bytes
-        get = self._objects.key_to_object.get
+        shards = self._objects.shards
+        mask = SHARD_MASK
         id_to_segment = self._segments.id_to_segment
         dying = self._segments.dying
         size_to_int = self._objects.size_to_int
@@ -156,7 +157,7 @@ class Mutations:
             # One int object per distinct size (KV blocks share a few sizes): saves 32 bytes
             # per object, as entry and placements both hold it.
             size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
-            entry = get(key)
+            entry = shards[hash(key) & mask].get(key)
             if entry is not None and dying and not any(
                     p.segment_id in id_to_segment for p in entry.placements):
                 self._drop((key,), "segment_lost", now)  # on lost segments only: sweep it now
@@ -219,16 +220,17 @@ class Mutations:
         if self._clients.live(client_id) is None:
             return [Status.UNKNOWN_CLIENT] * n
         objects = self._objects
-        get = objects.key_to_object.get
+        shards = objects.shards
+        mask = SHARD_MASK
         events = self._events
         statuses: list[Status] = []
-        committed = 0
+        committed: list[ObjectEntry] = []
         for i, key in enumerate(keys):
             checksum = checksums[i] if checksums is not None else 0
             if type(checksum) is not int or not 0 <= checksum <= _MAX_CHECKSUM:
                 statuses.append(Status.INVALID_ARGUMENT)
                 continue
-            entry = get(key)
+            entry = shards[hash(key) & mask].get(key)
             if entry is None:
                 statuses.append(self._missing(key))
             elif entry.writer_id is None:
@@ -239,9 +241,10 @@ class Mutations:
                 objects.commit(key, entry, checksum)
                 events.append(ObjectCommitted(key, entry.size_bytes, entry.placements, checksum,
                                               entry.pin, entry.parent_key))
-                committed += 1
+                committed.append(entry)
                 statuses.append(Status.OK)
-        self._counters.put_committed += committed
+        objects.touch_all(committed)
+        self._counters.put_committed += len(committed)
         return statuses
 
     def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
@@ -256,7 +259,7 @@ class Mutations:
             return [Status.INVALID_ARGUMENT] * n
         if self._clients.live(client_id) is None:
             return [Status.UNKNOWN_CLIENT] * n
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         statuses: list[Status] = []
         for key in keys:
             entry = get(key)
@@ -280,7 +283,7 @@ class Mutations:
         A forced remove hides the object at once; its bytes are reused only after the lease."""
         if len(keys) > self._config.max_batch_keys:
             return [Status.INVALID_ARGUMENT] * len(keys)
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         statuses: list[Status] = []
         for key in keys:
             entry = get(key)
@@ -388,7 +391,7 @@ class Mutations:
         keys = state.keys
         seen = state.compact_seen
         assert seen is not None
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         segment_id = state.info.segment_id
         read, write = state.compact_read, state.compact_write
         stop = min(len(keys), read + budget)
@@ -528,12 +531,11 @@ class Mutations:
         """Take the victims that also live on another tier out of ``victims``: they only lose
         their replicas on ``tier`` (freed now: victims hold no lease). Returns how many."""
         get = self._segments.id_to_segment.get
-        key_to_object = self._objects.key_to_object
-        order = self._objects.dram_order
+        objects = self._objects
         dropped: list[ObjectKey] = []
         to_free: list[Placement] = []
         for key in victims:
-            entry = key_to_object[key]
+            entry = objects.shards[hash(key) & SHARD_MASK][key]
             here = [p for p in entry.placements
                     if (s := get(p.segment_id)) is not None and s.info.tier == tier]
             if len(here) == len(entry.placements):
@@ -541,8 +543,8 @@ class Mutations:
                 continue
             entry.placements = tuple(p for p in entry.placements if p not in here)
             to_free += here
-            if tier == Tier.DRAM and order is not None:
-                order.pop(key, None)
+            if tier == Tier.DRAM:
+                objects.dram_remove(entry)
             self._events.append(ReplicasChanged(key, entry.size_bytes, entry.placements,
                                                 entry.checksum, entry.pin, entry.parent_key))
         kept = len(victims) - len(dropped)

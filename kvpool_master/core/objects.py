@@ -1,27 +1,38 @@
-"""The object table: every PENDING and READY object, kept in recency order.
+"""The object table: every PENDING and READY object, by key and in recency order.
 
 Rules of this file:
-- ``key_to_object`` is an ``OrderedDict`` whose order IS the LRU order: a put appends, a commit
-  or a successful read moves the key to the end, so eviction walks it from the front. One
-  structure serves lookups and recency, which keeps a million objects small (see
-  ``benchmarks/master_core.py``).
+- Lookups go through ``shards``: ``NUM_SHARDS`` plain dicts, an object in
+  ``shards[hash(key) & SHARD_MASK]``. A dict that churns at a constant size rebuilds its whole
+  table every so many inserts; one dict of ten million objects would stall the master for
+  seconds each time, a shard for well under a millisecond. Hot loops index the shard inline
+  (``table.get`` is the same, for the rest).
+- Recency is a ``Recency``: a doubly linked list through the entries themselves (``older`` /
+  ``newer``), least recently used first. A put appends, a commit or a successful read moves
+  the object to the recent end, so eviction walks it from the front. No operation on it ever
+  rebuilds anything.
 - An object is PENDING while ``writer_id`` is set (only its writer may commit or revoke it;
   readers never see it) and READY once ``writer_id`` is None. Objects are write-once.
 - Per-object state is one slotted ``ObjectEntry`` holding the placements tuple that reads hand
   out as is (no per-read allocation of placements).
-- ``parent_to_num_children`` counts READY children per parent key; only the prefix-lru policy
-  needs it, so it is kept only then.
-- ``dram_order`` (None until an SSD segment is first mounted, see ``core/tiering.py``) holds the
-  objects with a replica in DRAM in their own recency order, so a DRAM eviction or demotion
-  pass never walks past the objects that live on SSD only. Puts always land in DRAM; the
-  tiering code moves keys in and out of it when replicas change tier.
+- ``child_counts`` (sharded like the objects) counts READY children per parent key; only the
+  prefix-lru policy needs it, so it is kept only then.
+- ``dram_order`` (None until an SSD segment is first mounted, see ``core/tiering.py``) is a
+  second recency list of the objects with a replica in DRAM (through a ``_Link`` per object,
+  ``entry.dram``), so a DRAM eviction or demotion pass never walks past the objects that live
+  on SSD only. Puts always land in DRAM; the tiering code moves objects in and out of it when
+  replicas change tier.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 
 from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement
+
+#: Shards of the key index: ten million objects make about 10 k per shard.
+NUM_SHARDS = 1024
+SHARD_MASK = NUM_SHARDS - 1
 
 
 class ObjectEntry:
@@ -32,10 +43,12 @@ class ObjectEntry:
 
     ``key`` is the very bytes object the table is keyed by: a child naming this object as its
     parent stores a reference to it instead of a copy (chains of blocks are the common case).
+    ``older`` / ``newer`` link it into the table's recency list (None once out of it);
+    ``dram`` is its link in ``dram_order`` (None when not in it).
     """
 
     __slots__ = ("key", "size_bytes", "placements", "writer_id", "lease_expiry_s", "pin",
-                 "checksum", "parent_key", "holds")
+                 "checksum", "parent_key", "holds", "older", "newer", "dram")
 
     def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Placement, ...],
                  writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
@@ -49,84 +62,220 @@ class ObjectEntry:
         self.checksum = checksum
         self.parent_key = parent_key
         self.holds: dict[str, tuple[int, float, int]] | None = None
+        self.older: ObjectEntry | _Link | None = None
+        self.newer: ObjectEntry | _Link | None = None
+        self.dram: _Link | None = None
+
+
+class _Link:
+    """A list's end (its sentinel), or an object's node in ``dram_order``."""
+
+    __slots__ = ("older", "newer", "entry")
+
+    def __init__(self, entry: ObjectEntry | None) -> None:
+        self.older: ObjectEntry | _Link | None = None
+        self.newer: ObjectEntry | _Link | None = None
+        self.entry = entry
+
+
+Node = ObjectEntry | _Link
+
+
+class Recency:
+    """Nodes least recently used first: a circular doubly linked list around one end node
+    (``end.newer`` is the oldest, ``end.older`` the newest). Appending, touching and unlinking
+    cost O(1); a node out of the list has ``newer`` None. Walks read a node's successor before
+    handing the node out, so the walker may unlink the node it holds (and nothing else)."""
+
+    __slots__ = ("_end", "_count", "_of_links")
+
+    def __init__(self, of_links: bool) -> None:
+        end = _Link(None)
+        end.older = end.newer = end
+        self._end = end
+        self._count = 0
+        self._of_links = of_links  # nodes are _Links (walks yield their entries)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def append(self, node: Node) -> None:
+        """Link ``node`` (not in any list) at the recent end."""
+        end = self._end
+        last = end.older
+        last.newer = node  # type: ignore[union-attr]
+        node.older = last
+        node.newer = end
+        end.older = node
+        self._count += 1
+
+    def touch(self, node: Node) -> None:
+        """Move ``node`` (in this list) to the recent end."""
+        end = self._end
+        newer = node.newer
+        if newer is end:
+            return
+        older = node.older
+        older.newer = newer  # type: ignore[union-attr]
+        newer.older = older  # type: ignore[union-attr]
+        last = end.older
+        last.newer = node  # type: ignore[union-attr]
+        node.older = last
+        node.newer = end
+        end.older = node
+
+    def touch_all(self, nodes: Iterable[Node]) -> None:
+        """Move each of ``nodes`` (in this list) to the recent end, in turn."""
+        end = self._end
+        for node in nodes:
+            newer = node.newer
+            if newer is end:
+                continue
+            older = node.older
+            older.newer = newer  # type: ignore[union-attr]
+            newer.older = older  # type: ignore[union-attr]
+            last = end.older
+            last.newer = node  # type: ignore[union-attr]
+            node.older = last
+            node.newer = end
+            end.older = node
+
+    def unlink(self, node: Node) -> None:
+        """Take ``node`` (in this list) out of it."""
+        older = node.older
+        newer = node.newer
+        older.newer = newer  # type: ignore[union-attr]
+        newer.older = older  # type: ignore[union-attr]
+        node.older = node.newer = None
+        self._count -= 1
+
+    def entries(self) -> Iterator[ObjectEntry]:
+        """Walk the objects, least recently used first."""
+        end = self._end
+        node = end.newer
+        if self._of_links:
+            while node is not end:
+                following = node.newer  # type: ignore[union-attr]
+                yield node.entry  # type: ignore[union-attr,misc]
+                node = following
+        else:
+            while node is not end:
+                following = node.newer  # type: ignore[union-attr]
+                yield node  # type: ignore[misc]
+                node = following
 
 
 class ObjectTable:
     """Objects by key in recency order, PENDING objects by start time, chain child counts."""
 
     def __init__(self, track_children: bool) -> None:
-        self.key_to_object: OrderedDict[ObjectKey, ObjectEntry] = OrderedDict()
+        self.shards: list[dict[ObjectKey, ObjectEntry]] = [{} for _ in range(NUM_SHARDS)]
+        self.recency = Recency(of_links=False)
         self.pending_key_to_started_s: OrderedDict[ObjectKey, float] = OrderedDict()
-        self.parent_to_num_children: dict[ObjectKey, int] = {}
+        self.child_counts: list[dict[ObjectKey, int]] | None = \
+            [{} for _ in range(NUM_SHARDS)] if track_children else None
         self.track_children = track_children
         self.ready_bytes = 0  # logical bytes of READY objects (one copy each)
         self.size_to_int: dict[int, int] = {}  # interned object sizes (see put_start)
-        self.dram_order: OrderedDict[ObjectKey, ObjectEntry] | None = None
+        self.dram_order: Recency | None = None
 
     def __len__(self) -> int:
-        return len(self.key_to_object)
+        return len(self.recency)
+
+    def __contains__(self, key: object) -> bool:
+        return type(key) is bytes and key in self.shards[hash(key) & SHARD_MASK]
+
+    def get(self, key: ObjectKey) -> ObjectEntry | None:
+        """Return the entry of ``key`` (bytes), or None."""
+        return self.shards[hash(key) & SHARD_MASK].get(key)
+
+    def entries(self) -> Iterator[ObjectEntry]:
+        """Walk every object, least recently used first (the table must not change meanwhile,
+        but for the walker dropping the entry it holds)."""
+        return self.recency.entries()
 
     def add_pending(self, key: ObjectKey, entry: ObjectEntry, now: float) -> None:
         """Insert a new PENDING object (its key must be absent)."""
-        self.key_to_object[key] = entry
+        self.shards[hash(key) & SHARD_MASK][key] = entry
+        self.recency.append(entry)
         self.pending_key_to_started_s[key] = now
         if self.dram_order is not None:
-            self.dram_order[key] = entry
+            self.dram_add(entry)
 
     def commit(self, key: ObjectKey, entry: ObjectEntry, checksum: int) -> None:
-        """Make a PENDING object READY and most recently used."""
+        """Make a PENDING object READY. The caller makes it most recently used (``touch_all``
+        on the batch's commits, in order)."""
         entry.writer_id = None
         entry.checksum = checksum
         del self.pending_key_to_started_s[key]
-        self.key_to_object.move_to_end(key)
-        if self.dram_order is not None and key in self.dram_order:
-            self.dram_order.move_to_end(key)
         self.ready_bytes += entry.size_bytes
-        if self.track_children and entry.parent_key is not None:
-            counts = self.parent_to_num_children
-            counts[entry.parent_key] = counts.get(entry.parent_key, 0) + 1
+        if self.child_counts is not None and entry.parent_key is not None:
+            self._count_child(entry.parent_key, 1)
 
     def add_ready(self, key: ObjectKey, entry: ObjectEntry) -> None:
         """Insert a READY object at the most recent end (restore and tests)."""
-        self.key_to_object[key] = entry
+        self.shards[hash(key) & SHARD_MASK][key] = entry
+        self.recency.append(entry)
         self.ready_bytes += entry.size_bytes
-        if self.track_children and entry.parent_key is not None:
-            counts = self.parent_to_num_children
-            counts[entry.parent_key] = counts.get(entry.parent_key, 0) + 1
+        if self.child_counts is not None and entry.parent_key is not None:
+            self._count_child(entry.parent_key, 1)
 
     def pop(self, key: ObjectKey) -> ObjectEntry:
         """Remove ``key`` (which must be present) from every index and return its entry."""
-        entry = self.key_to_object.pop(key)
-        if self.dram_order is not None:
-            self.dram_order.pop(key, None)
+        entry = self.shards[hash(key) & SHARD_MASK].pop(key)
+        self.recency.unlink(entry)
+        if entry.dram is not None:
+            self.dram_remove(entry)
         if entry.writer_id is not None:
             del self.pending_key_to_started_s[key]
             return entry
         self.ready_bytes -= entry.size_bytes
-        parent = entry.parent_key
-        if self.track_children and parent is not None:
-            counts = self.parent_to_num_children
-            remaining = counts[parent] - 1
-            if remaining:
-                counts[parent] = remaining
-            else:
-                del counts[parent]
+        if self.child_counts is not None and entry.parent_key is not None:
+            self._count_child(entry.parent_key, -1)
         return entry
 
-    def touch(self, keys: list[ObjectKey]) -> None:
-        """Move ``keys`` (read just now, all present) to the recent end of ``dram_order``
-        (the main order was moved by the read itself)."""
-        order = self.dram_order
-        if order is not None:
-            for key in keys:
-                if key in order:
-                    order.move_to_end(key)
+    def touch_all(self, entries: list[ObjectEntry]) -> None:
+        """Move ``entries`` (read or committed just now, all in the table) to the recent end,
+        in turn, of the recency list and of ``dram_order``."""
+        self.recency.touch_all(entries)
+        if self.dram_order is not None:
+            self.dram_order.touch_all([e.dram for e in entries if e.dram is not None])
+
+    def start_dram_order(self, in_dram: Iterable[ObjectEntry]) -> None:
+        """Start keeping ``dram_order``, with ``in_dram`` (in recency order)."""
+        self.dram_order = Recency(of_links=True)
+        for entry in in_dram:
+            self.dram_add(entry)
+
+    def dram_add(self, entry: ObjectEntry) -> None:
+        """Put ``entry`` (a replica in DRAM now) at the recent end of ``dram_order``, unless
+        it is in it."""
+        if entry.dram is None:
+            entry.dram = _Link(entry)
+            self.dram_order.append(entry.dram)  # type: ignore[union-attr]
+
+    def dram_remove(self, entry: ObjectEntry) -> None:
+        """Take ``entry`` (no replica in DRAM any more) out of ``dram_order``."""
+        link = entry.dram
+        if link is not None:
+            self.dram_order.unlink(link)  # type: ignore[union-attr]
+            link.entry = None
+            entry.dram = None
 
     def shared_key(self, key: ObjectKey) -> ObjectKey:
         """Return the table's own copy of ``key`` when present (to share it), else ``key``."""
-        entry = self.key_to_object.get(key)
+        entry = self.shards[hash(key) & SHARD_MASK].get(key)
         return entry.key if entry is not None else key
 
     def num_children(self, key: ObjectKey) -> int:
         """Return how many READY objects name ``key`` as their parent (prefix-lru only)."""
-        return self.parent_to_num_children.get(key, 0)
+        counts = self.child_counts
+        return counts[hash(key) & SHARD_MASK].get(key, 0) if counts is not None else 0
+
+    def _count_child(self, parent: ObjectKey, change: int) -> None:
+        counts = self.child_counts[hash(parent) & SHARD_MASK]  # type: ignore[index]
+        remaining = counts.get(parent, 0) + change
+        if remaining:
+            counts[parent] = remaining
+        else:
+            del counts[parent]

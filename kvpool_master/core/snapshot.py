@@ -26,7 +26,7 @@ from typing import Any
 
 from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
-from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
 from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
 
@@ -88,9 +88,9 @@ def take_snapshot(clients: ClientTable, segments: SegmentTable,
 
 
 def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
-    for key, entry in objects.key_to_object.items():
+    for entry in objects.entries():
         if entry.writer_id is None:
-            yield object_row(key, entry.size_bytes, entry.placements, entry.checksum,
+            yield object_row(entry.key, entry.size_bytes, entry.placements, entry.checksum,
                              entry.pin, entry.parent_key)
 
 
@@ -123,12 +123,12 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     segment_to_packed: dict[SegmentId, list[int]] = {s: [] for s in infos}
     segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
-    key_to_object = objects.key_to_object
+    shards = objects.shards
     add_ready = objects.add_ready
     mask = _ALIGN_MASK
     for row in snapshot.objects:
         entry = _object_entry(row, infos, usable, max_key_bytes, objects)
-        if entry is None or entry.key in key_to_object:
+        if entry is None or entry.key in shards[hash(entry.key) & SHARD_MASK]:
             dropped += 1
             continue
         key = entry.key
@@ -164,7 +164,8 @@ def _extents(objects: ObjectTable, segment_id: SegmentId,
              keys: list[ObjectKey]) -> list[tuple[int, int, ObjectKey]]:
     """Return (offset, aligned size, key) of each object's replica on ``segment_id``."""
     return [(p.offset, aligned(p.length), key) for key in keys
-            for p in objects.key_to_object[key].placements if p.segment_id == segment_id]
+            for p in objects.shards[hash(key) & SHARD_MASK][key].placements
+            if p.segment_id == segment_id]
 
 
 def _overlapping(objects: ObjectTable,

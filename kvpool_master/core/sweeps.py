@@ -87,7 +87,7 @@ class Sweeps(Mutations):
         """Advance ``job`` by ``budget_keys`` entries (all when None); return how many it
         looked at."""
         looked = 0
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         pattern, force = job.pattern, job.force
         while job.index < len(job.segments):
             state, end = job.segments[job.index]
@@ -173,8 +173,7 @@ class Sweeps(Mutations):
         keys = state.keys
         start = state.sweep_at
         stop = len(keys) if budget_keys is None else min(len(keys), start + budget_keys)
-        get = self._objects.key_to_object.get
-        order = self._objects.dram_order
+        get = self._objects.get
         lost: dict[ObjectKey, None] = {}  # a key may be listed twice
         seq = self._segments.next_free_seq()
         for index in range(start, stop):
@@ -191,9 +190,9 @@ class Sweeps(Mutations):
                     if p.segment_id == segment_id:
                         self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length, seq)
             entry.placements = kept
-            if order is not None and state.info.tier == Tier.DRAM and key in order and \
+            if entry.dram is not None and state.info.tier == Tier.DRAM and \
                     not self._segments.has_tier(kept, Tier.DRAM):
-                del order[key]  # on SSD only now
+                self._objects.dram_remove(entry)  # on SSD only now
         self._drop(list(lost), "segment_lost", now)
         self._counters.segment_lost_objects += len(lost)
         # let go of the swept keys now, a step at a time, not all at the end in one go

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from kvpool_master.core.allocator import aligned
@@ -125,9 +125,8 @@ def build_dram_order(objects: ObjectTable, segments: SegmentTable) -> None:
     """Start keeping ``objects.dram_order`` (the first SSD segment was mounted or restored)."""
     if objects.dram_order is not None:
         return
-    objects.dram_order = OrderedDict(
-        (key, entry) for key, entry in objects.key_to_object.items()
-        if segments.has_tier(entry.placements, Tier.DRAM))
+    objects.start_dram_order(entry for entry in objects.entries()
+                             if segments.has_tier(entry.placements, Tier.DRAM))
 
 
 class Tiering(Sweeps):
@@ -188,7 +187,7 @@ class Tiering(Sweeps):
 
     def _finish_copy(self, task: CopyTask, ok: bool, now: float) -> None:
         self._copies.forget(task)
-        entry = self._objects.key_to_object.get(task.key)
+        entry = self._objects.get(task.key)
         current = (ok and entry is task.entry and entry.writer_id is None
                    and any(p is task.source for p in entry.placements)
                    and self._segments.get(task.target.segment_id) is task.target_state
@@ -205,9 +204,8 @@ class Tiering(Sweeps):
         assert entry is not None
         if task.promote:
             entry.placements = (task.target, *entry.placements)
-            order = self._objects.dram_order
-            if order is not None:
-                order[task.key] = entry
+            if self._objects.dram_order is not None:
+                self._objects.dram_add(entry)
             counters.promotions_done += 1
         else:
             entry.placements = (*entry.placements, task.target)
@@ -273,7 +271,8 @@ class Tiering(Sweeps):
         full: set[ClientId] = set()
         wanted: list[tuple[ObjectKey, ObjectEntry, Placement, ClientId]] = []
         seen_bytes = 0
-        for key, entry in itertools.islice(order.items(), SCAN_LIMIT):
+        for entry in itertools.islice(order.entries(), SCAN_LIMIT):
+            key = entry.key
             if entry.writer_id is not None or entry.pin is Pin.HARD:
                 continue
             seen_bytes += aligned(entry.size_bytes)
@@ -312,7 +311,7 @@ class Tiering(Sweeps):
         if now < copies.promote_retry_s:
             return
         wanted, copies.wanted = list(copies.wanted), {}
-        get = self._objects.key_to_object.get
+        get = self._objects.get
         segment_of = self._segments.id_to_segment.get
         for index, key in enumerate(wanted):
             entry = get(key)

@@ -151,8 +151,7 @@ def check_no_overlap(core: MasterCore, now: float) -> None:
     """Every live extent (objects' replicas, leased extents of removed objects) is disjoint,
     and each segment's used bytes are exactly those extents."""
     seg_to_extents: dict[str, list[tuple[int, int]]] = {}
-    table = core._objects.key_to_object
-    for entry in table.values():
+    for entry in core._objects.entries():
         for p in entry.placements:
             seg_to_extents.setdefault(p.segment_id, []).append((p.offset, aligned(p.length)))
     for segment_id, offset, size in core._deferred.extents():
@@ -209,9 +208,10 @@ def run_pressure(operations: list[tuple]) -> None:  # type: ignore[type-arg]
                     pending.add(key)
                 if status == Status.NO_SPACE:
                     # Nothing evictable was left: every READY object is leased or hard-pinned.
-                    for other, entry in core._objects.key_to_object.items():
+                    for entry in core._objects.entries():
                         if entry.writer_id is None:
-                            assert entry.lease_expiry_s > now or entry.pin == Pin.HARD, other
+                            assert entry.lease_expiry_s > now or entry.pin == Pin.HARD, \
+                                entry.key
             if name == "put":
                 core.put_end(writer, keys, now)
                 pending.difference_update(keys)
@@ -229,7 +229,7 @@ def run_pressure(operations: list[tuple]) -> None:  # type: ignore[type-arg]
             check_events()
             assert core.mount_segment(SegmentInfo(SegmentId("s1"), owner, 16 * 4096), now) == (
                 Status.OK)
-            for entry in core._objects.key_to_object.values():
+            for entry in core._objects.entries():
                 assert all(p.segment_id == "s0" for p in entry.placements)
         for key in pending:
             assert core.exist([key], now) == ([Status.NOT_FOUND], [0])

@@ -43,7 +43,8 @@ def put(core: MasterCore, name: str, now: float) -> Status:
 
 def segments_of(core: MasterCore, name: str) -> list[str]:
     """Where an object lives, without reading it (a read would change its recency)."""
-    entry = core._objects.key_to_object[ObjectKey(name.encode())]
+    entry = core._objects.get(ObjectKey(name.encode()))
+    assert entry is not None
     return [p.segment_id for p in entry.placements]
 
 
@@ -77,7 +78,7 @@ def test_puts_never_land_on_ssd() -> None:
         assert put(core, f"k{i}", float(i)) == Status.OK
     # SSD space is taken only by the targets of demotion copies (none reported yet)
     assert all(segments_of(core, name) == [DRAM] for name in (f"k{i}" for i in range(30))
-               if ObjectKey(name.encode()) in core._objects.key_to_object)
+               if ObjectKey(name.encode()) in core._objects)
     assert core.stats().tier_to_used_bytes[Tier.SSD] == BLOCK * len(fetch(core, 40.0)) > 0
     [(status, placements)] = core.put_start(A, [ObjectKey(b"x")], [BLOCK],
                                             PutOptions(preferred_segment=SSD), 40.0)
@@ -210,6 +211,6 @@ def test_losing_the_dram_segment_leaves_the_ssd_copies_readable() -> None:
     report(core, fetch(core, 10.0), 11.0)
     assert core.unmount_segment(A, DRAM, 12.0) == Status.OK
     assert segments_of(core, "k0") == [SSD]                   # demoted: lives on
-    assert ObjectKey(b"k3") not in core._objects.key_to_object  # DRAM only: gone
-    assert ObjectKey(b"k0") not in core._objects.dram_order  # type: ignore[operator]
+    assert ObjectKey(b"k3") not in core._objects               # DRAM only: gone
+    assert core._objects.get(ObjectKey(b"k0")).dram is None  # type: ignore[union-attr]
     read(core, "k0", 13.0)

@@ -1,0 +1,142 @@
+"""The object table's own structures against an ``OrderedDict`` model: the sharded key index,
+the recency list (appends, touches, removals, walks), the DRAM order and the child counts.
+
+The property runs derandomized (the same examples every run, so it cannot fail by chance).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvpool_master.core.objects import NUM_SHARDS, ObjectEntry, ObjectTable
+from kvpool_wire.types import ClientId, ObjectKey, Pin
+
+KEYS = [ObjectKey(b"k%d" % i) for i in range(5)]
+WRITER = ClientId("w")
+
+OPS = st.lists(st.tuples(st.sampled_from(["put", "commit", "touch", "pop", "dram_start",
+                                          "dram_add", "dram_remove", "read"]),
+                         st.sampled_from(KEYS), st.sampled_from([None, *KEYS[:3]])),
+               max_size=80)
+
+
+class Model:
+    def __init__(self) -> None:
+        self.order: OrderedDict[ObjectKey, tuple[bool, ObjectKey | None]] = OrderedDict()
+        self.dram: OrderedDict[ObjectKey, None] | None = None
+        self.pending: dict[ObjectKey, None] = {}  # by start
+
+    def children(self) -> dict[ObjectKey, int]:
+        counts: dict[ObjectKey, int] = {}
+        for ready, parent in self.order.values():
+            if ready and parent is not None:
+                counts[parent] = counts.get(parent, 0) + 1
+        return counts
+
+
+def check(table: ObjectTable, model: Model) -> None:
+    assert [e.key for e in table.entries()] == list(model.order)
+    assert len(table) == len(model.order)
+    for key in KEYS:
+        entry = table.get(key)
+        assert (entry is not None) == (key in model.order) == (key in table)
+        if entry is not None:
+            assert entry.key == key and (entry.writer_id is None) == model.order[key][0]
+    assert list(table.pending_key_to_started_s) == list(model.pending)
+    assert table.ready_bytes == sum(ready for ready, _ in model.order.values())
+    for key in KEYS:
+        assert table.num_children(key) == model.children().get(key, 0)
+    if model.dram is None:
+        assert table.dram_order is None
+    else:
+        assert table.dram_order is not None
+        assert [e.key for e in table.dram_order.entries()] == list(model.dram)
+        assert len(table.dram_order) == len(model.dram)
+
+
+@settings(max_examples=500, derandomize=True, deadline=None)
+@given(OPS)
+@example([("dram_start", KEYS[4], None), ("put", KEYS[0], None), ("put", KEYS[1], None),
+          ("commit", KEYS[0], None)])  # a commit is recent in the DRAM order too
+def test_the_table_keeps_the_order_a_model_ordered_dict_keeps(ops: list[tuple[str, ObjectKey,
+                                                                              ObjectKey | None]]
+                                                              ) -> None:
+    table = ObjectTable(track_children=True)
+    model = Model()
+    for name, key, parent in ops:
+        entry = table.get(key)
+        if name == "put" and entry is None:
+            table.add_pending(key, ObjectEntry(key, 1, (), WRITER, Pin.NONE, parent), 0.0)
+            model.order[key] = (False, parent)
+            model.pending[key] = None
+            if model.dram is not None:
+                model.dram[key] = None
+        elif name == "commit" and entry is not None and entry.writer_id is not None:
+            table.commit(key, entry, 0)
+            table.touch_all([entry])
+            model.order[key] = (True, model.order[key][1])
+            del model.pending[key]
+            model.order.move_to_end(key)
+            if model.dram is not None and key in model.dram:
+                model.dram.move_to_end(key)
+        elif name == "touch" and entry is not None:
+            table.recency.touch(entry)
+            model.order.move_to_end(key)
+        elif name == "pop" and entry is not None:
+            assert table.pop(key) is entry
+            assert entry.older is None and entry.newer is None and entry.dram is None
+            del model.order[key]
+            model.pending.pop(key, None)
+            if model.dram is not None:
+                model.dram.pop(key, None)
+        elif name == "dram_start" and model.dram is None:
+            in_dram = [e for e in table.entries() if e.key != key]  # one of them not in DRAM
+            table.start_dram_order(in_dram)
+            model.dram = OrderedDict((e.key, None) for e in in_dram)
+        elif name == "dram_add" and entry is not None and model.dram is not None:
+            table.dram_add(entry)
+            model.dram.setdefault(key, None)
+        elif name == "dram_remove" and entry is not None and model.dram is not None:
+            table.dram_remove(entry)
+            model.dram.pop(key, None)
+        elif name == "read" and entry is not None:
+            table.touch_all([entry])
+            model.order.move_to_end(key)
+            if model.dram is not None and key in model.dram:
+                model.dram.move_to_end(key)
+        check(table, model)
+
+
+def test_a_walk_may_drop_the_entry_it_holds() -> None:
+    table = ObjectTable(track_children=False)
+    for key in KEYS:
+        table.add_ready(key, ObjectEntry(key, 1, (), None, Pin.NONE, None))
+    table.start_dram_order(list(table.entries()))
+    seen = []
+    for entry in table.entries():
+        seen.append(entry.key)
+        if entry.key in KEYS[::2]:
+            table.pop(entry.key)
+    assert seen == KEYS
+    assert [e.key for e in table.entries()] == KEYS[1::2]
+    assert [e.key for e in table.dram_order.entries()] == KEYS[1::2]  # type: ignore[union-attr]
+
+
+def test_many_keys_spread_over_every_shard_and_come_back_in_order() -> None:
+    table = ObjectTable(track_children=False)
+    keys = [ObjectKey(b"key-%d" % i) for i in range(20 * NUM_SHARDS)]
+    for key in keys:
+        table.add_ready(key, ObjectEntry(key, 1, (), None, Pin.NONE, None))
+    assert all(len(shard) > 0 for shard in table.shards)
+    assert max(len(shard) for shard in table.shards) < 20 * 4
+    for key in keys[::3]:
+        table.recency.touch(table.get(key))  # type: ignore[arg-type]
+    expected = [k for i, k in enumerate(keys) if i % 3] + keys[::3]
+    assert [e.key for e in table.entries()] == expected
+    for key in keys[1::3]:
+        table.pop(key)
+    assert [e.key for e in table.entries()] == [k for k in expected if k not in set(keys[1::3])]
+    assert len(table) == sum(len(shard) for shard in table.shards)
