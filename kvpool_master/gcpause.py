@@ -13,9 +13,11 @@ Rules of this file:
   tick instead, a pause walks what one tick interval allocated, and the survivors are frozen
   at once.
 - The price: a reference cycle among frozen objects that later becomes garbage is never
-  collected. The master's tables hold no cycles (restore freezes them for the same reason,
-  ``persist.py``); what could leak is a cycle the event loop had in flight at the instant of a
-  freeze and dropped later, a few objects per full collection.
+  collected. The master's tables leave no cycles behind: the recency list links entries both
+  ways, and every way out of the table unlinks the entry (``core/objects.py``), so reference
+  counting frees it (restore freezes the tables for the same reason, ``persist.py``). What
+  could leak is a cycle the event loop had in flight at the instant of a freeze and dropped
+  later, a few objects per full collection.
 - Pauses are counted per generation (count, total and longest seconds) and exported as
   ``kvpool_master_gc_*`` metrics with the number of frozen objects.
 """

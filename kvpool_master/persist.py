@@ -236,7 +236,8 @@ class StateStore:
                                                             warnings)
         log_records = tail + log_records
         # Restoring creates millions of long-lived objects; the cyclic collector would rescan
-        # them over and over (half the restore time at 100k objects) and there are no cycles.
+        # them over and over (half the restore time at 100k objects); an object leaving the
+        # table unlinks itself, so the collector is not needed to free it.
         gc_was_enabled = gc.isenabled()
         gc.disable()
         overlay = Overlay(clients, segments)
@@ -251,7 +252,7 @@ class StateStore:
                                   now, self._restore_grace_s)
         finally:
             if gc_was_enabled:
-                # The restored index has no reference cycles: keep the collector from walking
+                # Nothing in the restored index needs the collector: keep it from walking
                 # it (a full collection of a million objects takes about half a second).
                 gc.freeze()
                 gc.enable()

@@ -140,3 +140,50 @@ def test_many_keys_spread_over_every_shard_and_come_back_in_order() -> None:
         table.pop(key)
     assert [e.key for e in table.entries()] == [k for k in expected if k not in set(keys[1::3])]
     assert len(table) == sum(len(shard) for shard in table.shards)
+
+
+def test_objects_that_leave_the_table_are_freed_without_the_cyclic_collector() -> None:
+    """The recency links make cycles while an object is in the table; every way out of it
+    breaks them, so reference counting frees the entry (the server freezes the collector's
+    survivors, so a cycle left behind would never be freed)."""
+    import gc
+
+    from kvpool_master.core.master import CoreConfig, MasterCore
+    from kvpool_wire.status import Status
+    from kvpool_wire.types import PutOptions, SegmentId, SegmentInfo, Tier
+
+    block = 4096
+    core = MasterCore(CoreConfig(eviction_high_watermark_ratio=0.8, eviction_ratio=0.1,
+                                 default_lease_ttl_s=0.5, client_ttl_s=1e9,
+                                 put_start_discard_timeout_s=1e9, ssd_promote_after_hits=1))
+    owner = ClientId("owner")
+    core.register_client(owner, "h", b"k" * 32, 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("dram"), owner, 40 * block), 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("ssd"), owner, 60 * block, tier=Tier.SSD,
+                                   file_path="/ssd/a"), 0.0)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        now = 1.0
+        for i in range(400):
+            now += 1.0
+            key = ObjectKey(b"k%d" % i)
+            [(status, _)] = core.put_start(owner, [key], [block], PutOptions(), now)
+            if status == Status.OK:
+                core.put_end(owner, [key], now, [i])
+            core.get_replicas([ObjectKey(b"k%d" % (i // 2))], now)   # promotions
+            if i % 7 == 0:
+                core.remove([ObjectKey(b"k%d" % (i - 3))], True, now)
+            if i % 5 == 0:
+                core.tick(now)
+                _, tasks = core.copy_tasks(owner, [], 64, now)
+                core.copy_tasks(owner, [(t.task_id, 0) for t in tasks], 0, now)
+        stats = core.stats()
+        assert stats.demotions_done_total and stats.promotions_done_total \
+            and stats.evicted_objects_total
+        live = sum(type(o) is ObjectEntry for o in gc.get_objects())
+        assert live == len(core._objects) < 400
+    finally:
+        if was_enabled:
+            gc.enable()
