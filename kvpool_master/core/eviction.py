@@ -29,9 +29,10 @@ from kvpool_master.core.segments import SegmentTable
 from kvpool_wire.types import ObjectKey, Pin, Tier
 
 POLICIES = ("lru", "prefix-lru")
-#: Most objects one pass evicts (about 5 ms of work): a watermark pass over small objects
-#: would otherwise hold the master for as long as it takes to evict a few percent of the table.
-MAX_VICTIMS = 4096
+#: Most objects one pass evicts (a few ms of work, freeing scattered extents of a table of
+#: millions included): a watermark pass over small objects would otherwise hold the master for
+#: as long as it takes to evict a few percent of the table.
+MAX_VICTIMS = 1024
 
 
 class _Pass:

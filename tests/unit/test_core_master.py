@@ -479,6 +479,30 @@ def test_the_key_index_holds_every_live_key_while_it_is_compacted_a_few_entries_
     assert dropped == live
 
 
+def test_a_compaction_pass_over_a_long_key_list_keeps_each_live_key_once() -> None:
+    # 12,000 keys on one segment, 9,000 removed and some re-put (listed twice): the pass that
+    # follows splits what it has seen over several sets and ends with each live key once.
+    core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0), size=64 * MIB)
+    state = core._segments.get(SegmentId("seg-client-a"))
+    assert state is not None
+    names = [b"k-%d" % i for i in range(12_000)]
+    for i in range(0, len(names), 1000):
+        put(core, A, names[i:i + 1000], size=64)
+    for i in range(0, len(names), 1000):
+        gone = [ObjectKey(k) for k in names[i:i + 1000] if int(k[2:]) % 4]
+        assert core.remove(gone, False, 1.0) == [Status.OK] * len(gone)
+    assert put(core, A, names[1:400:4], size=64) == [Status.OK] * 100  # listed twice now
+    assert state.compact_seen is not None and len(state.compact_seen) > 1
+    extra = 0
+    while state.compact_seen is not None or state.compact_gap is not None:
+        assert state.compact_seen is None or state.compact_gap is None
+        put(core, A, [b"new-%d" % extra], size=64)
+        extra += 1
+    live = [ObjectKey(k) for k in names if int(k[2:]) % 4 == 0] + \
+        [ObjectKey(k) for k in names[1:400:4]] + [ObjectKey(b"new-%d" % i) for i in range(extra)]
+    assert sorted(state.keys) == sorted(live)
+
+
 def test_the_per_segment_key_index_stays_small_and_exact() -> None:
     core = core_with(A, B, config=CoreConfig(eviction_high_watermark_ratio=1.0))
     # Churn 5000 objects through segment A, keeping 10 of them, and one two-replica object.
