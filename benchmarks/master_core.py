@@ -4,7 +4,8 @@ Prints keys/s for put_start+put_end, get_replicas, exist and query_prefix at bat
 and 1000; one eviction pass over a full pool; resident memory per million objects; snapshot
 and restore times; time to drop a segment; the allocator's fragmentation on a KV-like workload;
 placement with up to 50,000 segments, and puts into a segment emptied by single removes; the
-cyclic collector's pauses while the table fills, with and without the master's freeze policy.
+cyclic collector's pauses while the table fills, with and without the master's freeze policy;
+the longest single step of a table under churn, and of a full pool under put/get churn.
 
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.persist import StateStore
-from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo, Tier
 
 OBJECT_BYTES = 64 << 10
 CLIENT = ClientId("bench-client")
@@ -310,7 +311,7 @@ def bench_table_churn(num_objects: int) -> None:
     from kvpool_master.core.objects import ObjectEntry, ObjectTable
     from kvpool_wire.types import Pin
 
-    def churn(insert: Callable[[bytes], None], drop_oldest: Callable[[], None]) -> float:
+    def churn(insert: Callable[[bytes], None], drop_oldest: Callable[[], object]) -> float:
         longest_s = 0.0
         for i in range(num_objects, num_objects + num_objects * 3 // 2):
             started = time.perf_counter()
@@ -322,7 +323,7 @@ def bench_table_churn(num_objects: int) -> None:
     ordered: OrderedDict[bytes, None] = OrderedDict((b"%016d" % i, None)
                                                     for i in range(num_objects))
     ordered_s = churn(lambda key: ordered.__setitem__(key, None),
-                      lambda: ordered.popitem(last=False) and None)
+                      lambda: ordered.popitem(last=False))
     ordered.clear()
     table = ObjectTable(track_children=False)
 
@@ -331,10 +332,71 @@ def bench_table_churn(num_objects: int) -> None:
 
     for i in range(num_objects):
         insert(b"%016d" % i)
-    table_s = churn(insert, lambda: table.pop(next(table.entries()).key) and None)
+    table_s = churn(insert, lambda: table.pop(next(table.entries()).key))
     print(f"\ntable churn ({num_objects:,} keys, {num_objects * 3 // 2:,} inserts and deletes), "
           f"longest single insert: OrderedDict {ordered_s * 1e3:.1f} ms (a whole-table "
           f"rebuild), object table {table_s * 1e3:.2f} ms")
+
+
+def bench_churn_steps(num_objects: int) -> None:
+    """The longest single call while a full pool of ``num_objects`` churns: 100-key put
+    batches (each evicting about as much as it puts, LRU victims scattered by 100-key reads
+    of recent keys), for one and a half times the table. This is where whole-table steps
+    show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long."""
+    from kvpool_master.core import mutations
+
+    gc.collect()
+    core = MasterCore(CoreConfig())
+    core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("big"), CLIENT, num_objects * 4096), 0.0)
+    for i in range(64):
+        core.mount_segment(SegmentInfo(SegmentId(f"small-{i}"), CLIENT, 64 * 4096), 0.0)
+    sizes = [4096] * 100
+    for i in range(0, num_objects, 1000):
+        chunk = keys_of(i, 1000)
+        core.put_start(CLIENT, chunk, [4096] * 1000, OPTIONS, 1.0)
+        core.put_end(CLIENT, chunk, 1.0)
+        core.take_events()
+    passes: list[float] = []
+    evict_pass = mutations.Mutations._evict_pass
+
+    def timed_pass(self: mutations.Mutations, tier: Tier, need_bytes: int, now: float) -> int:
+        started = time.perf_counter()
+        try:
+            return evict_pass(self, tier, need_bytes, now)
+        finally:
+            passes.append(time.perf_counter() - started)
+
+    mutations.Mutations._evict_pass = timed_pass  # type: ignore[method-assign]
+    rng = random.Random(3)
+    longest = {"put_start": 0.0, "put_end": 0.0, "get_replicas": 0.0}
+    now = 2.0
+    try:
+        for start in range(num_objects, num_objects + num_objects * 3 // 2, 100):
+            now += 0.001
+            chunk = keys_of(start, 100)
+            reads = [ObjectKey(b"%064x" % rng.randrange(start - num_objects // 40, start))
+                     for _ in range(100)]
+            started = time.perf_counter()
+            core.put_start(CLIENT, chunk, sizes, OPTIONS, now)
+            put_s = time.perf_counter()
+            core.put_end(CLIENT, chunk, now)
+            end_s = time.perf_counter()
+            core.get_replicas(reads, now)
+            get_s = time.perf_counter()
+            for name, elapsed in (("put_start", put_s - started), ("put_end", end_s - put_s),
+                                  ("get_replicas", get_s - end_s)):
+                longest[name] = max(longest[name], elapsed)
+            core.take_events()
+    finally:
+        mutations.Mutations._evict_pass = evict_pass  # type: ignore[method-assign]
+    passes.sort()
+    print(f"\nchurn of a full pool of {num_objects:,} objects ({num_objects * 3 // 2:,} puts in "
+          f"100-key batches): longest put_start {longest['put_start'] * 1e3:.1f} ms, "
+          f"put_end {longest['put_end'] * 1e3:.1f} ms, get_replicas "
+          f"{longest['get_replicas'] * 1e3:.1f} ms; {len(passes):,} eviction passes, p50 / p99 "
+          f"/ longest {passes[len(passes) // 2] * 1e3:.1f} / "
+          f"{passes[int(len(passes) * 0.99)] * 1e3:.1f} / {passes[-1] * 1e3:.1f} ms")
 
 
 def main() -> None:
@@ -355,6 +417,7 @@ def main() -> None:
     bench_put_after_removes()
     bench_gc_pauses(1_000_000 if args.full else 200_000)
     bench_table_churn(2_000_000 if args.full else 200_000)
+    bench_churn_steps(2_000_000 if args.full else 200_000)
 
 
 if __name__ == "__main__":
