@@ -342,7 +342,9 @@ def bench_churn_steps(num_objects: int) -> None:
     """The longest single call while a full pool of ``num_objects`` churns: 100-key put
     batches (each evicting about as much as it puts, LRU victims scattered by 100-key reads
     of recent keys), for one and a half times the table. This is where whole-table steps
-    show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long."""
+    show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long.
+    The cyclic collector is off meanwhile: the server bounds its pauses on its own (see
+    ``bench_gc_pauses``), and one of Python's own full collections would hide the rest."""
     from kvpool_master.core import mutations
 
     gc.collect()
@@ -368,6 +370,8 @@ def bench_churn_steps(num_objects: int) -> None:
             passes.append(time.perf_counter() - started)
 
     mutations.Mutations._evict_pass = timed_pass  # type: ignore[method-assign]
+    gc.collect()
+    gc.disable()
     rng = random.Random(3)
     longest = {"put_start": 0.0, "put_end": 0.0, "get_replicas": 0.0}
     now = 2.0
@@ -389,6 +393,7 @@ def bench_churn_steps(num_objects: int) -> None:
                 longest[name] = max(longest[name], elapsed)
             core.take_events()
     finally:
+        gc.enable()
         mutations.Mutations._evict_pass = evict_pass  # type: ignore[method-assign]
     passes.sort()
     print(f"\nchurn of a full pool of {num_objects:,} objects ({num_objects * 3 // 2:,} puts in "

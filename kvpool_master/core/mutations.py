@@ -367,12 +367,8 @@ class Mutations:
         once it holds far more entries than the segment holds extents."""
         if self._jobs:
             return  # a removal job walks the key lists: append only (see sweeps.py)
-        gap = state.compact_gap
-        if gap is not None:  # the last pass's dropped entries: cut the end of them out
-            start, end = gap
-            cut = max(start, end - TRIM_STEP * count)
-            del state.keys[cut:end]
-            state.compact_gap = (start, cut) if cut > start else None
+        if state.compact_gap is not None or state.compact_spent:
+            self._after_pass(state, count)
             return
         if state.compact_seen is None:
             if len(state.keys) <= 2 * state.allocator.num_extents + 1024:
@@ -394,11 +390,25 @@ class Mutations:
             self._noted(run.state, run.noted)
             run.noted = 0
 
+    def _after_pass(self, state: SegmentState, count: int) -> None:
+        """Let go of what the last compaction pass of ``state.keys`` left, a step per key
+        appended: the sets of keys it saw (a few of about 4,096 keys each: millions dropped
+        at once took 50 ms) and the run of None it left in the list."""
+        spent = state.compact_spent
+        if spent:
+            del spent[-min(count, 4):]
+        gap = state.compact_gap
+        if gap is not None:
+            start, end = gap
+            cut = max(start, end - TRIM_STEP * count)
+            del state.keys[cut:end]
+            state.compact_gap = (start, cut) if cut > start else None
+
     def _compact_keys(self, state: SegmentState, budget: int) -> None:
         """Advance the in-place compaction of ``state.keys`` by ``budget`` entries: live keys
         on this segment are kept (once), stale ones and repeats dropped (see SegmentState).
         Each entry read is cleared as it goes, so stale keys are let go a step at a time; the
-        run of None the pass leaves is cut out by later appends (``compact_gap``)."""
+        run of None and the sets the pass leaves go later (``_after_pass``)."""
         keys = state.keys
         seen = state.compact_seen
         assert seen is not None
@@ -424,9 +434,10 @@ class Mutations:
             write += 1
         if read >= len(keys):
             if len(keys) - write > TRIM_STEP:
-                state.compact_gap = (write, len(keys))  # cut out by later appends
+                state.compact_gap = (write, len(keys))
             else:
                 del keys[write:]
+            state.compact_spent = seen
             state.compact_seen = None
         else:
             state.compact_read, state.compact_write = read, write

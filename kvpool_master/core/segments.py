@@ -53,13 +53,14 @@ class SegmentState:
     ``compact_seen`` None when none is), so it stays O(live objects), losing a segment visits
     only its own objects, and no single put pays for the whole list. Mid-pass, every live key
     is still in the list at least once. A pass leaves the entries it dropped as a run of None
-    (``compact_gap``: its start and end, None when there is none), which later appends cut
-    out a step at a time, as the pass itself went. The list may hold None anywhere.
+    (``compact_gap``: its start and end, None when there is none) and the sets of keys it saw
+    (``compact_spent``), which later appends let go a step at a time, as the pass itself went.
+    The list may hold None anywhere.
     """
 
     __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
                  "mount_no", "index_no", "compact_read", "compact_write", "compact_seen",
-                 "compact_gap", "sweep_at")
+                 "compact_gap", "compact_spent", "sweep_at")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
                  restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
@@ -75,6 +76,7 @@ class SegmentState:
         self.compact_write = 0
         self.compact_seen: list[set[ObjectKey]] | None = None  # by key hash
         self.compact_gap: tuple[int, int] | None = None
+        self.compact_spent: list[set[ObjectKey]] | None = None
         self.sweep_at = 0  # lost and dying: the next entry of ``keys`` to sweep
 
 
