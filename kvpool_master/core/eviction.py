@@ -82,12 +82,9 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
         if state.enough:
             break
     victims = state.victims
-    for entry in state.skipped:
-        if entry.key not in victims:
-            if order is table.recency:
-                order.touch(entry)
-            elif entry.dram is not None:
-                order.touch(entry.dram)
+    skipped = [entry for entry in state.skipped if entry.key not in victims]
+    order.touch_all(skipped if order is table.recency
+                    else [entry.dram for entry in skipped if entry.dram is not None])
     return list(victims)
 
 

@@ -109,23 +109,9 @@ class Recency:
         end.older = node
         self._count += 1
 
-    def touch(self, node: Node) -> None:
-        """Move ``node`` (in this list) to the recent end."""
-        end = self._end
-        newer = node.newer
-        if newer is end:
-            return
-        older = node.older
-        older.newer = newer  # type: ignore[union-attr]
-        newer.older = older  # type: ignore[union-attr]
-        last = end.older
-        last.newer = node  # type: ignore[union-attr]
-        node.older = last
-        node.newer = end
-        end.older = node
-
     def touch_all(self, nodes: Iterable[Node]) -> None:
-        """Move each of ``nodes`` (in this list) to the recent end, in turn."""
+        """Move each of ``nodes`` (in this list) to the recent end, in turn (one call for a
+        batch: the moves are the hot path of every read)."""
         end = self._end
         for node in nodes:
             newer = node.newer

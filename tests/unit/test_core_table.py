@@ -83,7 +83,7 @@ def test_the_table_keeps_the_order_a_model_ordered_dict_keeps(ops: list[tuple[st
             if model.dram is not None and key in model.dram:
                 model.dram.move_to_end(key)
         elif name == "touch" and entry is not None:
-            table.recency.touch(entry)
+            table.recency.touch_all([entry])
             model.order.move_to_end(key)
         elif name == "pop" and entry is not None:
             assert table.pop(key) is entry
@@ -133,7 +133,7 @@ def test_many_keys_spread_over_every_shard_and_come_back_in_order() -> None:
     assert all(len(shard) > 0 for shard in table.shards)
     assert max(len(shard) for shard in table.shards) < 20 * 4
     for key in keys[::3]:
-        table.recency.touch(table.get(key))  # type: ignore[arg-type]
+        table.recency.touch_all([table.get(key)])  # type: ignore[list-item]
     expected = [k for i, k in enumerate(keys) if i % 3] + keys[::3]
     assert [e.key for e in table.entries()] == expected
     for key in keys[1::3]:
