@@ -9,9 +9,11 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``unmount``: the owner unmounts the segment that holds them;
 - ``unregister``: the owner leaves the pool;
 - ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
-- ``fill``: the fill itself (batched puts of 1,000 keys), as a baseline; with ``--state``
-  the master persists, and the fill's log grows past the size that starts compactions (the
-  master then logs at info level: its compaction lines give the fork and swap times).
+- ``fill``: the fill itself (batched puts of ``--batch-keys``, 1,000), as a baseline (with
+  ``--batch-keys`` as large as ``--objects``: what one call of that many keys holds the master
+  for); with ``--state`` the master persists, and the fill's log grows past the size that
+  starts compactions (the master then logs at info level: its compaction lines give the fork
+  and swap times).
 
 Per operation it prints how long the operation took (until the master's sweep backlog, which
 ``/status`` reports, is empty again) and the probe's p50 / p99 / p99.9 / max while it ran: the
@@ -82,15 +84,17 @@ async def owner(address: str, name: str, num_objects: int) -> MasterRpc:
     return rpc
 
 
-async def fill(rpc: MasterRpc, name: str, num_objects: int) -> None:
-    for i in range(0, num_objects, BATCH_KEYS):
-        chunk = [f"{name}-{j:09d}".encode() for j in range(i, min(i + BATCH_KEYS, num_objects))]
+async def fill(rpc: MasterRpc, name: str, num_objects: int, batch_keys: int = BATCH_KEYS
+               ) -> None:
+    for i in range(0, num_objects, batch_keys):
+        chunk = [f"{name}-{j:09d}".encode() for j in range(i, min(i + batch_keys, num_objects))]
         started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
         assert all(s == Status.OK for s, _ in started), started[:3]
         assert all(s == Status.OK for s in await rpc.put_end(name, chunk))
 
 
-async def scenario(address: str, kind: str, num_objects: int) -> tuple[float, float]:
+async def scenario(address: str, kind: str, num_objects: int,
+                   batch_keys: int = BATCH_KEYS) -> tuple[float, float]:
     """Run one scenario; return the (start, end) monotonic times of its operation."""
     name = f"owner-{kind}"
     rpc = await owner(address, name, num_objects)
@@ -98,7 +102,7 @@ async def scenario(address: str, kind: str, num_objects: int) -> tuple[float, fl
     try:
         if kind == "fill":
             started = time.monotonic()
-            await fill(rpc, name, num_objects)
+            await fill(rpc, name, num_objects, batch_keys)
             return started, time.monotonic()
         await fill(rpc, name, num_objects)
         await asyncio.sleep(0.5)  # let the probe settle
@@ -154,6 +158,8 @@ def main() -> int:
     ap.add_argument("--state", action="store_true",
                     help="the master persists its index (--state-dir in a temporary "
                          "directory), so state-log compactions run during the operations")
+    ap.add_argument("--batch-keys", type=int, default=BATCH_KEYS,
+                    help="keys per PutStart / PutEnd of the fill (default 1,000)")
     ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:
@@ -171,7 +177,8 @@ def main() -> int:
     try:
         time.sleep(1.0)
         for kind in args.only.split(","):
-            windows[kind] = asyncio.run(scenario(address, kind, args.objects))
+            windows[kind] = asyncio.run(scenario(address, kind, args.objects,
+                                                 args.batch_keys))
             time.sleep(0.5)
         gc_pauses = master_gc_pauses(ready)
     finally:
