@@ -35,7 +35,7 @@ async def _fill(rpc: MasterRpc, name: str, prefix: str = "k") -> list[bytes]:
     for i in range(0, NUM_OBJECTS, BATCH):
         chunk = keys[i:i + BATCH]
         started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
-        assert {s for s, _ in started} == {Status.OK}
+        assert {s for s, _ in started} == {Status.OK}, {s for s, _ in started}
         assert set(await rpc.put_end(name, chunk)) == {Status.OK}
     return keys
 
@@ -82,8 +82,14 @@ def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
         start_master: Any) -> None:
     master = start_master(client_ttl=1)
 
+    async def beat(rpc: MasterRpc) -> None:
+        while True:  # alive while it fills, however long that takes on a busy machine
+            assert await rpc.heartbeat("owner") == Status.OK
+            await asyncio.sleep(0.1)
+
     async def run() -> None:
         rpc, segment = await _owner(master.address, "owner")
+        beating = asyncio.get_running_loop().create_task(beat(rpc))
         keys = await _fill(rpc, "owner")
         assert await rpc.unmount_segment("owner", segment.segment_id) == Status.OK
         # gone for readers at once, swept behind
@@ -92,6 +98,7 @@ def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
         assert await rpc.mount_segment("owner", segment) == Status.OK
         assert (await rpc.exist("owner", [keys[-1]]))[0] == [Status.NOT_FOUND]
         await _fill(rpc, "owner", "n")
+        beating.cancel()
         # the owner goes silent: expired, and its objects go with it
         deadline = time.monotonic() + 10
         while (await rpc.exist("probe", [b"n000000"]))[0] != [Status.NOT_FOUND]:
