@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kvpool_master.rpc.busypoll import BusyPoller
-from kvpool_master.rpc.servicer import BadRequest, InternalError, Pending, Servicer
+from kvpool_master.rpc.servicer import BadRequest, InternalError, Pending, Servicer, Stepped
 from kvpool_wire import convert
 from kvpool_wire.framing import (
     FRAME_HEADER,
@@ -191,6 +191,9 @@ class _LeanProtocol(asyncio.Protocol):
         self._fd = -1
         self.peer = ""  # the peer's IP address; "" on the local Unix socket
         self._later: set[asyncio.Task[None]] = set()  # answers that come later (Pending)
+        # frames that came behind a call served in steps (Stepped): served once it answered
+        self._held: list[tuple[int, int, bytes]] | None = None
+        self._writing_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -229,11 +232,13 @@ class _LeanProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it does.
+        self._writing_paused = True
         if self._transport is not None:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self._transport is not None and not self._closing:
+        self._writing_paused = False
+        if self._transport is not None and not self._closing and self._held is None:
             self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -257,13 +262,20 @@ class _LeanProtocol(asyncio.Protocol):
         except FrameError as exc:
             self.refuse(0, 0, Status.INVALID_ARGUMENT, str(exc))
             return
-        for method_id, request_id, payload in frames:
-            if self._closing:
-                return
-            self._serve_frame(method_id, request_id, payload)
+        self._serve_in_order(frames)
         if frames or served:
             self._server.poller.served()
         self._watch_partial_frame()
+
+    def _serve_in_order(self, frames: list[tuple[int, int, bytes]]) -> None:
+        """Serve ``frames`` in order; those behind a call served in steps wait for it."""
+        for index, frame in enumerate(frames):
+            if self._closing:
+                return
+            if self._held is not None:
+                self._held.extend(frames[index:])
+                return
+            self._serve_frame(*frame)
 
     def _watch_partial_frame(self) -> None:
         if self._decoder.pending_bytes:
@@ -322,7 +334,11 @@ class _LeanProtocol(asyncio.Protocol):
         except InternalError as exc:
             self.refuse(method_id, request_id, Status.INTERNAL_ERROR, str(exc))
             return
-        if not isinstance(answer, bytes):  # answered later (a removal, a wait)
+        if not isinstance(answer, bytes):  # answered later (a removal, a wait, steps)
+            if isinstance(answer, Stepped):
+                self._held = []  # this connection's later calls come after it
+                if self._transport is not None:
+                    self._transport.pause_reading()
             task = asyncio.get_running_loop().create_task(
                 self._answer_later(method_id, request_id, answer))
             self._later.add(task)
@@ -339,10 +355,24 @@ class _LeanProtocol(asyncio.Protocol):
 
     async def _answer_later(self, method_id: int, request_id: int, pending: Pending) -> None:
         """Write the answer of a call that answers later once it is ready (others are
-        answered meanwhile: the frame's request id pairs it with its call)."""
-        answer = await pending.answer()
-        if self._transport is not None and not self._closing:
-            self._write_answer(method_id, request_id, answer)
+        answered meanwhile: the frame's request id pairs it with its call); after a call
+        served in steps, serve the frames that came behind it."""
+        try:
+            answer = await pending.answer()
+        except InternalError as exc:
+            if not self._closing:
+                self.refuse(method_id, request_id, Status.INTERNAL_ERROR, str(exc))
+            return
+        if self._transport is None or self._closing:
+            return
+        self._write_answer(method_id, request_id, answer)
+        if isinstance(pending, Stepped):
+            held, self._held = self._held or [], None
+            self._serve_in_order(held)
+            if held:
+                self._server.poller.served()
+            if self._held is None and not self._writing_paused and not self._closing:
+                self._transport.resume_reading()
 
     def _authenticate(self, request_id: int, payload: bytes) -> None:
         assert self._transport is not None

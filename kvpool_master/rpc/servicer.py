@@ -27,6 +27,12 @@ Rules of this file:
   ``CopyTasks`` that asked to wait (``wait_ms``) when no task waits for its caller, as soon
   as one does or when the wait ends (at most ``MAX_COPY_WAIT_S``; a newer wait of the same
   caller, even one that fetches nothing, answers the older at once).
+- A ``PutStart`` or ``PutEnd`` over more than ``STEP_KEYS`` keys is served in steps of that
+  many, other requests in between, and answers once all are done (``Stepped``): one call of
+  100,000 keys held the loop for over half a second. The lean transport serves a connection's
+  later calls only after it (clients rely on the calls of one connection being served in
+  order). A step that finds the master read-only, or whose events the server refuses, makes
+  the whole call answer UNAVAILABLE, as one call would.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvpool_master.clock import ServingClock
@@ -53,8 +59,8 @@ from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
 
 log = logging.getLogger("kvpool.master.rpc")
 
-__all__ = ["CLIENT_SCOPED", "WRITE_METHODS", "BadRequest", "InternalError", "Pending",
-           "RpcObserver", "Servicer"]
+__all__ = ["CLIENT_SCOPED", "STEP_KEYS", "WRITE_METHODS", "BadRequest", "InternalError",
+           "Pending", "RpcObserver", "Servicer", "Stepped"]
 
 #: Calls that act as their ``client_id``: the caller proves it with its client token.
 CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "UnmountSegment",
@@ -88,6 +94,29 @@ class Pending:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), self._wait_s)
         return self._build()
+
+
+class Stepped(Pending):
+    """The answer of a call served in steps: ``answer()`` runs the steps left, letting the
+    event loop serve others between them, then builds the answer. Transports serve the
+    connection's later calls only after it."""
+
+    def __init__(self, steps: Iterator[None], build: Callable[[], bytes]) -> None:
+        super().__init__(build)
+        self._steps = steps
+
+    async def answer(self) -> bytes:
+        try:
+            for _ in self._steps:
+                await asyncio.sleep(0)
+            return self._build()
+        except Exception as exc:
+            log.exception("a call served in steps failed unexpectedly")
+            raise InternalError(f"a step failed: {type(exc).__name__}") from None
+
+
+#: Keys one step of a ``PutStart`` or ``PutEnd`` serves (a few ms of work).
+STEP_KEYS = 1024
 
 
 class InternalError(RuntimeError):
@@ -357,19 +386,69 @@ class Servicer:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
         if request.ended_lease_ids or request.ended_leases:
             self._end_leases(ClientId(client_id), request)
-        results = self._core.put_start(ClientId(client_id), keys, sizes_bytes, options,
-                                       self._clock.now(), parent_keys)
         expiry_ms = (self.capability_clock_ms()
                      + int(self._core.config.write_capability_ttl_s * 1000))
         self._last_put_id += 1
         put_id = self._last_put_id
-        return convert.encode_put_start(results, expiry_ms,
-                                        self._signer(Op.WRITE, expiry_ms, put_id), put_id)
+        signer = self._signer(Op.WRITE, expiry_ms, put_id)
+
+        def step(lo: int, hi: int) -> Any:
+            results = self._core.put_start(
+                ClientId(client_id), keys[lo:hi], sizes_bytes[lo:hi], options,
+                self._clock.now(), parent_keys[lo:hi] if parent_keys is not None else None)
+            return convert.encode_put_start(results, expiry_ms, signer, put_id)
+
+        return self._in_steps(request, len(keys), step, len(sizes_bytes) == len(keys) and (
+            parent_keys is None or len(parent_keys) == len(keys)))
 
     def _put_end(self, request: Any) -> Any:
         client_id, keys, checksums = convert.decode_put_end(request)
-        statuses = self._core.put_end(client_id, keys, self._clock.now(), checksums)
-        return convert.encode_statuses(_response_of(request), statuses)
+
+        def step(lo: int, hi: int) -> Any:
+            statuses = self._core.put_end(client_id, keys[lo:hi], self._clock.now(),
+                                          checksums[lo:hi] if checksums is not None else None)
+            return convert.encode_statuses(_response_of(request), statuses)
+
+        return self._in_steps(request, len(keys), step,
+                              checksums is None or len(checksums) == len(keys))
+
+    def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int], Any],
+                  well_formed: bool) -> Any:
+        """Serve a write call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at
+        once when they are few (or the call is malformed: the core answers it whole), else
+        the first ``STEP_KEYS`` now and the rest as a ``Stepped`` answer."""
+        if num_keys <= STEP_KEYS or not well_formed \
+                or num_keys > self._core.config.max_batch_keys:
+            return step(0, num_keys)
+        response = step(0, STEP_KEYS)
+        refused = False
+
+        def steps() -> Iterator[None]:
+            nonlocal refused
+            for lo in range(STEP_KEYS, num_keys, STEP_KEYS):
+                yield
+                if self.read_only:
+                    refused = True
+                    return
+                response.MergeFrom(step(lo, min(num_keys, lo + STEP_KEYS)))
+                if not self._after_step():
+                    refused = True
+                    return
+
+        def build() -> bytes:
+            return convert.serialize(convert.refused_response(request, Status.UNAVAILABLE)
+                                     if refused else response)
+
+        return Stepped(steps(), build)
+
+    def _after_step(self) -> bool:
+        """What ``serve`` does after a call, after one step of a ``Stepped`` one; False when
+        the server refused its events."""
+        events = self._core.take_events()
+        kept = not events or self._on_events(events)
+        self._wake_copiers()
+        self._sweep_work()
+        return kept
 
     def _put_revoke(self, request: Any) -> Any:
         client_id, keys = convert.decode_keys(request)

@@ -1,0 +1,85 @@
+"""A PutStart or PutEnd over more than ``STEP_KEYS`` keys is served in steps by a real master:
+its answer is whole and exact, other connections are served between its steps, and the later
+calls of its own lean connection only after it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvpool_client.rpc import MasterRpc
+from kvpool_master.rpc.servicer import STEP_KEYS
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
+
+BLOCK = 4096
+
+
+async def _owner(address: str, name: str, num_keys: int, use_fast_path: bool = True
+                 ) -> MasterRpc:
+    rpc = MasterRpc(address, timeout_s=60.0, use_fast_path=use_fast_path)
+    await rpc.register_client(name, "host-a", "")
+    segment = SegmentInfo(SegmentId(f"{name}-seg"), ClientId(name), 2 * num_keys * BLOCK)
+    assert await rpc.mount_segment(name, segment) == Status.OK
+    return rpc
+
+
+def _keys(name: str, num_keys: int) -> list[bytes]:
+    return [b"%s-%07d" % (name.encode(), i) for i in range(num_keys)]
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_a_put_of_many_keys_is_answered_whole_and_exact(master,
+                                                               use_fast_path: bool) -> None:
+    n = 2 * STEP_KEYS + 123
+    rpc = await _owner(master.address, "c", n, use_fast_path)
+    try:
+        keys = _keys("c", n)
+        keys[-1] = keys[0]  # a repeat in the last step: refused, the rest placed
+        started = await rpc.put_start("c", keys, [BLOCK] * n, PutOptions())
+        assert [s for s, _ in started] == [Status.OK] * (n - 1) + [Status.OK]  # the writer's
+        placements = [p for _, (p,) in started[:-1]]
+        assert len({p.offset for p in placements}) == n - 1                 # no extent twice
+        assert {p.put_id for p in placements} == {started[0][1][0].put_id}  # one put
+        assert all(p.capability for p in placements)
+        statuses = await rpc.put_end("c", keys[:-1], list(range(n - 1)))
+        assert statuses == [Status.OK] * (n - 1)
+        results, _, _ = await rpc.get_replicas("c", keys[:-1])
+        assert [r.checksum for r in results] == list(range(n - 1))
+        assert [r.placements[0].offset for r in results] == [p.offset for p in placements]
+    finally:
+        await rpc.close()
+
+
+async def test_other_connections_are_served_between_the_steps(master) -> None:
+    n = 12 * STEP_KEYS
+    owner = await _owner(master.address, "big", n)
+    other = MasterRpc(master.address, timeout_s=60.0)
+    try:
+        big = asyncio.get_running_loop().create_task(
+            owner.put_start("big", _keys("big", n), [BLOCK] * n, PutOptions()))
+        seen: list[int] = []
+        while not big.done() and len(seen) < 100_000:
+            seen.append((await other.get_stats())["objects"]["pending"])
+        assert [s for s, _ in await big] == [Status.OK] * n
+        # between the steps the other connection saw some of the keys placed, not all
+        assert any(0 < pending < n for pending in seen), sorted(set(seen))
+    finally:
+        await owner.close()
+        await other.close()
+
+
+async def test_later_calls_of_the_connection_are_served_after_a_stepped_call(master) -> None:
+    n = 3 * STEP_KEYS + 7
+    rpc = await _owner(master.address, "c", n)
+    try:
+        keys = _keys("c", n)
+        started = await rpc.put_start("c", keys, [BLOCK] * n, PutOptions())
+        assert all(s == Status.OK for s, _ in started)
+        committed = rpc.put_end_nowait("c", keys)   # served in steps
+        statuses, _ = await rpc.exist("c", [keys[-1]])   # sent behind it, on the same connection
+        assert statuses == [Status.OK]                    # so served after its last step
+        assert await committed == [Status.OK] * n
+    finally:
+        await rpc.close()
