@@ -4,7 +4,8 @@ Rules of this file:
 - ``Servicer.serve(method, payload, transport)`` is the one path every request takes: parse
   (``convert``), call the core with the serving clock's ``now``, sign placements, encode, time it,
   count it, drain the core's events. Transports only move bytes and map failures.
-- Handlers are synchronous: the core never awaits, so each request is atomic on the event loop.
+- Handlers are synchronous: the core never awaits, so each request is atomic on the event loop
+  (each step of a call served in steps, below, is).
 - While ``read_only`` (the state directory cannot be written, see ``persist.py``) every call
   in ``WRITE_METHODS`` (those that can change durable state) answers UNAVAILABLE per item
   without reaching the core; reads, heartbeats and stats are served. A call whose events the
