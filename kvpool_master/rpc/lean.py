@@ -288,6 +288,9 @@ class _LeanProtocol(asyncio.Protocol):
 
     def _partial_frame_expired(self) -> None:
         self._partial_timer = None
+        if self._held is not None:  # the master is not reading (a call in steps), not the peer
+            self._watch_partial_frame()
+            return
         if self._decoder.pending_bytes and not self._closing:
             self.refuse(0, 0, Status.TIMEOUT,
                         f"incomplete frame for {self._server._frame_timeout_s:g} s")
