@@ -83,3 +83,47 @@ async def test_later_calls_of_the_connection_are_served_after_a_stepped_call(mas
         assert await committed == [Status.OK] * n
     finally:
         await rpc.close()
+
+
+async def test_frames_read_together_with_a_stepped_call_wait_for_it(master) -> None:
+    # A stepped commit and a read of its last key in one write: the master reads both
+    # frames at once, and still serves the read only after the commit's last step.
+    import socket
+
+    from kvpool_wire import calls
+    from kvpool_wire.framing import FrameDecoder, encode_frame
+
+    n = 3 * STEP_KEYS + 7
+    rpc = await _owner(master.address, "c", n)
+    try:
+        keys = _keys("c", n)
+        assert all(s == Status.OK for s, _ in await rpc.put_start("c", keys, [BLOCK] * n,
+                                                                   PutOptions()))
+        commit = calls.put_end("c", rpc.session.token, keys)
+        read = calls.exist("c", [keys[-1]])
+        stream = b"".join(encode_frame(call.method.method_id, request_id,
+                                       call.request.SerializeToString())
+                          for request_id, call in ((1, commit), (2, read)))
+
+        def exchange() -> dict[int, bytes]:
+            with socket.create_connection(("127.0.0.1", master.fast_port), timeout=30) as sock:
+                sock.sendall(stream)
+                decoder = FrameDecoder(1 << 26)
+                answers: dict[int, bytes] = {}
+                while len(answers) < 2:
+                    data = sock.recv(1 << 20)
+                    assert data, "connection closed"
+                    answers.update((request_id, payload)
+                                   for _, request_id, payload in decoder.feed(data))
+                return answers
+
+        answers = await asyncio.get_running_loop().run_in_executor(None, exchange)
+        decoded = {}
+        for request_id, call in ((1, commit), (2, read)):
+            response = call.method.response_type()
+            response.ParseFromString(answers[request_id])
+            decoded[request_id] = call.decode(response)
+        assert decoded[1] == [Status.OK] * n
+        assert decoded[2][0] == [Status.OK]
+    finally:
+        await rpc.close()
