@@ -210,14 +210,9 @@ class Servicer:
             log.exception("%s failed unexpectedly", method.name)
             raise InternalError(f"{method.name} failed: {type(exc).__name__}") from None
         finally:
-            events = self._core.take_events()
-            if events:
-                self._on_events(events)
+            self._after_step()
             self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
                                     failed)
-            self._wake_copiers()
-            if self._core.sweeping:
-                self._sweep_work()
 
     def finish(self) -> None:
         """End the leases that the last ``GetReplicas`` calls carried, once their answers went
@@ -443,8 +438,9 @@ class Servicer:
         return Stepped(steps(), build)
 
     def _after_step(self) -> bool:
-        """What ``serve`` does after a call, after one step of a ``Stepped`` one; False when
-        the server refused its events."""
+        """After a call, or one step of a ``Stepped`` one: hand the core's events to the
+        server, answer waiting copiers, start sweeping; False when the server refused the
+        events."""
         events = self._core.take_events()
         kept = not events or self._on_events(events)
         self._wake_copiers()

@@ -29,6 +29,15 @@ def _keys(name: str, num_keys: int) -> list[bytes]:
     return [b"%s-%07d" % (name.encode(), i) for i in range(num_keys)]
 
 
+async def _pending(address: str, num_keys: int) -> tuple[MasterRpc, list[bytes]]:
+    """Owner "c" with ``num_keys`` PENDING objects (started, not committed)."""
+    rpc = await _owner(address, "c", num_keys)
+    keys = _keys("c", num_keys)
+    started = await rpc.put_start("c", keys, [BLOCK] * num_keys, PutOptions())
+    assert all(s == Status.OK for s, _ in started)
+    return rpc, keys
+
+
 @pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
 async def test_a_put_of_many_keys_is_answered_whole_and_exact(master,
                                                                use_fast_path: bool) -> None:
@@ -72,11 +81,8 @@ async def test_other_connections_are_served_between_the_steps(master) -> None:
 
 async def test_later_calls_of_the_connection_are_served_after_a_stepped_call(master) -> None:
     n = 3 * STEP_KEYS + 7
-    rpc = await _owner(master.address, "c", n)
+    rpc, keys = await _pending(master.address, n)
     try:
-        keys = _keys("c", n)
-        started = await rpc.put_start("c", keys, [BLOCK] * n, PutOptions())
-        assert all(s == Status.OK for s, _ in started)
         committed = rpc.put_end_nowait("c", keys)   # served in steps
         statuses, _ = await rpc.exist("c", [keys[-1]])   # sent behind it, on the same connection
         assert statuses == [Status.OK]                    # so served after its last step
@@ -94,11 +100,8 @@ async def test_frames_read_together_with_a_stepped_call_wait_for_it(master) -> N
     from kvpool_wire.framing import FrameDecoder, encode_frame
 
     n = 3 * STEP_KEYS + 7
-    rpc = await _owner(master.address, "c", n)
+    rpc, keys = await _pending(master.address, n)
     try:
-        keys = _keys("c", n)
-        assert all(s == Status.OK for s, _ in await rpc.put_start("c", keys, [BLOCK] * n,
-                                                                   PutOptions()))
         commit = calls.put_end("c", rpc.session.token, keys)
         read = calls.exist("c", [keys[-1]])
         stream = b"".join(encode_frame(call.method.method_id, request_id,
@@ -118,12 +121,8 @@ async def test_frames_read_together_with_a_stepped_call_wait_for_it(master) -> N
                 return answers
 
         answers = await asyncio.get_running_loop().run_in_executor(None, exchange)
-        decoded = {}
-        for request_id, call in ((1, commit), (2, read)):
-            response = call.method.response_type()
-            response.ParseFromString(answers[request_id])
-            decoded[request_id] = call.decode(response)
-        assert decoded[1] == [Status.OK] * n
-        assert decoded[2][0] == [Status.OK]
+        assert commit.decode(commit.method.response_type.FromString(answers[1])) == \
+            [Status.OK] * n
+        assert read.decode(read.method.response_type.FromString(answers[2]))[0] == [Status.OK]
     finally:
         await rpc.close()

@@ -20,13 +20,15 @@ class _Observer:
         pass
 
 
-def _serve(servicer: Servicer, call: calls.Call[Any]) -> Any:
-    answer = servicer.serve(call.method, call.request.SerializeToString(), "test")
+def _decoded(call: calls.Call[Any], answer: bytes | Stepped) -> Any:
+    """The call's answer, read as a client reads it (after its steps, if it has them)."""
     if isinstance(answer, Stepped):
         answer = asyncio.run(answer.answer())
-    response = call.method.response_type()
-    response.ParseFromString(answer)
-    return call.decode(response)
+    return call.decode(call.method.response_type.FromString(answer))
+
+
+def _serve(servicer: Servicer, call: calls.Call[Any]) -> Any:
+    return _decoded(call, servicer.serve(call.method, call.request.SerializeToString(), "test"))
 
 
 def _servicer(accept_events: list[bool]) -> tuple[Servicer, bytes]:
@@ -51,9 +53,7 @@ def test_a_small_call_answers_at_once_and_a_large_one_in_steps() -> None:
     assert isinstance(small, bytes)
     large, call = _put(servicer, token, 3 * STEP_KEYS, b"large")
     assert isinstance(large, Stepped)
-    response = call.method.response_type()
-    response.ParseFromString(asyncio.run(large.answer()))
-    assert [s for s, _ in call.decode(response)] == [Status.OK] * (3 * STEP_KEYS)
+    assert [s for s, _ in _decoded(call, large)] == [Status.OK] * (3 * STEP_KEYS)
 
 
 def test_read_only_between_steps_answers_the_call_unavailable() -> None:
@@ -61,9 +61,7 @@ def test_read_only_between_steps_answers_the_call_unavailable() -> None:
     large, call = _put(servicer, token, 3 * STEP_KEYS, b"large")
     assert isinstance(large, Stepped)
     servicer.read_only = True   # the state directory failed after the first step
-    response = call.method.response_type()
-    response.ParseFromString(asyncio.run(large.answer()))
-    assert {s for s, _ in call.decode(response)} == {Status.UNAVAILABLE}
+    assert {s for s, _ in _decoded(call, large)} == {Status.UNAVAILABLE}
 
 
 def test_refused_events_of_a_step_answer_the_call_unavailable() -> None:
@@ -77,6 +75,4 @@ def test_refused_events_of_a_step_answer_the_call_unavailable() -> None:
     stepped = servicer.serve(call.method, call.request.SerializeToString(), "test")
     assert isinstance(stepped, Stepped)
     accept[0] = False          # the commits of the second step cannot be written
-    response = call.method.response_type()
-    response.ParseFromString(asyncio.run(stepped.answer()))
-    assert set(call.decode(response)) == {Status.UNAVAILABLE}
+    assert set(_decoded(call, stepped)) == {Status.UNAVAILABLE}
