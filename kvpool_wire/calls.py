@@ -205,7 +205,7 @@ class ReplicasAnswer(NamedTuple):
     """A GetReplicas answer: per key where its bytes are (with a read lease) or NOT_FOUND; the
     lease in s, counted from when the call was sent; the lease's id (0: it cannot be ended)."""
 
-    results: list[ReadResult]
+    results: list[ReadResult[Placement]]
     lease_ttl_s: float
     lease_id: int
 

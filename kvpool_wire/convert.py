@@ -23,9 +23,9 @@ from kvpool_wire.methods import RPC_METHODS, RpcMethod
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
+    Extent,
     ObjectKey,
     Pin,
-    Placement,
     PutOptions,
     ReadResult,
     SegmentId,
@@ -228,8 +228,8 @@ def decode_put_start(request: Any) -> tuple[ClientId, list[ObjectKey], list[int]
             _put_options(request.options), parent_keys)
 
 
-def _add_replicas(replicas: Any, placements: Sequence[Placement], expiry_ms: int,
-                  capability_of: Callable[[Placement], bytes], put_id: int = 0) -> None:
+def _add_replicas(replicas: Any, placements: Sequence[Extent], expiry_ms: int,
+                  capability_of: Callable[[Extent], bytes], put_id: int = 0) -> None:
     """Append one key's replicas, each signed by ``capability_of``, to a repeated ``Replicas``
     field. Messages are built in place with ``add``: constructing sub-messages and passing
     them in lists copies each one, several times the cost on a batch's answer."""
@@ -239,8 +239,8 @@ def _add_replicas(replicas: Any, placements: Sequence[Placement], expiry_ms: int
                    capability_expiry_ms=expiry_ms, capability=capability_of(p), put_id=put_id)
 
 
-def encode_put_start(results: Sequence[tuple[Status, Sequence[Placement]]], expiry_ms: int,
-                     capability_of: Callable[[Placement], bytes],
+def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_ms: int,
+                     capability_of: Callable[[Extent], bytes],
                      put_id: int) -> pb.PutStartResponse:
     """One status and signed replica list per key (capabilities of put ``put_id``)."""
     response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
@@ -270,8 +270,8 @@ def decode_ended_lease_ids(request: Any) -> list[int]:
     return ids
 
 
-def encode_get_replicas(results: Sequence[ReadResult], lease_ttl_s: float, expiry_ms: int,
-                        capability_of: Callable[[Placement], bytes],
+def encode_get_replicas(results: Sequence[ReadResult[Extent]], lease_ttl_s: float,
+                        expiry_ms: int, capability_of: Callable[[Extent], bytes],
                         lease_id: int = 0) -> pb.GetReplicasResponse:
     """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds
     (``lease_id``: the number its reader ends it by, 0 for a lease nobody can end)."""

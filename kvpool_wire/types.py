@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Generic, NewType, TypeVar
 
 from kvpool_wire.records import fast_init
 
@@ -64,10 +64,9 @@ class SegmentInfo:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One replica of an object: ``length`` bytes at ``offset`` of ``segment_id``.
-
-    The master core leaves the capability empty; the RPC layer signs it on the way out.
-    """
+    """One replica of an object as a client gets it: ``length`` bytes at ``offset`` of
+    ``segment_id``, and the capability that lets it read or write them (the master keeps an
+    ``Extent`` and signs it into one of these on the way out)."""
 
     segment_id: SegmentId
     offset: int
@@ -75,6 +74,38 @@ class Placement:
     capability_expiry_ms: int = 0   # on the master's capability clock
     capability: bytes = b""
     put_id: int = 0                 # WRITE: the put the capability belongs to
+
+
+class Extent:
+    """Where one replica's bytes are: ``length`` bytes at ``offset`` of ``segment_id``, with
+    no capability. The master keeps every replica as one of these and signs it into a
+    ``Placement`` on the way out: a third of the memory of a ``Placement`` and of the time to
+    make one, for each of millions of objects. Never changed once made (entries, events and
+    answers share them); compares by value."""
+
+    __slots__ = ("segment_id", "offset", "length")
+
+    def __init__(self, segment_id: SegmentId, offset: int, length: int) -> None:
+        self.segment_id = segment_id
+        self.offset = offset
+        self.length = length
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Extent):
+            return NotImplemented
+        return (self.segment_id, self.offset, self.length) == \
+            (other.segment_id, other.offset, other.length)
+
+    def __hash__(self) -> int:
+        return hash((self.segment_id, self.offset, self.length))
+
+    def __repr__(self) -> str:
+        return f"Extent({self.segment_id!r}, {self.offset}, {self.length})"
+
+
+#: Where a replica is, signed (``Placement``, what clients get) or not (``Extent``, what the
+#: master keeps).
+Located = TypeVar("Located", Placement, Extent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +150,11 @@ def parse_size_bytes(value: int | str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadResult:
-    """The master's answer for one key of a read: where its bytes are, or why not."""
+class ReadResult(Generic[Located]):
+    """The master's answer for one key of a read: where its bytes are, or why not
+    (``ReadResult[Extent]`` in the master, ``ReadResult[Placement]`` once signed and sent)."""
 
     status: int  # a kvpool_wire.status.Status value
     size_bytes: int = 0
-    placements: tuple[Placement, ...] = ()
+    placements: tuple[Located, ...] = ()
     checksum: int = 0  # xxh3_64 of the bytes as committed, 0 when none was given

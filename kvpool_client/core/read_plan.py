@@ -55,14 +55,14 @@ class ReadPlan:
         self.keys = keys
         #: per key the bytes read, or a negative Status
         self.results = [0] * len(keys)
-        self.replies: list[ReadResult] = []
+        self.replies: list[ReadResult[Placement]] = []
         self.deadline_s = 0.0
         self.lease_id = 0
         self._check_checksums = check_checksums
         self._jobs: list[tuple[int, list[ReadItem]]] = []  # (key index, candidates in order)
         self._attempt = 0
 
-    def granted(self, replies: list[ReadResult], sent_s: float, lease_ttl_s: float,
+    def granted(self, replies: list[ReadResult[Placement]], sent_s: float, lease_ttl_s: float,
                 lease_id: int = 0) -> None:
         """Take the ``GetReplicas`` answer (``sent_s``: when it was asked for; ``lease_id``:
         the lease's number, 0 when it cannot be ended). Raises INTERNAL_ERROR for a short

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvpool_wire.records import fast_init
-from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId, SegmentInfo
 
 RemoveReason = Literal["remove", "evict", "segment_lost", "revoke", "reclaim"]
 
@@ -68,7 +68,7 @@ class ObjectCommitted:
 
     key: ObjectKey
     size_bytes: int
-    placements: tuple[Placement, ...]
+    placements: tuple[Extent, ...]
     checksum: int
     pin: Pin
     parent_key: ObjectKey | None

@@ -39,15 +39,15 @@ from kvpool_master.core.allocator import OFFSET_BITS, aligned
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, Placement, ReadResult
+from kvpool_wire.types import ClientId, Extent, ObjectKey, ReadResult
 
 OK = Status.OK
 NOT_FOUND = Status.NOT_FOUND
 INVALID_KEY = Status.INVALID_KEY
 #: ``entry.holds`` once every hold on it ended: its bytes are protected by nothing (shared).
 NO_HOLDS: dict[str, tuple[int, float, int]] = {}
-_NOT_FOUND_RESULT = ReadResult(int(Status.NOT_FOUND))
-_INVALID_KEY_RESULT = ReadResult(int(Status.INVALID_KEY))
+_NOT_FOUND_RESULT : ReadResult[Extent] = ReadResult(int(Status.NOT_FOUND))
+_INVALID_KEY_RESULT : ReadResult[Extent] = ReadResult(int(Status.INVALID_KEY))
 
 
 class LeaseCounters:
@@ -104,7 +104,7 @@ class OpenLeases:
 def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
                  now: float, ttl_s: float, max_key_bytes: int, counters: LeaseCounters,
                  reader: ClientId | None = None, lease_id: int = 0,
-                 covered: list[ObjectKey] | None = None) -> list[ReadResult]:
+                 covered: list[ObjectKey] | None = None) -> list[ReadResult[Extent]]:
     """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY.
     With ``reader``, each lease is a share of that reader's hold under ``lease_id``, which it
     may end; the keys granted are appended to ``covered``."""
@@ -115,7 +115,7 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     expiry_s = now + ttl_s
     hold = (lease_id, expiry_s, 1)
     restoring = segments.filtering
-    results: list[ReadResult] = []
+    results: list[ReadResult[Extent]] = []
     append = results.append
     lapsed = 0
     for key in keys:
@@ -279,7 +279,7 @@ def end_leases(table: ObjectTable, parked: DeferredFrees, segments: SegmentTable
 
 
 def mounted_placements(segments: SegmentTable,
-                       placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+                       placements: tuple[Extent, ...]) -> tuple[Extent, ...]:
     """Return the placements whose segment is mounted (restored ones are not readable yet,
     lost ones not any more)."""
     id_to_segment = segments.id_to_segment

@@ -38,6 +38,7 @@ from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
+    Extent,
     ObjectKey,
     ReadResult,
     SegmentId,
@@ -221,7 +222,7 @@ class MasterCore(Tiering):
     # ---- reads (each OK item grants or extends a read lease) -------------------------------
 
     def get_replicas(self, keys: Sequence[ObjectKey], now: float,
-                     reader: ClientId | None = None) -> list[ReadResult]:
+                     reader: ClientId | None = None) -> list[ReadResult[Extent]]:
         """Return one ReadResult per key: OK with placements, NOT_FOUND (absent or PENDING),
         INVALID_KEY, or INVALID_ARGUMENT for an oversized batch. With ``reader`` (a proven
         client) the leases are its lease ``self.last_lease_id``, which it may end early

@@ -56,9 +56,9 @@ from kvpool_master.core.stats import Counters
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
+    Extent,
     ObjectKey,
     Pin,
-    Placement,
     PutOptions,
     SegmentInfo,
     Tier,
@@ -68,7 +68,7 @@ from kvpool_wire.types import (
 MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
 
-PutResult = tuple[Status, tuple[Placement, ...]]
+PutResult = tuple[Status, tuple[Extent, ...]]
 
 
 
@@ -173,7 +173,7 @@ class Mutations:
                 else:
                     results.append((Status.INVALID_ARGUMENT, ()))
                 continue
-            placements: tuple[Placement, ...] | None = None
+            placements: tuple[Extent, ...] | None = None
             on_run = run is not None and run.size_bytes == size and run.left > 0
             if not on_run and aligned(size) <= largest_bytes and replica_num <= num_segments:
                 if run is not None:
@@ -314,7 +314,7 @@ class Mutations:
         just discarded, whose extents of leased objects are parked too)."""
         pop = self._objects.pop
         events = self._events
-        to_free: list[Placement] = []
+        to_free: list[Extent] = []
         lapsed = 0
         seq = self._segments.next_free_seq()
         for key in keys:
@@ -382,7 +382,7 @@ class Mutations:
         for) and account for the keys it noted."""
         if run.left:
             self._segments.tier_to_used_bytes[Tier.DRAM] += run.left * run.step_bytes
-            self._segments.free([Placement(run.state.info.segment_id,
+            self._segments.free([Extent(run.state.info.segment_id,
                                            run.offset + k * run.step_bytes, run.size_bytes)
                                  for k in range(run.left)], seq=-1)
             run.left = 0
@@ -460,14 +460,14 @@ class Mutations:
         self._segments.tier_to_used_bytes[Tier.DRAM] -= got * run.step_bytes
         return run
 
-    def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Placement:
+    def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Extent:
         """The next extent of ``run``, for ``key``; a watermark pass follows, as after any
         allocation (checked only once the tier may be above its high watermark: ``quiet``
         counts the extents that cannot take it there)."""
         step = run.step_bytes
         used = self._segments.tier_to_used_bytes
         used[Tier.DRAM] += step
-        placement = Placement(run.state.info.segment_id, run.offset, run.size_bytes)
+        placement = Extent(run.state.info.segment_id, run.offset, run.size_bytes)
         run.offset += step
         run.left -= 1
         run.state.keys.append(key)
@@ -485,7 +485,7 @@ class Mutations:
 
     def _allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
                   same_host_id: str, now: float,
-                  exhausted: set[Tier]) -> tuple[Placement, ...] | None:
+                  exhausted: set[Tier]) -> tuple[Extent, ...] | None:
         segments = self._segments
         placements = segments.allocate(size_bytes, replica_num, preferred_segment, same_host_id)
         if placements is None and self._quarantine:
@@ -563,7 +563,7 @@ class Mutations:
         get = self._segments.id_to_segment.get
         objects = self._objects
         dropped: list[ObjectKey] = []
-        to_free: list[Placement] = []
+        to_free: list[Extent] = []
         for key in victims:
             entry = objects.shards[hash(key) & SHARD_MASK][key]
             here = [p for p in entry.placements
@@ -596,7 +596,7 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
         return None, 0
 
 
-def _on_segment(placements: tuple[Placement, ...], segment_id: str) -> bool:
+def _on_segment(placements: tuple[Extent, ...], segment_id: str) -> bool:
     """True when one of ``placements`` is on ``segment_id`` (one replica: the common case)."""
     if len(placements) == 1:
         return placements[0].segment_id == segment_id

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement
+from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin
 
 #: Shards of the key index: ten million objects make about 10 k per shard.
 NUM_SHARDS = 1024
@@ -50,7 +50,7 @@ class ObjectEntry:
     __slots__ = ("key", "size_bytes", "placements", "writer_id", "lease_expiry_s", "pin",
                  "checksum", "parent_key", "holds", "older", "newer", "dram")
 
-    def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Placement, ...],
+    def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Extent, ...],
                  writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
                  checksum: int = 0, lease_expiry_s: float = 0.0) -> None:
         self.key = key

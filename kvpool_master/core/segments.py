@@ -37,7 +37,7 @@ from kvpool_master.core.allocator import (
     Allocator,
     aligned,
 )
-from kvpool_wire.types import ClientId, ObjectKey, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, Extent, ObjectKey, SegmentId, SegmentInfo, Tier
 
 #: Longest segment id accepted (segment ids travel in every placement).
 MAX_SEGMENT_ID_BYTES = 256
@@ -204,7 +204,7 @@ class SegmentTable:
         state.mounted = False
 
     def allocate(self, size_bytes: int, replica_num: int, preferred_segment: str,
-                 same_host_id: str) -> tuple[Placement, ...] | None:
+                 same_host_id: str) -> tuple[Extent, ...] | None:
         """Return ``replica_num`` placements on distinct mounted segments, or None if none fit.
 
         Nothing is allocated when None is returned.
@@ -219,7 +219,7 @@ class SegmentTable:
             placement = self._allocate_best(size_bytes)
             if placement is not None:
                 return (placement,)
-        placements: list[Placement] = []
+        placements: list[Extent] = []
         candidates = self._candidates(replica_num, preferred_segment, same_host_id)
         try:
             for state in candidates:
@@ -234,7 +234,7 @@ class SegmentTable:
         self.free(placements, seq=-1)  # never handed out: not a free anyone must wait for
         return None
 
-    def _allocate_best(self, size_bytes: int) -> Placement | None:
+    def _allocate_best(self, size_bytes: int) -> Extent | None:
         """One extent on the DRAM segment with the most free bytes, straight off the index
         (no generator: this is every plain put's path), or None when that one cannot hold it
         (the caller then tries every segment in order)."""
@@ -278,23 +278,23 @@ class SegmentTable:
                 return state
         return None
 
-    def has_tier(self, placements: tuple[Placement, ...], tier: Tier) -> bool:
+    def has_tier(self, placements: tuple[Extent, ...], tier: Tier) -> bool:
         """True when one of ``placements`` is on a known segment of ``tier``."""
         get = self.id_to_segment.get
         return any((state := get(p.segment_id)) is not None and state.info.tier == tier
                    for p in placements)
 
-    def allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
+    def allocate_on(self, state: SegmentState, size_bytes: int) -> Extent | None:
         """One extent of ``size_bytes`` on the mounted segment ``state``, or None."""
         return self._allocate_on(state, size_bytes) if state.mounted else None
 
-    def _allocate_on(self, state: SegmentState, size_bytes: int) -> Placement | None:
+    def _allocate_on(self, state: SegmentState, size_bytes: int) -> Extent | None:
         """One extent of ``size_bytes`` on ``state`` (counted as used), or None if none fits."""
         offset = state.allocator.allocate(size_bytes)
         if offset < 0:
             return None
         self._taken(state, aligned(size_bytes))
-        return Placement(state.info.segment_id, offset, size_bytes)
+        return Extent(state.info.segment_id, offset, size_bytes)
 
     def _taken(self, state: SegmentState, num_bytes: int) -> None:
         """``num_bytes`` of ``state`` were just allocated: count them; a put that may reuse
@@ -303,7 +303,7 @@ class SegmentTable:
         if state.freed_seq > self.durable_seq:
             self.needs_sync = True
 
-    def free(self, placements: Iterable[Placement], seq: int = 0) -> None:
+    def free(self, placements: Iterable[Extent], seq: int = 0) -> None:
         """Free the extents of ``placements`` that sit on segments still known, as free number
         ``seq`` (a new number when 0; -1 to undo allocations of the same call).
 

@@ -28,7 +28,7 @@ from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, al
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
-from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId, SegmentInfo, Tier
 
 #: (client_id, host_id, capability_key)
 ClientRow = tuple[str, str, bytes]
@@ -66,7 +66,7 @@ def segment_row(info: SegmentInfo) -> SegmentRow:
             info.file_path)
 
 
-def object_row(key: bytes, size_bytes: int, placements: tuple[Placement, ...], checksum: int,
+def object_row(key: bytes, size_bytes: int, placements: tuple[Extent, ...], checksum: int,
                pin: int, parent_key: bytes | None) -> ObjectRow:
     """Return the row of one READY object."""
     flat: list[Any] = []
@@ -229,11 +229,11 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
             if (info is None or type(offset) is not int or offset < 0 or offset & _ALIGN_MASK
                     or length != size_bytes or offset + extent_bytes > usable[segment_id]):
                 return None
-            placements: tuple[Placement, ...] = (Placement(info.segment_id, offset, size_bytes),)
+            placements: tuple[Extent, ...] = (Extent(info.segment_id, offset, size_bytes),)
         else:
             if len(flat) % 3 or not flat:
                 return None
-            found: list[Placement] = []
+            found: list[Extent] = []
             for i in range(0, len(flat), 3):
                 segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
                 info = infos.get(segment_id)
@@ -242,7 +242,7 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
                         or offset + extent_bytes > usable[segment_id]
                         or any(p.segment_id == segment_id for p in found)):
                     return None
-                found.append(Placement(info.segment_id, offset, size_bytes))
+                found.append(Extent(info.segment_id, offset, size_bytes))
             placements = tuple(found)
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
         return None

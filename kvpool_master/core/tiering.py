@@ -45,7 +45,7 @@ from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.sweeps import Sweeps
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, Pin, Placement, Tier
+from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, Tier
 
 #: Objects a demotion pass looks at, from the least recently used.
 SCAN_LIMIT = 8192
@@ -63,8 +63,8 @@ class CopyTask:
     __slots__ = ("task_id", "key", "entry", "source", "target", "target_state", "owner",
                  "promote", "created_s", "deadline_s")
 
-    def __init__(self, task_id: int, key: ObjectKey, entry: ObjectEntry, source: Placement,
-                 target: Placement, target_state: SegmentState, owner: ClientId,
+    def __init__(self, task_id: int, key: ObjectKey, entry: ObjectEntry, source: Extent,
+                 target: Extent, target_state: SegmentState, owner: ClientId,
                  promote: bool, now: float) -> None:
         self.task_id = task_id
         self.key = key
@@ -94,7 +94,7 @@ class CopyTable:
         self.expired_s = -1.0  # when late tasks were last looked for
         self._ids = itertools.count(1)
 
-    def add(self, key: ObjectKey, entry: ObjectEntry, source: Placement, target: Placement,
+    def add(self, key: ObjectKey, entry: ObjectEntry, source: Extent, target: Extent,
             target_state: SegmentState, owner: ClientId, promote: bool,
             now: float) -> CopyTask:
         task = CopyTask(next(self._ids), key, entry, source, target, target_state, owner,
@@ -216,7 +216,7 @@ class Tiering(Sweeps):
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def _note_ssd_hits(self, keys: Sequence[ObjectKey], placements: Sequence[Placement]) -> None:
+    def _note_ssd_hits(self, keys: Sequence[ObjectKey], placements: Sequence[Extent]) -> None:
         """Count reads answered from SSD only (``placements``: each key's first replica)."""
         get = self._segments.id_to_segment.get
         copies = self._copies
@@ -269,7 +269,7 @@ class Tiering(Sweeps):
         get = segments.id_to_segment.get
         copies = self._copies
         full: set[ClientId] = set()
-        wanted: list[tuple[ObjectKey, ObjectEntry, Placement, ClientId]] = []
+        wanted: list[tuple[ObjectKey, ObjectEntry, Extent, ClientId]] = []
         seen_bytes = 0
         for entry in itertools.islice(order.entries(), SCAN_LIMIT):
             key = entry.key
@@ -335,7 +335,7 @@ class Tiering(Sweeps):
             self._counters.promotions_started += 1
 
     def _allocate_target(self, states: list[SegmentState], size_bytes: int, tier: Tier,
-                         now: float) -> tuple[Placement, SegmentState] | None:
+                         now: float) -> tuple[Extent, SegmentState] | None:
         """An extent on one of ``states`` (one owner's segments of ``tier``), evicting from
         ``tier`` once to make room (a promoted object is hot: it displaces the least recently
         used, as a put would)."""
@@ -348,7 +348,7 @@ class Tiering(Sweeps):
         return target
 
     def _allocate_on_any(self, states: list[SegmentState], size_bytes: int
-                         ) -> tuple[Placement, SegmentState] | None:
+                         ) -> tuple[Extent, SegmentState] | None:
         for state in states:
             placement = self._segments.allocate_on(state, size_bytes)
             if placement is not None:

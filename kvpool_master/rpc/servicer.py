@@ -56,7 +56,7 @@ from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, Op, Placement, SegmentInfo
+from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo
 
 log = logging.getLogger("kvpool.master.rpc")
 
@@ -274,14 +274,14 @@ class Servicer:
         """The capability clock: monotonic milliseconds since this master started."""
         return int((time.monotonic() - self._clock_start_s) * 1000)
 
-    def _signer(self, op: Op, expiry_ms: int, put_id: int = 0) -> Callable[[Placement], bytes]:
+    def _signer(self, op: Op, expiry_ms: int, put_id: int = 0) -> Callable[[Extent], bytes]:
         # the owner's keyed MAC state; None: the owner has no key
         state_of_segment: dict[str, hashlib.blake2b | None] = {}
         segment_key = self._core.segment_key
         keyed, sign_keyed = capability.keyed, capability.sign_keyed
         epoch = self.capability_epoch
 
-        def capability_of(p: Placement) -> bytes:
+        def capability_of(p: Extent) -> bytes:
             if p.segment_id in state_of_segment:
                 state = state_of_segment[p.segment_id]
             else:
