@@ -9,6 +9,9 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``unmount``: the owner unmounts the segment that holds them;
 - ``unregister``: the owner leaves the pool;
 - ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
+- ``read`` / ``exist``: ``GetReplicas`` (the owner as a proven reader) / ``Exist`` of every
+  object, in calls of ``--batch-keys`` keys (with ``--batch-keys`` as large as ``--objects``:
+  one call of that many keys);
 - ``fill``: the fill itself (batched puts of ``--batch-keys``, 1,000), as a baseline (with
   ``--batch-keys`` as large as ``--objects``: what one call of that many keys holds the master
   for); with ``--state`` the master persists, and the fill's log grows past the size that
@@ -45,7 +48,7 @@ from kvpool_client.rpc import MasterRpc  # noqa: E402
 from kvpool_wire.status import Status  # noqa: E402
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo  # noqa: E402
 
-SCENARIOS = ("fill", "remove_all", "unmount", "unregister", "expiry")
+SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry")
 CLIENT_TTL_S = 1.0
 
 
@@ -107,6 +110,16 @@ async def scenario(address: str, kind: str, num_objects: int,
         await fill(rpc, name, num_objects)
         await asyncio.sleep(0.5)  # let the probe settle
         started = time.monotonic()
+        if kind in ("read", "exist"):
+            for i in range(0, num_objects, batch_keys):
+                chunk = [f"{name}-{j:09d}".encode()
+                         for j in range(i, min(i + batch_keys, num_objects))]
+                if kind == "read":
+                    results = (await rpc.get_replicas(name, chunk)).results
+                    assert all(r.status == Status.OK for r in results)
+                else:
+                    assert (await rpc.exist(name, chunk))[0] == [Status.OK] * len(chunk)
+            return started, time.monotonic()
         if kind == "remove_all":
             removed = await rpc.remove_all(name, force=True)
             assert removed == num_objects, removed
@@ -123,7 +136,7 @@ async def scenario(address: str, kind: str, num_objects: int,
         return started, time.monotonic()
     finally:
         beating.cancel()
-        if kind in ("fill", "remove_all", "unmount"):
+        if kind in ("fill", "read", "exist", "remove_all", "unmount"):
             await rpc.unregister_client(name)
         await rpc.close()
 
@@ -159,7 +172,8 @@ def main() -> int:
                     help="the master persists its index (--state-dir in a temporary "
                          "directory), so state-log compactions run during the operations")
     ap.add_argument("--batch-keys", type=int, default=BATCH_KEYS,
-                    help="keys per PutStart / PutEnd of the fill (default 1,000)")
+                    help="keys per PutStart / PutEnd of the fill, and per read or exist call "
+                         "(default 1,000)")
     ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:

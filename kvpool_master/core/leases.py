@@ -80,6 +80,12 @@ class OpenLeases:
 
     def add(self, lease_id: int, reader: ClientId, keys: list[ObjectKey],
             expiry_s: float) -> None:
+        """Open ``reader``'s lease ``lease_id`` over ``keys``, or add them to it when it is
+        open (a later step of the same call: it keeps its place, its expiry moves on)."""
+        lease = self._by_id.get(lease_id)
+        if lease is not None and lease[0] == reader:
+            lease[1].extend(keys)
+            keys = lease[1]
         self._by_id[lease_id] = (reader, keys, expiry_s)
 
     def take(self, lease_id: int, reader: ClientId) -> list[ObjectKey] | None:

@@ -222,11 +222,13 @@ class MasterCore(Tiering):
     # ---- reads (each OK item grants or extends a read lease) -------------------------------
 
     def get_replicas(self, keys: Sequence[ObjectKey], now: float,
-                     reader: ClientId | None = None) -> list[ReadResult[Extent]]:
+                     reader: ClientId | None = None,
+                     lease_id: int = 0) -> list[ReadResult[Extent]]:
         """Return one ReadResult per key: OK with placements, NOT_FOUND (absent or PENDING),
         INVALID_KEY, or INVALID_ARGUMENT for an oversized batch. With ``reader`` (a proven
         client) the leases are its lease ``self.last_lease_id``, which it may end early
-        (``end_leases``)."""
+        (``end_leases``); a call served in steps passes the lease its first step got as
+        ``lease_id``, and each later step's keys join that lease."""
         if len(keys) > self._config.max_batch_keys:
             return [ReadResult(int(Status.INVALID_ARGUMENT))] * len(keys)
         counters = self._lease_counters
@@ -234,13 +236,15 @@ class MasterCore(Tiering):
         ttl_s = self._config.default_lease_ttl_s
         covered: list[ObjectKey] | None = None
         if reader is not None:
-            self.last_lease_id += 1
+            if not 0 < lease_id <= self.last_lease_id:
+                self.last_lease_id += 1
+                lease_id = self.last_lease_id
             covered = []
         results = leases.get_replicas(self._objects, self._segments, keys, now, ttl_s,
                                       self._config.max_key_bytes, counters, reader,
-                                      self.last_lease_id, covered)
+                                      lease_id, covered)
         if covered:
-            self._open_leases.add(self.last_lease_id, reader,  # type: ignore[arg-type]
+            self._open_leases.add(lease_id, reader,  # type: ignore[arg-type]
                                   covered, now + ttl_s)
         if self._objects.dram_order is not None and \
                 self._segments.tier_to_capacity_bytes[Tier.SSD]:

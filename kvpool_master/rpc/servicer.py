@@ -28,12 +28,15 @@ Rules of this file:
   ``CopyTasks`` that asked to wait (``wait_ms``) when no task waits for its caller, as soon
   as one does or when the wait ends (at most ``MAX_COPY_WAIT_S``; a newer wait of the same
   caller, even one that fetches nothing, answers the older at once).
-- A ``PutStart`` or ``PutEnd`` over more than ``STEP_KEYS`` keys is served in steps of that
-  many, other requests in between, and answers once all are done (``Stepped``): one call of
-  100,000 keys held the loop for over half a second. The lean transport serves a connection's
-  later calls only after it (clients rely on the calls of one connection being served in
-  order). A step that finds the master read-only, or whose events the server refuses, makes
-  the whole call answer UNAVAILABLE, as one call would.
+- A call over many keys is served in steps, other requests in between, and answers once
+  all are done (``Stepped``): one call of 100,000 keys held the loop for up to a second.
+  ``PutStart`` and ``PutEnd`` step by ``STEP_KEYS`` keys, ``GetReplicas`` by
+  ``READ_STEP_KEYS`` (it signs a capability per replica; every step's keys are held under
+  the one lease id the answer names), ``Exist`` by ``EXIST_STEP_KEYS``. The lean transport
+  serves a connection's later calls only after it (clients rely on the calls of one
+  connection being served in order). A write step that finds the master read-only, or any
+  step whose events the server refuses, makes the whole call answer UNAVAILABLE, as one call
+  would. A stepped call is timed (``rpc_done``) from its start to its last step.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo
 
 log = logging.getLogger("kvpool.master.rpc")
 
-__all__ = ["CLIENT_SCOPED", "STEP_KEYS", "WRITE_METHODS", "BadRequest", "InternalError",
-           "Pending", "RpcObserver", "Servicer", "Stepped"]
+__all__ = ["CLIENT_SCOPED", "EXIST_STEP_KEYS", "READ_STEP_KEYS", "STEP_KEYS", "WRITE_METHODS",
+           "BadRequest", "InternalError", "Pending", "RpcObserver", "Servicer", "Stepped"]
 
 #: Calls that act as their ``client_id``: the caller proves it with its client token.
 CLIENT_SCOPED = frozenset({"Heartbeat", "UnregisterClient", "MountSegment", "UnmountSegment",
@@ -105,19 +108,30 @@ class Stepped(Pending):
     def __init__(self, steps: Iterator[None], build: Callable[[], bytes]) -> None:
         super().__init__(build)
         self._steps = steps
+        self.on_done: Callable[[bool], None] | None = None  # called with ``failed`` at the end
 
     async def answer(self) -> bytes:
+        failed = True
         try:
             for _ in self._steps:
                 await asyncio.sleep(0)
-            return self._build()
+            answer = self._build()
+            failed = False
+            return answer
         except Exception as exc:
             log.exception("a call served in steps failed unexpectedly")
             raise InternalError(f"a step failed: {type(exc).__name__}") from None
+        finally:
+            if self.on_done is not None:
+                self.on_done(failed)
 
 
 #: Keys one step of a ``PutStart`` or ``PutEnd`` serves (a few ms of work).
 STEP_KEYS = 1024
+#: Keys one step of a ``GetReplicas`` serves (a capability signed per replica: about as long).
+READ_STEP_KEYS = 512
+#: Keys one step of an ``Exist`` serves (a lookup each).
+EXIST_STEP_KEYS = 4096
 
 
 class InternalError(RuntimeError):
@@ -186,6 +200,7 @@ class Servicer:
             self.finish()
         started_s = time.perf_counter()
         failed = True
+        timed = True
         try:
             request = convert.parse_request(method, payload)
             name = method.name
@@ -201,6 +216,11 @@ class Servicer:
                 if events and not self._on_events(events):
                     response = convert.refused_response(request, Status.UNAVAILABLE)
             failed = False
+            if isinstance(response, Stepped):
+                response.on_done = lambda failed, since_s=started_s: self._observer.rpc_done(
+                    name, transport, time.perf_counter() - since_s, failed)
+                timed = False  # once its last step is done
+                return response
             if isinstance(response, Pending):
                 return response
             return convert.serialize(response)
@@ -211,8 +231,9 @@ class Servicer:
             raise InternalError(f"{method.name} failed: {type(exc).__name__}") from None
         finally:
             self._after_step()
-            self._observer.rpc_done(method.name, transport, time.perf_counter() - started_s,
-                                    failed)
+            if timed:
+                self._observer.rpc_done(method.name, transport,
+                                        time.perf_counter() - started_s, failed)
 
     def finish(self) -> None:
         """End the leases that the last ``GetReplicas`` calls carried, once their answers went
@@ -409,31 +430,37 @@ class Servicer:
                               checksums is None or len(checksums) == len(keys))
 
     def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int], Any],
-                  well_formed: bool) -> Any:
-        """Serve a write call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at
-        once when they are few (or the call is malformed: the core answers it whole), else
-        the first ``STEP_KEYS`` now and the rest as a ``Stepped`` answer."""
-        if num_keys <= STEP_KEYS or not well_formed \
+                  well_formed: bool = True, step_keys: int = STEP_KEYS, writes: bool = True,
+                  complete: Callable[[Any], None] | None = None) -> Any:
+        """Serve a call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at once when
+        they are few (or the call is malformed: the core answers it whole), else the first
+        ``step_keys`` now and the rest as a ``Stepped`` answer, each step's answer merged
+        into the first (``complete`` then finishes the whole answer). A ``writes`` call is
+        refused if the master turns read-only between its steps."""
+        if num_keys <= step_keys or not well_formed \
                 or num_keys > self._core.config.max_batch_keys:
             return step(0, num_keys)
-        response = step(0, STEP_KEYS)
+        response = step(0, step_keys)
         refused = False
 
         def steps() -> Iterator[None]:
             nonlocal refused
-            for lo in range(STEP_KEYS, num_keys, STEP_KEYS):
+            for lo in range(step_keys, num_keys, step_keys):
                 yield
-                if self.read_only:
+                if writes and self.read_only:
                     refused = True
                     return
-                response.MergeFrom(step(lo, min(num_keys, lo + STEP_KEYS)))
+                response.MergeFrom(step(lo, min(num_keys, lo + step_keys)))
                 if not self._after_step():
                     refused = True
                     return
 
         def build() -> bytes:
-            return convert.serialize(convert.refused_response(request, Status.UNAVAILABLE)
-                                     if refused else response)
+            if refused:
+                return convert.serialize(convert.refused_response(request, Status.UNAVAILABLE))
+            if complete is not None:
+                complete(response)
+            return convert.serialize(response)
 
         return Stepped(steps(), build)
 
@@ -457,15 +484,22 @@ class Servicer:
     def _get_replicas(self, request: Any) -> Any:
         client_id, keys = convert.decode_keys(request)
         reader = self._proven_reader(request)
-        now = self._clock.now()
         if reader is not None and (request.ended_lease_ids or request.ended_leases):
             self._ends_later.append((reader, request))  # see finish
-        results = self._core.get_replicas(keys, now, reader)
         lease_ttl_s = self._core.config.default_lease_ttl_s
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
-        return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms,
-                                           self._signer(Op.READ, expiry_ms),
-                                           self._core.last_lease_id if reader else 0)
+        signer = self._signer(Op.READ, expiry_ms)
+        lease_id = 0  # the reader's lease, numbered by the first step
+
+        def step(lo: int, hi: int) -> Any:
+            nonlocal lease_id
+            results = self._core.get_replicas(keys[lo:hi], self._clock.now(), reader, lease_id)
+            if reader is not None:
+                lease_id = self._core.last_lease_id
+            return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms, signer,
+                                               lease_id)
+
+        return self._in_steps(request, len(keys), step, step_keys=READ_STEP_KEYS, writes=False)
 
     def _proven_reader(self, request: Any) -> ClientId | None:
         """The request's client when it carries that client's token (its leases are then its
@@ -483,8 +517,14 @@ class Servicer:
 
     def _exist(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
-        statuses, sizes_bytes = self._core.exist(keys, self._clock.now())
-        return convert.encode_exist(statuses, sizes_bytes, self._core.tiers_of(keys))
+
+        def step(lo: int, hi: int) -> Any:
+            part = keys[lo:hi]
+            statuses, sizes_bytes = self._core.exist(part, self._clock.now())
+            return convert.encode_exist(statuses, sizes_bytes, self._core.tiers_of(part))
+
+        return self._in_steps(request, len(keys), step, step_keys=EXIST_STEP_KEYS,
+                              writes=False, complete=convert.align_exist_tiers)
 
     def _query_prefix(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)

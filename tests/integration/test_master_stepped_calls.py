@@ -1,6 +1,6 @@
-"""A PutStart or PutEnd over more than ``STEP_KEYS`` keys is served in steps by a real master:
-its answer is whole and exact, other connections are served between its steps, and the later
-calls of its own lean connection only after it."""
+"""A call over many keys (PutStart, PutEnd, GetReplicas, Exist) is served in steps by a real
+master: its answer is whole and exact, other connections are served between its steps, and the
+later calls of its own lean connection only after it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from kvpool_client.rpc import MasterRpc
-from kvpool_master.rpc.servicer import STEP_KEYS
+from kvpool_master.rpc.servicer import EXIST_STEP_KEYS, READ_STEP_KEYS, STEP_KEYS
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo, Tier
 
 BLOCK = 4096
 
@@ -126,3 +126,80 @@ async def test_frames_read_together_with_a_stepped_call_wait_for_it(master) -> N
         assert read.decode(read.method.response_type.FromString(answers[2]))[0] == [Status.OK]
     finally:
         await rpc.close()
+
+
+async def _ready(address: str, num_keys: int) -> tuple[MasterRpc, list[bytes], list[int]]:
+    """Owner "c" with ``num_keys`` READY objects; their offsets."""
+    rpc, keys = await _pending(address, num_keys)
+    offsets = [p.offset for _, (p,) in await rpc.put_start("c", keys, [BLOCK] * num_keys,
+                                                          PutOptions())]  # the writer's retry
+    assert await rpc.put_end("c", keys) == [Status.OK] * num_keys
+    return rpc, keys, offsets
+
+
+async def _parked_bytes(rpc: MasterRpc) -> int:
+    return int((await rpc.get_stats())["objects"]["deferred_free_bytes"])
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_a_read_of_many_keys_holds_them_all_under_one_lease(master,
+                                                                  use_fast_path: bool) -> None:
+    n = 3 * READ_STEP_KEYS + 5
+    owner, keys, offsets = await _ready(master.address, n)
+    reader = MasterRpc(master.address, timeout_s=60.0, use_fast_path=use_fast_path)
+    try:
+        await reader.register_client("r", "host-b", "")
+        asked = keys + [b"absent"]   # a miss in the last step
+        results, _, lease_id = await reader.get_replicas("r", asked)
+        assert [r.status for r in results] == [Status.OK] * n + [Status.NOT_FOUND]
+        assert [r.placements[0].offset for r in results[:n]] == offsets
+        assert all(r.placements[0].capability for r in results[:n])
+        assert lease_id > 0
+        # a forced remove of a key read under a live lease parks its bytes ...
+        assert await owner.remove("c", [keys[1]], force=True) == [Status.OK]
+        assert await _parked_bytes(owner) == BLOCK
+        # ... and frees them at once once the reader ended that lease (the remove carries the
+        # end): the answer's one lease covers the keys of every step
+        reader.session.end_lease(lease_id, asked)
+        every_step = [keys[1], keys[READ_STEP_KEYS], keys[-1]]
+        assert await reader.remove("r", every_step, force=True) == \
+            [Status.NOT_FOUND, Status.OK, Status.OK]
+        assert await _parked_bytes(owner) == 0
+    finally:
+        await owner.close()
+        await reader.close()
+
+
+async def test_other_connections_are_served_between_the_steps_of_a_read(master) -> None:
+    n = 16 * READ_STEP_KEYS
+    owner, keys, _ = await _ready(master.address, n)
+    other = MasterRpc(master.address, timeout_s=60.0)
+    try:
+        before = (await other.get_stats())["totals"]["read_keys_total"]
+        big = asyncio.get_running_loop().create_task(owner.get_replicas("c", keys))
+        seen: list[int] = []
+        while not big.done() and len(seen) < 100_000:
+            seen.append((await other.get_stats())["totals"]["read_keys_total"] - before)
+        assert [r.status for r in (await big)[0]] == [Status.OK] * n
+        assert any(0 < read < n for read in seen), sorted(set(seen))
+    finally:
+        await owner.close()
+        await other.close()
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
+async def test_an_exist_of_many_keys_is_answered_whole_and_exact(master,
+                                                                 use_fast_path: bool) -> None:
+    n = 2 * EXIST_STEP_KEYS + 9
+    owner, keys, _ = await _ready(master.address, n)
+    asker = MasterRpc(master.address, timeout_s=60.0, use_fast_path=use_fast_path)
+    try:
+        asked = [b"absent-0"] + keys + [b"absent-1"]
+        statuses, sizes = await asker.exist("a", asked)
+        assert statuses == [Status.NOT_FOUND] + [Status.OK] * n + [Status.NOT_FOUND]
+        assert sizes == [0] + [BLOCK] * n + [0]
+        tiers = await asker.tiers("a", asked)
+        assert tiers == [None] + [Tier.DRAM] * n + [None]
+    finally:
+        await owner.close()
+        await asker.close()

@@ -1,6 +1,8 @@
 """A call served in steps, in process (the servicer over a real core, no transport): a master
-that turns read-only between its steps, or whose events for a step are refused, answers the
-whole call UNAVAILABLE, as one call would; a small call is answered at once."""
+that turns read-only between the steps of a write, or whose events for a step are refused,
+answers the whole call UNAVAILABLE, as one call would; reads go on while read-only; an Exist
+whose first SSD segment is mounted between its steps gives every key a tier; a small call is
+answered at once; a stepped call is timed once, when its last step is done."""
 
 from __future__ import annotations
 
@@ -9,15 +11,18 @@ from typing import Any
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.rpc.servicer import STEP_KEYS, Servicer, Stepped
+from kvpool_master.rpc.servicer import EXIST_STEP_KEYS, READ_STEP_KEYS, STEP_KEYS, Servicer, Stepped
 from kvpool_wire import calls
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo, Tier
 
 
 class _Observer:
+    def __init__(self) -> None:
+        self.done: list[tuple[str, bool]] = []
+
     def rpc_done(self, method: str, transport: str, duration_s: float, failed: bool) -> None:
-        pass
+        self.done.append((method, failed))
 
 
 def _decoded(call: calls.Call[Any], answer: bytes | Stepped) -> Any:
@@ -76,3 +81,46 @@ def test_refused_events_of_a_step_answer_the_call_unavailable() -> None:
     assert isinstance(stepped, Stepped)
     accept[0] = False          # the commits of the second step cannot be written
     assert set(_decoded(call, stepped)) == {Status.UNAVAILABLE}
+
+
+def _ready(servicer: Servicer, token: bytes, num_keys: int) -> list[bytes]:
+    keys = [b"r-%d" % i for i in range(num_keys)]
+    assert {s for s, _ in _serve(servicer, calls.put_start("c", token, keys, [4096] * num_keys,
+                                                           PutOptions()))} == {Status.OK}
+    assert set(_serve(servicer, calls.put_end("c", token, keys))) == {Status.OK}
+    return keys
+
+
+def test_reads_in_steps_go_on_while_read_only() -> None:
+    servicer, token = _servicer([True])
+    keys = _ready(servicer, token, 3 * READ_STEP_KEYS)
+    read = calls.get_replicas("c", keys, token, [])
+    stepped = servicer.serve(read.method, read.request.SerializeToString(), "test")
+    assert isinstance(stepped, Stepped)
+    servicer.read_only = True
+    answer = _decoded(read, stepped)
+    assert {r.status for r in answer.results} == {Status.OK} and answer.lease_id > 0
+
+
+def test_an_exist_whose_first_ssd_segment_comes_between_its_steps_gives_every_key_a_tier(
+        tmp_path: Any) -> None:
+    servicer, token = _servicer([True])
+    keys = _ready(servicer, token, 2 * EXIST_STEP_KEYS)
+    ask = calls.tiers("c", keys + [b"absent"])
+    stepped = servicer.serve(ask.method, ask.request.SerializeToString(), "test")
+    assert isinstance(stepped, Stepped)
+    ssd = SegmentInfo(SegmentId("ssd"), ClientId("c"), 1 << 20, tier=Tier.SSD,
+                      file_path=str(tmp_path / "ssd"))
+    assert _serve(servicer, calls.mount_segment("c", token, ssd)) == Status.OK
+    assert _decoded(ask, stepped) == [Tier.DRAM] * len(keys) + [None]
+
+
+def test_a_stepped_call_is_timed_once_its_last_step_is_done() -> None:
+    servicer, token = _servicer([True])
+    observer = servicer._observer
+    assert isinstance(observer, _Observer)
+    large, call = _put(servicer, token, 3 * STEP_KEYS, b"large")
+    assert isinstance(large, Stepped)
+    assert ("PutStart", False) not in observer.done
+    _decoded(call, large)
+    assert observer.done.count(("PutStart", False)) == 1
