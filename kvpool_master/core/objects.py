@@ -109,6 +109,20 @@ class Recency:
         end.older = node
         self._count += 1
 
+    def append_all(self, nodes: list[Node]) -> None:
+        """Link ``nodes`` (in no list) at the recent end, in order (restore's bulk path)."""
+        if not nodes:
+            return
+        end = self._end
+        last = end.older
+        for node in nodes:
+            last.newer = node  # type: ignore[union-attr]
+            node.older = last
+            last = node
+        last.newer = end  # type: ignore[union-attr]
+        end.older = last
+        self._count += len(nodes)
+
     def touch_all(self, nodes: Iterable[Node]) -> None:
         """Move each of ``nodes`` (in this list) to the recent end, in turn (one call for a
         batch: the moves are the hot path of every read)."""
@@ -199,12 +213,37 @@ class ObjectTable:
             self._count_child(entry.parent_key, 1)
 
     def add_ready(self, key: ObjectKey, entry: ObjectEntry) -> None:
-        """Insert a READY object at the most recent end (restore and tests)."""
-        self.shards[hash(key) & SHARD_MASK][key] = entry
-        self.recency.append(entry)
-        self.ready_bytes += entry.size_bytes
-        if self.child_counts is not None and entry.parent_key is not None:
-            self._count_child(entry.parent_key, 1)
+        """Insert a READY object at the most recent end (tests)."""
+        self.add_ready_all([entry])
+
+    def add_ready_all(self, entries: list[ObjectEntry]) -> list[ObjectEntry]:
+        """Insert READY objects at the most recent end, in order (restore, a chunk at a time);
+        an entry whose key is present already (in the table, or earlier in ``entries``) is
+        left out. A parent key present in the table by then is shared (``shared_key``).
+        Returns the entries added."""
+        shards = self.shards
+        mask = SHARD_MASK
+        added: list[ObjectEntry] = []
+        num_bytes = 0
+        for entry in entries:
+            shard = shards[hash(entry.key) & mask]
+            if entry.key in shard:
+                continue
+            shard[entry.key] = entry
+            added.append(entry)
+            num_bytes += entry.size_bytes
+            parent = entry.parent_key
+            if parent is not None:
+                found = shards[hash(parent) & mask].get(parent)
+                if found is not None:
+                    entry.parent_key = found.key
+        self.recency.append_all(added)  # type: ignore[arg-type]
+        self.ready_bytes += num_bytes
+        if self.child_counts is not None:
+            for entry in added:
+                if entry.parent_key is not None:
+                    self._count_child(entry.parent_key, 1)
+        return added
 
     def pop(self, key: ObjectKey) -> ObjectEntry:
         """Remove ``key`` (which must be present) from every index and return its entry."""

@@ -123,20 +123,28 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     segment_to_packed: dict[SegmentId, list[int]] = {s: [] for s in infos}
     segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
-    shards = objects.shards
-    add_ready = objects.add_ready
     mask = _ALIGN_MASK
-    for row in snapshot.objects:
-        entry = _object_entry(row, infos, usable, max_key_bytes, objects)
-        if entry is None or entry.key in shards[hash(entry.key) & SHARD_MASK]:
-            dropped += 1
-            continue
-        key = entry.key
-        add_ready(key, entry)
-        for p in entry.placements:
-            segment_to_packed[p.segment_id].append(
-                p.offset << OFFSET_BITS | ((p.length + mask) & ~mask))
-            segment_to_keys[p.segment_id].append(key)
+    chunk: list[ObjectEntry] = []
+    rows = iter(snapshot.objects)
+    while True:
+        chunk.clear()
+        for row in rows:
+            entry = _object_entry(row, infos, usable, max_key_bytes, objects)
+            if entry is None:
+                dropped += 1
+            else:
+                chunk.append(entry)
+                if len(chunk) == RESTORE_CHUNK:
+                    break
+        if not chunk:
+            break
+        added = objects.add_ready_all(chunk)
+        dropped += len(chunk) - len(added)   # keys seen before
+        for entry in added:
+            for p in entry.placements:
+                segment_to_packed[p.segment_id].append(
+                    p.offset << OFFSET_BITS | ((p.length + mask) & ~mask))
+                segment_to_keys[p.segment_id].append(entry.key)
     try:
         allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
                       for s, packed in segment_to_packed.items()}
@@ -158,6 +166,10 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
                                   restore_deadline_s=deadline_s,
                                   keys=segment_to_keys[segment_id]))
     return RestoreCounts(len(clients), len(infos), len(objects), dropped, conflicting)
+
+
+#: Objects restore builds before it adds them to the table in one call.
+RESTORE_CHUNK = 4096
 
 
 def _extents(objects: ObjectTable, segment_id: SegmentId,
@@ -208,7 +220,8 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
     segment extents may reach.
 
     Sizes and segment ids are shared with the table (one int per size, the descriptor's id
-    string), as ``put_start`` does, so restored objects cost no more memory than new ones. One
+    string; parent keys once added, ``add_ready_all``), as ``put_start`` does, so restored
+    objects cost no more memory than new ones. One
     replica (the common case) takes a path without a loop: restore is linear in the index and
     this is its inner step.
     """
@@ -246,9 +259,8 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
             placements = tuple(found)
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
         return None
-    parent = objects.shared_key(ObjectKey(parent_key)) if parent_key is not None else None
-    return ObjectEntry(ObjectKey(key), size_bytes, placements, None, _PINS[pin], parent,
-                       checksum)
+    return ObjectEntry(ObjectKey(key), size_bytes, placements, None, _PINS[pin],
+                       ObjectKey(parent_key) if parent_key is not None else None, checksum)
 
 
 _PINS = tuple(Pin)
