@@ -3,7 +3,8 @@
 API (server.py wires it; every call is synchronous and made from the event loop thread)::
 
     store = StateStore(state_dir, fsync="batch", fsync_interval_s=0.05,
-                       restore_grace_s=30.0, compact_log_bytes=64 << 20)
+                       restore_grace_s=30.0, compact_log_bytes=64 << 20,
+                       compact_log_ratio=0.5)
     report = store.load(core, now)       # once, into a fresh MasterCore, before serving
     ok = store.record(core, events)      # every list drained with core.take_events(): append,
                                          # compact when due, sync when the events demand it;
@@ -11,6 +12,14 @@ API (server.py wires it; every call is synchronous and made from the event loop 
     store.flush(core)                    # now and then (tick loop): fsync what "batch" left
     store.compact(core)                  # a full snapshot; the way out of read-only mode
     store.close()
+
+A compaction is due once the log has grown past ``compact_log_bytes`` and past
+``compact_log_ratio`` times the size of the snapshot it applies to. The second bound keeps the
+cost of compacting proportional to the change it folds in: each compaction forks (page tables
+in proportion to the master's memory, about 12 ms a GiB, on the loop) and writes the whole
+index again (seconds for millions of objects), so a big index compacted every 64 MiB of log
+would fork every few seconds under churn and keep a child writing all the time. Restore then
+reads at most the snapshot and a log of ``compact_log_ratio`` times its size.
 
 With ``background=True`` (the server's choice), a compaction that the log's size calls for
 (``maybe_compact``) does not hold the caller: the store forks, the child writes the snapshot
@@ -160,17 +169,21 @@ class StateStore:
 
     def __init__(self, state_dir: str | os.PathLike[str], fsync: str = "batch",
                  fsync_interval_s: float = 0.05, restore_grace_s: float = 30.0,
-                 compact_log_bytes: int = 64 << 20, background: bool = False) -> None:
+                 compact_log_bytes: int = 64 << 20, background: bool = False,
+                 compact_log_ratio: float = 0.5) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        if not fsync_interval_s >= 0 or not restore_grace_s >= 0 or compact_log_bytes < 1:
-            raise ValueError("fsync_interval_s, restore_grace_s must be >= 0 and "
-                             "compact_log_bytes >= 1")
+        if not fsync_interval_s >= 0 or not restore_grace_s >= 0 or compact_log_bytes < 1 \
+                or not 0 <= compact_log_ratio <= 100:
+            raise ValueError("fsync_interval_s, restore_grace_s must be >= 0, "
+                             "compact_log_bytes >= 1 and compact_log_ratio in [0, 100]")
         self._dir = Path(state_dir)
         self._fsync = fsync
         self._fsync_interval_s = fsync_interval_s
         self._restore_grace_s = restore_grace_s
         self._compact_log_bytes = compact_log_bytes
+        self._compact_log_ratio = compact_log_ratio
+        self._snapshot_bytes = 0  # size of the snapshot the log applies to
         self._generation = 0
         self._fd = -1
         self._log_bytes = 0
@@ -190,6 +203,12 @@ class StateStore:
     def synced_log_bytes(self) -> int:
         """Size of the log at its last fsync: what survives a power cut (policy permitting)."""
         return self._synced_bytes
+
+    @property
+    def compact_at_log_bytes(self) -> int:
+        """The log size at which a compaction is due (see the module docstring)."""
+        return max(self._compact_log_bytes,
+                   int(self._snapshot_bytes * self._compact_log_ratio))
 
     @property
     def compacting(self) -> bool:
@@ -223,6 +242,7 @@ class StateStore:
         lost_snapshot = False
         if snapshot_path.exists():
             snapshot_file = snapshot_path.open("rb")
+            self._snapshot_bytes = os.fstat(snapshot_file.fileno()).st_size
             try:
                 generation, clients, segments = read_snapshot_head(snapshot_file)
             except Corrupt as exc:
@@ -411,7 +431,7 @@ class StateStore:
         """
         if self._child is not None:
             return self._poll_child(core)
-        if self._log_bytes < self._compact_log_bytes:
+        if self._log_bytes < self.compact_at_log_bytes:
             return False
         if self._background and self._fork_child(core):
             return False
@@ -433,6 +453,7 @@ class StateStore:
             os.replace(tmp, self._dir / SNAPSHOT_NAME)
             self._sync_dir()
             self._generation = generation
+            self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
             self._open_log(fresh=True)
         except OSError as exc:
             self._fail(exc)
@@ -507,6 +528,7 @@ class StateStore:
             os.replace(child.path, self._dir / SNAPSHOT_NAME)
             self._sync_dir()
             self._generation = child.generation
+            self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
             self._open_log(fresh=True)
         except OSError as exc:
             self._fail(exc)

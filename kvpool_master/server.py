@@ -239,6 +239,7 @@ class MasterServer:
                                 fsync_interval_s=STATE_FSYNC_INTERVAL_S,
                                 restore_grace_s=self.config.restore_grace_s,
                                 compact_log_bytes=self.config.state_compact_bytes,
+                                compact_log_ratio=self.config.state_compact_ratio,
                                 background=True)
         report = self.store.load(self.core, self.clock.now())
         log.info("restored from %s: %d clients, %d segments, %d objects (%d log records, "

@@ -271,7 +271,8 @@ def test_compactions_run_in_a_child_while_the_master_serves_and_survive_a_kill(
     removals go on; the master keeps answering (a child writes each snapshot), and a master
     killed at any point restores exactly what the last one answered."""
     state = tmp_path / "state"
-    master = start_master(state_dir=str(state), restore_grace=30, state_compact_bytes=4096)
+    master = start_master(state_dir=str(state), restore_grace=30, state_compact_bytes=4096,
+                          state_compact_ratio=0)
     live: dict[bytes, tuple] = {}
     with grpc.insecure_channel(master.address) as channel:
         stub = pb_grpc.MasterStub(channel)

@@ -282,11 +282,37 @@ def test_pending_and_leases_are_not_persisted(tmp_path: Path) -> None:
     assert restored.remove([ObjectKey(b"pending")], False, 6.5) == [Status.NOT_FOUND]
 
 
+def test_a_compaction_waits_for_a_log_of_its_share_of_the_snapshot(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, compact_log_ratio=2.0)
+    populate(store, core)
+    assert store.maybe_compact(core) is True      # no snapshot yet: the size alone decides
+    snapshot_bytes = (tmp_path / SNAPSHOT_NAME).stat().st_size
+    assert store.compact_at_log_bytes == 2 * snapshot_bytes > 500
+    churned = 0
+    while store.log_bytes < 2 * snapshot_bytes and churned < 10_000:
+        assert store.maybe_compact(core) is False  # past 500 bytes, not yet twice the snapshot
+        key = ObjectKey(b"churn-%d" % churned)
+        core.put_start(A, [key], [64], PutOptions(), 2.0)
+        core.put_end(A, [key], 2.0)
+        core.remove([key], False, 2.0)
+        sync(store, core)
+        churned += 1
+    assert store.log_bytes > 500 and store.maybe_compact(core) is True
+    store.close()
+    # a store opened again knows the size of the snapshot its log applies to
+    reopened = StateStore(tmp_path, compact_log_bytes=500, compact_log_ratio=2.0)
+    reopened.load(MasterCore(CONFIG), 3.0)
+    assert reopened.compact_at_log_bytes == 2 * (tmp_path / SNAPSHOT_NAME).stat().st_size
+    reopened.close()
+
+
 def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fsync"):
         StateStore(tmp_path, fsync="sometimes")
     with pytest.raises(ValueError):
         StateStore(tmp_path, compact_log_bytes=0)
+    with pytest.raises(ValueError):
+        StateStore(tmp_path, compact_log_ratio=-0.5)
     store = StateStore(tmp_path)
     with pytest.raises(RuntimeError):
         store.append([])
