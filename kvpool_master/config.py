@@ -63,7 +63,7 @@ class MasterConfig:
     state_dir: str = ""
     state_fsync: str = "batch"
     state_compact_bytes: int = 64 * 2**20
-    state_compact_ratio: float = 0.5
+    state_compact_ratio: float = 0.25
     restore_grace_s: float = 60.0
     tls_cert: str = ""
     tls_key: str = ""
@@ -261,7 +261,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_compact_ratio", "state_compact_ratio", _float(0.0, 100.0),
            "a compaction also waits until the state log is this many times the size of the "
            "last snapshot, so a big index is not forked and rewritten every few MiB of "
-           "change (default 0.5; 0: the size alone decides)", "RATIO"),
+           "change (default 0.25; 0: the size alone decides)", "RATIO"),
     Option("restore_grace", "restore_grace_s", _float(0.0, 24 * HOUR_S),
            "seconds restored segments have to be remounted before their objects are dropped "
            "(default 60)", "SECONDS"),

@@ -4,7 +4,7 @@ API (server.py wires it; every call is synchronous and made from the event loop 
 
     store = StateStore(state_dir, fsync="batch", fsync_interval_s=0.05,
                        restore_grace_s=30.0, compact_log_bytes=64 << 20,
-                       compact_log_ratio=0.5)
+                       compact_log_ratio=0.25)
     report = store.load(core, now)       # once, into a fresh MasterCore, before serving
     ok = store.record(core, events)      # every list drained with core.take_events(): append,
                                          # compact when due, sync when the events demand it;
@@ -170,7 +170,7 @@ class StateStore:
     def __init__(self, state_dir: str | os.PathLike[str], fsync: str = "batch",
                  fsync_interval_s: float = 0.05, restore_grace_s: float = 30.0,
                  compact_log_bytes: int = 64 << 20, background: bool = False,
-                 compact_log_ratio: float = 0.5) -> None:
+                 compact_log_ratio: float = 0.25) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if not fsync_interval_s >= 0 or not restore_grace_s >= 0 or compact_log_bytes < 1 \
