@@ -1,5 +1,6 @@
 """``fast_init`` changes only how a frozen dataclass is built: the instances are the ones the
-dataclass's own constructor makes, still frozen; classes it cannot build right are refused."""
+dataclass's own constructor makes, still frozen; classes it cannot build right are refused.
+The master's ``Extent`` (a replica without a capability) compares by value."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvpool_master.core.events import ObjectCommitted, ReplicasChanged
 from kvpool_wire.records import fast_init
-from kvpool_wire.types import Pin, Placement
+from kvpool_wire.types import Extent, Pin, Placement, SegmentId
 
 
 def test_instances_match_the_dataclass_constructor_and_stay_frozen() -> None:
@@ -48,3 +49,13 @@ def test_classes_it_cannot_build_right_are_refused() -> None:
     for cls in (Mutable, Factory, Checked):
         with pytest.raises(TypeError):
             fast_init(cls)
+
+
+def test_an_extent_compares_by_value_and_is_no_placement() -> None:
+    extent = Extent(SegmentId("seg"), 4096, 100)
+    same = Extent(SegmentId("seg"), 4096, 100)
+    assert extent == same and hash(extent) == hash(same) and {extent, same} == {extent}
+    assert extent != Extent(SegmentId("seg"), 8192, 100)
+    assert extent != Placement("seg", 4096, 100) and Placement("seg", 4096, 100) != extent
+    assert repr(extent) == "Extent('seg', 4096, 100)"
+    assert not hasattr(extent, "capability")   # the master keeps no capability
