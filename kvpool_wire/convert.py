@@ -294,17 +294,6 @@ def encode_exist(statuses: Sequence[int], sizes_bytes: Sequence[int],
     return pb.ExistResponse(statuses=_pb(statuses), sizes_bytes=sizes_bytes, tiers=_pb(tiers))
 
 
-def align_exist_tiers(response: pb.ExistResponse) -> None:
-    """Give every key of an ``Exist`` answer merged from steps its tier: steps served before
-    the first SSD segment was mounted carry none (their keys were all in DRAM), and those come
-    first, as the pool never goes back to one tier."""
-    missing = len(response.statuses) - len(response.tiers)
-    if len(response.tiers) and missing > 0:
-        tiers = [int(Tier.DRAM)] * missing + list(response.tiers)
-        del response.tiers[:]
-        response.tiers.extend(tiers)
-
-
 def encode_query_prefix(status: Status, num_ready: int,
                         tiers: Sequence[int] | None = None) -> pb.QueryPrefixResponse:
     """How many leading keys are READY (and, with an SSD tier, the tier of each)."""

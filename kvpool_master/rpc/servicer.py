@@ -36,7 +36,9 @@ Rules of this file:
   serves a connection's later calls only after it (clients rely on the calls of one
   connection being served in order). A write step that finds the master read-only, or any
   step whose events the server refuses, makes the whole call answer UNAVAILABLE, as one call
-  would. A stepped call is timed (``rpc_done``) from its start to its last step.
+  would. A stepped call is timed (``rpc_done``) from its start to its last step. Each step's
+  answer is serialized as it is made; the whole answer is their concatenation (protobuf
+  parses concatenated messages as one merged message), so no step serializes it whole.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo
+from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo, Tier
 
 log = logging.getLogger("kvpool.master.rpc")
 
@@ -431,16 +433,18 @@ class Servicer:
 
     def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int], Any],
                   well_formed: bool = True, step_keys: int = STEP_KEYS, writes: bool = True,
-                  complete: Callable[[Any], None] | None = None) -> Any:
+                  lead: Callable[[], Any] | None = None) -> Any:
         """Serve a call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at once when
         they are few (or the call is malformed: the core answers it whole), else the first
-        ``step_keys`` now and the rest as a ``Stepped`` answer, each step's answer merged
-        into the first (``complete`` then finishes the whole answer). A ``writes`` call is
+        ``step_keys`` now and the rest as a ``Stepped`` answer. Each step's answer is
+        serialized as it is made and the answer is their concatenation, which protobuf parses
+        as those messages merged (repeated fields appended in order): no step serializes the
+        whole answer. ``lead`` may give a message to put first (or None). A ``writes`` call is
         refused if the master turns read-only between its steps."""
         if num_keys <= step_keys or not well_formed \
                 or num_keys > self._core.config.max_batch_keys:
             return step(0, num_keys)
-        response = step(0, step_keys)
+        parts = [convert.serialize(step(0, step_keys))]
         refused = False
 
         def steps() -> Iterator[None]:
@@ -450,7 +454,7 @@ class Servicer:
                 if writes and self.read_only:
                     refused = True
                     return
-                response.MergeFrom(step(lo, min(num_keys, lo + step_keys)))
+                parts.append(convert.serialize(step(lo, min(num_keys, lo + step_keys))))
                 if not self._after_step():
                     refused = True
                     return
@@ -458,9 +462,10 @@ class Servicer:
         def build() -> bytes:
             if refused:
                 return convert.serialize(convert.refused_response(request, Status.UNAVAILABLE))
-            if complete is not None:
-                complete(response)
-            return convert.serialize(response)
+            first = lead() if lead is not None else None
+            if first is not None:
+                parts.insert(0, convert.serialize(first))
+            return b"".join(parts)
 
         return Stepped(steps(), build)
 
@@ -517,14 +522,29 @@ class Servicer:
 
     def _exist(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
+        # Steps served before the first SSD segment was mounted carry no tiers (every key was
+        # in DRAM); they come first (the pool never goes back to one tier), so once a later
+        # step carries tiers, a lead part gives those keys theirs, in order.
+        untiered = 0
+        tiered = False
 
         def step(lo: int, hi: int) -> Any:
+            nonlocal untiered, tiered
             part = keys[lo:hi]
             statuses, sizes_bytes = self._core.exist(part, self._clock.now())
-            return convert.encode_exist(statuses, sizes_bytes, self._core.tiers_of(part))
+            tiers = self._core.tiers_of(part)
+            if tiers is None:
+                untiered += len(part)
+            else:
+                tiered = True
+            return convert.encode_exist(statuses, sizes_bytes, tiers)
+
+        def lead() -> Any:
+            return convert.encode_exist([], [], [Tier.DRAM] * untiered) \
+                if tiered and untiered else None
 
         return self._in_steps(request, len(keys), step, step_keys=EXIST_STEP_KEYS,
-                              writes=False, complete=convert.align_exist_tiers)
+                              writes=False, lead=lead)
 
     def _query_prefix(self, request: Any) -> Any:
         _client_id, keys = convert.decode_keys(request)
