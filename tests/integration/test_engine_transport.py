@@ -231,8 +231,12 @@ def test_a_master_restart_keeps_the_engine_pool_working(site_dir: Path, start_ma
             time.sleep(0.3)
         writer.call("flush")
         for who in (owner, writer):
-            assert who.call("check", keys=before + after, size=100_000)["results"] == \
-                ["ok"] * 16
+            # the objects put before the restart are readable once their owner has remounted
+            # its segment, at its own next heartbeat (the writer's put may land before it)
+            while (results := who.call("check", keys=before + after, size=100_000)["results"]
+                   ) != ["ok"] * 16:
+                assert time.monotonic() < deadline, results
+                time.sleep(0.3)
         assert "engine:write" in writer.call("transports")["used"]
     finally:
         pool.stop()
