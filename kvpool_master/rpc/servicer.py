@@ -50,7 +50,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.events import Event
@@ -64,6 +64,7 @@ from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo, Tier
 
 log = logging.getLogger("kvpool.master.rpc")
+T = TypeVar("T")
 
 __all__ = ["CLIENT_SCOPED", "EXIST_STEP_KEYS", "READ_STEP_KEYS", "STEP_KEYS", "WRITE_METHODS",
            "BadRequest", "InternalError", "Pending", "RpcObserver", "Servicer", "Stepped"]
@@ -411,10 +412,10 @@ class Servicer:
         put_id = self._last_put_id
         signer = self._signer(Op.WRITE, expiry_ms, put_id)
 
-        def step(lo: int, hi: int) -> Any:
+        def step(lo: int, hi: int | None) -> Any:
             results = self._core.put_start(
-                ClientId(client_id), keys[lo:hi], sizes_bytes[lo:hi], options,
-                self._clock.now(), parent_keys[lo:hi] if parent_keys is not None else None)
+                ClientId(client_id), _span(keys, lo, hi), _span(sizes_bytes, lo, hi), options,
+                self._clock.now(), _span(parent_keys, lo, hi) if parent_keys is not None else None)
             return convert.encode_put_start(results, expiry_ms, signer, put_id)
 
         return self._in_steps(request, len(keys), step, len(sizes_bytes) == len(keys) and (
@@ -423,19 +424,21 @@ class Servicer:
     def _put_end(self, request: Any) -> Any:
         client_id, keys, checksums = convert.decode_put_end(request)
 
-        def step(lo: int, hi: int) -> Any:
-            statuses = self._core.put_end(client_id, keys[lo:hi], self._clock.now(),
-                                          checksums[lo:hi] if checksums is not None else None)
+        def step(lo: int, hi: int | None) -> Any:
+            statuses = self._core.put_end(client_id, _span(keys, lo, hi), self._clock.now(),
+                                          _span(checksums, lo, hi) if checksums is not None
+                                          else None)
             return convert.encode_statuses(_response_of(request), statuses)
 
         return self._in_steps(request, len(keys), step,
                               checksums is None or len(checksums) == len(keys))
 
-    def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int], Any],
+    def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int | None], Any],
                   well_formed: bool = True, step_keys: int = STEP_KEYS, writes: bool = True,
                   lead: Callable[[], Any] | None = None) -> Any:
         """Serve a call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at once when
-        they are few (or the call is malformed: the core answers it whole), else the first
+        they are few (or the call is malformed: the core answers it whole), as ``step(0,
+        None)``, which passes the decoded lists on as they are, else the first
         ``step_keys`` now and the rest as a ``Stepped`` answer. Each step's answer is
         serialized as it is made and the answer is their concatenation, which protobuf parses
         as those messages merged (repeated fields appended in order): no step serializes the
@@ -443,7 +446,7 @@ class Servicer:
         refused if the master turns read-only between its steps."""
         if num_keys <= step_keys or not well_formed \
                 or num_keys > self._core.config.max_batch_keys:
-            return step(0, num_keys)
+            return step(0, None)
         parts = [convert.serialize(step(0, step_keys))]
         refused = False
 
@@ -496,9 +499,10 @@ class Servicer:
         signer = self._signer(Op.READ, expiry_ms)
         lease_id = 0  # the reader's lease, numbered by the first step
 
-        def step(lo: int, hi: int) -> Any:
+        def step(lo: int, hi: int | None) -> Any:
             nonlocal lease_id
-            results = self._core.get_replicas(keys[lo:hi], self._clock.now(), reader, lease_id)
+            results = self._core.get_replicas(_span(keys, lo, hi), self._clock.now(), reader,
+                                              lease_id)
             if reader is not None:
                 lease_id = self._core.last_lease_id
             return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms, signer,
@@ -528,9 +532,9 @@ class Servicer:
         untiered = 0
         tiered = False
 
-        def step(lo: int, hi: int) -> Any:
+        def step(lo: int, hi: int | None) -> Any:
             nonlocal untiered, tiered
-            part = keys[lo:hi]
+            part = _span(keys, lo, hi)
             statuses, sizes_bytes = self._core.exist(part, self._clock.now())
             tiers = self._core.tiers_of(part)
             if tiers is None:
@@ -589,6 +593,12 @@ class Servicer:
 
     def _get_stats(self, request: Any) -> Any:
         return convert.encode_stats(Status.OK, self._status_document())
+
+
+def _span(items: list[T], lo: int, hi: int | None) -> list[T]:
+    """``items[lo:hi]``; all of ``items``, as they are, for ``hi`` None (a call served whole:
+    the common case, without a copy, and a malformed call's lists as they came)."""
+    return items if hi is None else items[lo:hi]
 
 
 def _response_of(request: Any) -> Any:

@@ -2,7 +2,8 @@
 that turns read-only between the steps of a write, or whose events for a step are refused,
 answers the whole call UNAVAILABLE, as one call would; reads go on while read-only; an Exist
 whose first SSD segment is mounted between its steps gives every key a tier; a small call is
-answered at once; a stepped call is timed once, when its last step is done."""
+answered at once; a stepped call is timed once, when its last step is done; a call whose
+lists disagree in length is refused whole."""
 
 from __future__ import annotations
 
@@ -124,3 +125,18 @@ def test_a_stepped_call_is_timed_once_its_last_step_is_done() -> None:
     assert ("PutStart", False) not in observer.done
     _decoded(call, large)
     assert observer.done.count(("PutStart", False)) == 1
+
+
+def test_a_call_whose_lists_disagree_in_length_is_refused_whole() -> None:
+    servicer, token = _servicer([True])
+    for num_keys in (2, 3 * STEP_KEYS):   # one step or many: the core sees the lists as sent
+        keys = [b"odd-%d-%d" % (num_keys, i) for i in range(num_keys)]
+        started = _serve(servicer, calls.put_start("c", token, keys, [4096] * (num_keys + 1),
+                                                   PutOptions()))
+        assert {s for s, _ in started} == {Status.INVALID_ARGUMENT}
+        started = _serve(servicer, calls.put_start("c", token, keys, [4096] * num_keys,
+                                                   PutOptions()))
+        assert {s for s, _ in started} == {Status.OK}
+        ended = _serve(servicer, calls.put_end("c", token, keys, list(range(num_keys + 1))))
+        assert set(ended) == {Status.INVALID_ARGUMENT}
+        assert set(_serve(servicer, calls.exist("c", keys))[0]) == {Status.NOT_FOUND}
