@@ -450,11 +450,7 @@ class StateStore:
         tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
         try:
             self._write_snapshot(core, tmp, generation)
-            os.replace(tmp, self._dir / SNAPSHOT_NAME)
-            self._sync_dir()
-            self._generation = generation
-            self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
-            self._open_log(fresh=True)
+            self._install(tmp, generation)
         except OSError as exc:
             self._fail(exc)
             with contextlib.suppress(OSError):
@@ -525,11 +521,7 @@ class StateStore:
                 f.write(tail_trailer(tail_offset))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(child.path, self._dir / SNAPSHOT_NAME)
-            self._sync_dir()
-            self._generation = child.generation
-            self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
-            self._open_log(fresh=True)
+            self._install(child.path, child.generation)
         except OSError as exc:
             self._fail(exc)
             with contextlib.suppress(OSError):
@@ -541,6 +533,15 @@ class StateStore:
                  "%.1f ms)", time.monotonic() - child.started_s, child.generation, carried,
                  len(changed), (time.monotonic() - finishing_s) * 1e3)
         return True
+
+    def _install(self, path: Path, generation: int) -> None:
+        """Put the written and synced snapshot at ``path`` in place and start the empty log of
+        its ``generation`` (raises OSError)."""
+        os.replace(path, self._dir / SNAPSHOT_NAME)
+        self._sync_dir()
+        self._generation = generation
+        self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
+        self._open_log(fresh=True)
 
     def _abandon_child(self) -> None:
         """Stop a child still writing a snapshot and remove its file."""

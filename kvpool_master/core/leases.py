@@ -46,8 +46,8 @@ NOT_FOUND = Status.NOT_FOUND
 INVALID_KEY = Status.INVALID_KEY
 #: ``entry.holds`` once every hold on it ended: its bytes are protected by nothing (shared).
 NO_HOLDS: dict[str, tuple[int, float, int]] = {}
-_NOT_FOUND_RESULT : ReadResult[Extent] = ReadResult(int(Status.NOT_FOUND))
-_INVALID_KEY_RESULT : ReadResult[Extent] = ReadResult(int(Status.INVALID_KEY))
+_NOT_FOUND_RESULT: ReadResult[Extent] = ReadResult(int(Status.NOT_FOUND))
+_INVALID_KEY_RESULT: ReadResult[Extent] = ReadResult(int(Status.INVALID_KEY))
 
 
 class LeaseCounters:

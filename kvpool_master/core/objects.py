@@ -222,27 +222,22 @@ class ObjectTable:
         left out. A parent key present in the table by then is shared (``shared_key``).
         Returns the entries added."""
         shards = self.shards
-        mask = SHARD_MASK
+        counts = self.child_counts
         added: list[ObjectEntry] = []
         num_bytes = 0
         for entry in entries:
-            shard = shards[hash(entry.key) & mask]
+            shard = shards[hash(entry.key) & SHARD_MASK]
             if entry.key in shard:
                 continue
             shard[entry.key] = entry
             added.append(entry)
             num_bytes += entry.size_bytes
-            parent = entry.parent_key
-            if parent is not None:
-                found = shards[hash(parent) & mask].get(parent)
-                if found is not None:
-                    entry.parent_key = found.key
+            if entry.parent_key is not None:
+                entry.parent_key = self.shared_key(entry.parent_key)
+                if counts is not None:
+                    self._count_child(entry.parent_key, 1)
         self.recency.append_all(added)  # type: ignore[arg-type]
         self.ready_bytes += num_bytes
-        if self.child_counts is not None:
-            for entry in added:
-                if entry.parent_key is not None:
-                    self._count_child(entry.parent_key, 1)
         return added
 
     def pop(self, key: ObjectKey) -> ObjectEntry:

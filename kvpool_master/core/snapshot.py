@@ -124,27 +124,29 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
     mask = _ALIGN_MASK
-    chunk: list[ObjectEntry] = []
-    rows = iter(snapshot.objects)
-    while True:
-        chunk.clear()
-        for row in rows:
-            entry = _object_entry(row, infos, usable, max_key_bytes, objects)
-            if entry is None:
-                dropped += 1
-            else:
-                chunk.append(entry)
-                if len(chunk) == RESTORE_CHUNK:
-                    break
-        if not chunk:
-            break
+
+    def add(chunk: list[ObjectEntry]) -> int:
+        """Add ``chunk`` to the table and note its extents; return how many were left out
+        (keys seen before)."""
         added = objects.add_ready_all(chunk)
-        dropped += len(chunk) - len(added)   # keys seen before
         for entry in added:
             for p in entry.placements:
                 segment_to_packed[p.segment_id].append(
                     p.offset << OFFSET_BITS | ((p.length + mask) & ~mask))
                 segment_to_keys[p.segment_id].append(entry.key)
+        return len(chunk) - len(added)
+
+    chunk: list[ObjectEntry] = []
+    for row in snapshot.objects:
+        entry = _object_entry(row, infos, usable, max_key_bytes, objects)
+        if entry is None:
+            dropped += 1
+            continue
+        chunk.append(entry)
+        if len(chunk) == RESTORE_CHUNK:
+            dropped += add(chunk)
+            chunk = []
+    dropped += add(chunk)
     try:
         allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
                       for s, packed in segment_to_packed.items()}
