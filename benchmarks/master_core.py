@@ -142,11 +142,9 @@ def bench_memory_and_eviction(num_objects: int) -> None:
           f"{stats.num_objects:,} objects = {grown / stats.num_objects:.0f} B/object "
           f"= {grown / stats.num_objects * 1e6 / 2**20:.0f} MiB per million")
     entry = next(core._objects.entries())
-    placement = entry.placements[0]
-    print(f"  of which one object's own: entry {sys.getsizeof(entry)} B, key "
-          f"{sys.getsizeof(entry.key)} B, replica tuple {sys.getsizeof(entry.placements)} B, "
-          f"placement {sys.getsizeof(placement)} B, offset and checksum ints "
-          f"{sys.getsizeof(placement.offset) + sys.getsizeof(entry.checksum)} B; the rest is "
+    print(f"  of which one object's own: entry {sys.getsizeof(entry)} B (its first replica "
+          f"and recency links included), key {sys.getsizeof(entry.key)} B, offset and checksum "
+          f"ints {sys.getsizeof(entry.offset) + sys.getsizeof(entry.checksum)} B; the rest is "
           f"the table's slot and the segment's key list")
     started = time.perf_counter()
     gc.collect()
@@ -328,7 +326,8 @@ def bench_table_churn(num_objects: int) -> None:
     table = ObjectTable(track_children=False)
 
     def insert(key: bytes) -> None:
-        table.add_ready(ObjectKey(key), ObjectEntry(ObjectKey(key), 1, (), None, Pin.NONE, None))
+        entry = ObjectEntry(ObjectKey(key), 1, SegmentId("s"), 0, None, Pin.NONE, None)
+        table.add_ready(ObjectKey(key), entry)
 
     for i in range(num_objects):
         insert(b"%016d" % i)

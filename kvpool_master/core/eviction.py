@@ -105,7 +105,7 @@ def _scan(table: ObjectTable, order: Recency, segments: SegmentTable,
         if entry.pin not in allowed or entry.lease_expiry_s > now or key in victims:
             continue
         if simple:
-            num_bytes = ((entry.size_bytes + align_mask) & ~align_mask) * len(entry.placements)
+            num_bytes = ((entry.size_bytes + align_mask) & ~align_mask) * (1 + len(entry.more))
         else:
             num_bytes = _bytes_on_tier(segments, entry, tier)
             if not num_bytes:
@@ -150,7 +150,7 @@ def _drain_ready(state: _Pass, table: ObjectTable) -> None:
 def _bytes_on_tier(segments: SegmentTable, entry: ObjectEntry, tier: Tier) -> int:
     id_to_segment = segments.id_to_segment
     num_bytes = 0
-    for placement in entry.placements:
+    for placement in entry.extents():
         state = id_to_segment.get(placement.segment_id)
         if state is not None and state.mounted and state.info.tier == tier:
             num_bytes += aligned(placement.length)

@@ -129,7 +129,7 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
         if entry is None or entry.writer_id is not None:
             append(_NOT_FOUND_RESULT if _well_formed(key, max_key_bytes) else _INVALID_KEY_RESULT)
             continue
-        placements = entry.placements
+        placements = entry.extents()
         if restoring:
             placements = mounted_placements(segments, placements)
             if not placements:
@@ -180,7 +180,7 @@ def exist(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
     for key in keys:
         entry = shards[hash(key) & mask].get(key)
         if (entry is None or entry.writer_id is not None
-                or (restoring and not mounted_placements(segments, entry.placements))):
+                or (restoring and not mounted_placements(segments, entry.extents()))):
             status_append(NOT_FOUND if _well_formed(key, max_key_bytes) else INVALID_KEY)
             size_append(0)
             continue
@@ -214,7 +214,7 @@ def query_prefix(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     for key in keys:
         entry = shards[hash(key) & mask].get(key)
         if (entry is None or entry.writer_id is not None
-                or (restoring and not mounted_placements(segments, entry.placements))):
+                or (restoring and not mounted_placements(segments, entry.extents()))):
             break
         lease = entry.lease_expiry_s
         if lease < expiry_s:

@@ -303,7 +303,7 @@ class MasterCore(Tiering):
         tiers: list[Tier] = []
         for key in keys:
             entry = get(key) if type(key) is bytes else None
-            state = segment_of(entry.placements[0].segment_id) \
+            state = segment_of(entry.segment_id) \
                 if entry is not None and entry.writer_id is None else None
             tiers.append(state.info.tier if state is not None else Tier.DRAM)
         return tiers

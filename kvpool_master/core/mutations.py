@@ -161,7 +161,7 @@ class Mutations:
             size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
             entry = shards[hash(key) & mask].get(key)
             if entry is not None and dying and not any(
-                    p.segment_id in id_to_segment for p in entry.placements):
+                    p.segment_id in id_to_segment for p in entry.extents()):
                 self._drop((key,), "segment_lost", now)  # on lost segments only: sweep it now
                 self._counters.segment_lost_objects += 1
                 entry = None
@@ -169,7 +169,7 @@ class Mutations:
                 if entry.writer_id != client_id:
                     results.append((Status.ALREADY_EXISTS, ()))
                 elif entry.size_bytes == size:
-                    results.append((Status.OK, entry.placements))  # the writer retrying
+                    results.append((Status.OK, entry.extents()))  # the writer retrying
                 else:
                     results.append((Status.INVALID_ARGUMENT, ()))
                 continue
@@ -195,7 +195,7 @@ class Mutations:
             if parent is not None:
                 parent = self._objects.shared_key(parent)
             self._objects.add_pending(
-                key, ObjectEntry(key, size, placements, client_id, pin, parent), now)
+                key, ObjectEntry.of_extents(key, size, placements, client_id, pin, parent), now)
             if not on_run:
                 for p in placements:
                     self._note_key(id_to_segment[p.segment_id], key)
@@ -241,7 +241,7 @@ class Mutations:
                 statuses.append(Status.PERMISSION_DENIED)
             else:
                 objects.commit(key, entry, checksum)
-                events.append(ObjectCommitted(key, entry.size_bytes, entry.placements, checksum,
+                events.append(ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum,
                                               entry.pin, entry.parent_key))
                 committed.append(entry)
                 statuses.append(Status.OK)
@@ -325,7 +325,7 @@ class Mutations:
                 get = self._segments.id_to_segment.get
                 dying = self._segments.dying
                 parked = []
-                for p in entry.placements:
+                for p in entry.extents():
                     state = get(p.segment_id)
                     if state is None:  # a segment being lost: held in case it comes back
                         state = dying.get(p.segment_id, lost)
@@ -339,7 +339,7 @@ class Mutations:
             else:
                 if entry.lease_expiry_s > 0.0:
                     lapsed += 1
-                to_free += entry.placements
+                to_free += entry.extents()
             events.append(ObjectRemoved(key, entry.size_bytes, reason))
         self._segments.free(to_free, seq)
         self._lease_counters.leases_lapsed += lapsed
@@ -427,7 +427,7 @@ class Mutations:
             if key in shard:
                 continue
             entry = get(key)
-            if entry is None or not _on_segment(entry.placements, segment_id):
+            if entry is None or not entry.on_segment(segment_id):
                 continue
             shard.add(key)
             keys[write] = key
@@ -566,16 +566,18 @@ class Mutations:
         to_free: list[Extent] = []
         for key in victims:
             entry = objects.shards[hash(key) & SHARD_MASK][key]
-            here = [p for p in entry.placements
+            extents = entry.extents()
+            here = [p for p in extents
                     if (s := get(p.segment_id)) is not None and s.info.tier == tier]
-            if len(here) == len(entry.placements):
+            if len(here) == len(extents):
                 dropped.append(key)
                 continue
-            entry.placements = tuple(p for p in entry.placements if p not in here)
+            remaining = tuple(p for p in extents if p not in here)
+            entry.set_extents(remaining)
             to_free += here
             if tier == Tier.DRAM:
                 objects.dram_remove(entry)
-            self._events.append(ReplicasChanged(key, entry.size_bytes, entry.placements,
+            self._events.append(ReplicasChanged(key, entry.size_bytes, remaining,
                                                 entry.checksum, entry.pin, entry.parent_key))
         kept = len(victims) - len(dropped)
         victims[:] = dropped
@@ -594,13 +596,6 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
         return Pin(options.pin), replica_num
     except ValueError:
         return None, 0
-
-
-def _on_segment(placements: tuple[Extent, ...], segment_id: str) -> bool:
-    """True when one of ``placements`` is on ``segment_id`` (one replica: the common case)."""
-    if len(placements) == 1:
-        return placements[0].segment_id == segment_id
-    return any(p.segment_id == segment_id for p in placements)
 
 
 def _seen_shards(num_keys: int) -> int:

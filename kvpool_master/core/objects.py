@@ -12,8 +12,11 @@ Rules of this file:
   rebuilds anything.
 - An object is PENDING while ``writer_id`` is set (only its writer may commit or revoke it;
   readers never see it) and READY once ``writer_id`` is None. Objects are write-once.
-- Per-object state is one slotted ``ObjectEntry`` holding the placements tuple that reads hand
-  out as is (no per-read allocation of placements).
+- Per-object state is one slotted ``ObjectEntry``. Its first replica lives in the entry itself
+  (``segment_id``, ``offset``; its length is ``size_bytes``), any others in ``more`` (usually
+  the empty tuple): at ten million objects a one-replica tuple and its ``Extent`` would cost
+  about 100 bytes an object. ``extents()`` builds the replicas as ``Extent``s when a caller
+  needs them (reads hand them out; the hot loops read the fields).
 - ``child_counts`` (sharded like the objects) counts READY children per parent key; only the
   prefix-lru policy needs it, so it is kept only then.
 - ``dram_order`` (None until an SSD segment is first mounted, see ``core/tiering.py``) is a
@@ -28,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin
+from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId
 
 #: Shards of the key index: ten million objects make about 10 k per shard.
 NUM_SHARDS = 1024
@@ -41,23 +44,29 @@ class ObjectEntry:
     that can end its leases holds one) maps each such reader to (lease id, expiry) of its latest
     lease, and ``""`` to the expiry of the leases no reader can end (see ``leases``).
 
+    Replicas: the first is (``segment_id``, ``offset``, ``size_bytes``) and the rest are
+    ``more`` (DRAM replicas come first, see ``core/tiering.py``). Every object has at least one.
+
     ``key`` is the very bytes object the table is keyed by: a child naming this object as its
     parent stores a reference to it instead of a copy (chains of blocks are the common case).
     ``older`` / ``newer`` link it into the table's recency list (None once out of it);
     ``dram`` is its link in ``dram_order`` (None when not in it).
     """
 
-    __slots__ = ("key", "size_bytes", "placements", "writer_id", "lease_expiry_s", "pin",
-                 "checksum", "parent_key", "holds", "older", "newer", "dram")
+    __slots__ = ("key", "size_bytes", "segment_id", "offset", "more", "writer_id",
+                 "lease_expiry_s", "pin", "checksum", "parent_key", "holds", "older", "newer",
+                 "dram")
 
-    def __init__(self, key: ObjectKey, size_bytes: int, placements: tuple[Extent, ...],
+    def __init__(self, key: ObjectKey, size_bytes: int, segment_id: SegmentId, offset: int,
                  writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
-                 checksum: int = 0, lease_expiry_s: float = 0.0) -> None:
+                 checksum: int = 0, more: tuple[Extent, ...] = ()) -> None:
         self.key = key
         self.size_bytes = size_bytes
-        self.placements = placements
+        self.segment_id = segment_id
+        self.offset = offset
+        self.more = more
         self.writer_id = writer_id
-        self.lease_expiry_s = lease_expiry_s
+        self.lease_expiry_s = 0.0
         self.pin = pin
         self.checksum = checksum
         self.parent_key = parent_key
@@ -65,6 +74,32 @@ class ObjectEntry:
         self.older: ObjectEntry | _Link | None = None
         self.newer: ObjectEntry | _Link | None = None
         self.dram: _Link | None = None
+
+    @classmethod
+    def of_extents(cls, key: ObjectKey, size_bytes: int, extents: tuple[Extent, ...],
+                   writer_id: ClientId | None, pin: Pin, parent_key: ObjectKey | None,
+                   checksum: int = 0) -> ObjectEntry:
+        """The entry of an object whose replicas are ``extents`` (at least one)."""
+        first = extents[0]
+        return cls(key, size_bytes, first.segment_id, first.offset, writer_id, pin, parent_key,
+                   checksum, extents[1:])
+
+    def extents(self) -> tuple[Extent, ...]:
+        """The replicas, first one first (a new tuple: the entry keeps them as fields)."""
+        first = Extent(self.segment_id, self.offset, self.size_bytes)
+        return (first, *self.more) if self.more else (first,)
+
+    def set_extents(self, extents: tuple[Extent, ...]) -> None:
+        """Replace the replicas with ``extents`` (at least one, the fastest tier first)."""
+        first = extents[0]
+        self.segment_id = first.segment_id
+        self.offset = first.offset
+        self.more = extents[1:]
+
+    def on_segment(self, segment_id: SegmentId) -> bool:
+        """True when a replica is on ``segment_id``."""
+        return self.segment_id == segment_id or any(p.segment_id == segment_id
+                                                    for p in self.more)
 
 
 class _Link:

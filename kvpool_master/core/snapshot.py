@@ -90,7 +90,7 @@ def take_snapshot(clients: ClientTable, segments: SegmentTable,
 def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
     for entry in objects.entries():
         if entry.writer_id is None:
-            yield object_row(entry.key, entry.size_bytes, entry.placements, entry.checksum,
+            yield object_row(entry.key, entry.size_bytes, entry.extents(), entry.checksum,
                              entry.pin, entry.parent_key)
 
 
@@ -130,10 +130,13 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         (keys seen before)."""
         added = objects.add_ready_all(chunk)
         for entry in added:
-            for p in entry.placements:
-                segment_to_packed[p.segment_id].append(
-                    p.offset << OFFSET_BITS | ((p.length + mask) & ~mask))
-                segment_to_keys[p.segment_id].append(entry.key)
+            key = entry.key
+            extent_bytes = (entry.size_bytes + mask) & ~mask
+            segment_to_packed[entry.segment_id].append(entry.offset << OFFSET_BITS | extent_bytes)
+            segment_to_keys[entry.segment_id].append(key)
+            for p in entry.more:
+                segment_to_packed[p.segment_id].append(p.offset << OFFSET_BITS | extent_bytes)
+                segment_to_keys[p.segment_id].append(key)
         return len(chunk) - len(added)
 
     chunk: list[ObjectEntry] = []
@@ -178,7 +181,7 @@ def _extents(objects: ObjectTable, segment_id: SegmentId,
              keys: list[ObjectKey]) -> list[tuple[int, int, ObjectKey]]:
     """Return (offset, aligned size, key) of each object's replica on ``segment_id``."""
     return [(p.offset, aligned(p.length), key) for key in keys
-            for p in objects.shards[hash(key) & SHARD_MASK][key].placements
+            for p in objects.shards[hash(key) & SHARD_MASK][key].extents()
             if p.segment_id == segment_id]
 
 
@@ -238,31 +241,31 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
             return None
         size_bytes = objects.size_to_int.setdefault(size_bytes, size_bytes)
         extent_bytes = (size_bytes + _ALIGN_MASK) & ~_ALIGN_MASK
+        parent = ObjectKey(parent_key) if parent_key is not None else None
         if len(flat) == 3:
             segment_id, offset, length = flat
             info = infos.get(segment_id)
             if (info is None or type(offset) is not int or offset < 0 or offset & _ALIGN_MASK
                     or length != size_bytes or offset + extent_bytes > usable[segment_id]):
                 return None
-            placements: tuple[Extent, ...] = (Extent(info.segment_id, offset, size_bytes),)
-        else:
-            if len(flat) % 3 or not flat:
+            return ObjectEntry(ObjectKey(key), size_bytes, info.segment_id, offset, None,
+                               _PINS[pin], parent, checksum)
+        if len(flat) % 3 or not flat:
+            return None
+        found: list[Extent] = []
+        for i in range(0, len(flat), 3):
+            segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
+            info = infos.get(segment_id)
+            if (info is None or type(offset) is not int or offset < 0
+                    or offset & _ALIGN_MASK or length != size_bytes
+                    or offset + extent_bytes > usable[segment_id]
+                    or any(p.segment_id == segment_id for p in found)):
                 return None
-            found: list[Extent] = []
-            for i in range(0, len(flat), 3):
-                segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
-                info = infos.get(segment_id)
-                if (info is None or type(offset) is not int or offset < 0
-                        or offset & _ALIGN_MASK or length != size_bytes
-                        or offset + extent_bytes > usable[segment_id]
-                        or any(p.segment_id == segment_id for p in found)):
-                    return None
-                found.append(Extent(info.segment_id, offset, size_bytes))
-            placements = tuple(found)
+            found.append(Extent(info.segment_id, offset, size_bytes))
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
         return None
-    return ObjectEntry(ObjectKey(key), size_bytes, placements, None, _PINS[pin],
-                       ObjectKey(parent_key) if parent_key is not None else None, checksum)
+    return ObjectEntry.of_extents(ObjectKey(key), size_bytes, tuple(found), None, _PINS[pin],
+                                  parent, checksum)
 
 
 _PINS = tuple(Pin)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvpool_master.core.events import SegmentUnmounted
 from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
-from kvpool_master.core.mutations import Mutations, _on_segment
+from kvpool_master.core.mutations import Mutations
 from kvpool_master.core.segments import SegmentState
 from kvpool_wire.status import Status
 from kvpool_wire.types import ObjectKey, SegmentInfo, Tier
@@ -179,17 +179,18 @@ class Sweeps(Mutations):
         for index in range(start, stop):
             key = keys[index]
             entry = get(key)
-            if entry is None or not _on_segment(entry.placements, segment_id):
+            if entry is None or not entry.on_segment(segment_id):
                 continue  # gone, re-put elsewhere, or a repeat already swept
-            kept = tuple(p for p in entry.placements if p.segment_id != segment_id)
+            extents = entry.extents()
+            kept = tuple(p for p in extents if p.segment_id != segment_id)
             if not any(p.segment_id in self._segments.id_to_segment for p in kept):
                 lost[key] = None
                 continue
             if entry.lease_expiry_s > now:
-                for p in entry.placements:
+                for p in extents:
                     if p.segment_id == segment_id:
                         self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length, seq)
-            entry.placements = kept
+            entry.set_extents(kept)
             if entry.dram is not None and state.info.tier == Tier.DRAM and \
                     not self._segments.has_tier(kept, Tier.DRAM):
                 self._objects.dram_remove(entry)  # on SSD only now

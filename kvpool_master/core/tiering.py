@@ -126,7 +126,7 @@ def build_dram_order(objects: ObjectTable, segments: SegmentTable) -> None:
     if objects.dram_order is not None:
         return
     objects.start_dram_order(entry for entry in objects.entries()
-                             if segments.has_tier(entry.placements, Tier.DRAM))
+                             if segments.has_tier(entry.extents(), Tier.DRAM))
 
 
 class Tiering(Sweeps):
@@ -189,7 +189,7 @@ class Tiering(Sweeps):
         self._copies.forget(task)
         entry = self._objects.get(task.key)
         current = (ok and entry is task.entry and entry.writer_id is None
-                   and any(p is task.source for p in entry.placements)
+                   and task.source in entry.extents()  # by value: the same entry, still there
                    and self._segments.get(task.target.segment_id) is task.target_state
                    and task.target_state.mounted)
         counters = self._counters
@@ -203,15 +203,15 @@ class Tiering(Sweeps):
             return
         assert entry is not None
         if task.promote:
-            entry.placements = (task.target, *entry.placements)
+            entry.set_extents((task.target, *entry.extents()))
             if self._objects.dram_order is not None:
                 self._objects.dram_add(entry)
             counters.promotions_done += 1
         else:
-            entry.placements = (*entry.placements, task.target)
+            entry.set_extents((*entry.extents(), task.target))
             counters.demotions_done += 1
         self._note_key(task.target_state, task.key)
-        self._events.append(ReplicasChanged(task.key, entry.size_bytes, entry.placements,
+        self._events.append(ReplicasChanged(task.key, entry.size_bytes, entry.extents(),
                                             entry.checksum, entry.pin, entry.parent_key))
 
     # ---- reads ---------------------------------------------------------------------------
@@ -280,10 +280,11 @@ class Tiering(Sweeps):
                 break
             if key in copies.key_to_task:
                 continue
-            if segments.has_tier(entry.placements, Tier.SSD):
+            extents = entry.extents()
+            if segments.has_tier(extents, Tier.SSD):
                 continue  # on SSD already
             source, owner = None, ClientId("")
-            for p in entry.placements:
+            for p in extents:
                 state = get(p.segment_id)
                 if state is not None and state.mounted:
                     source, owner = p, state.info.client_id
@@ -317,7 +318,7 @@ class Tiering(Sweeps):
             entry = get(key)
             if entry is None or entry.writer_id is not None or key in copies.key_to_task:
                 continue
-            first = entry.placements[0]
+            first = entry.extents()[0]
             state = segment_of(first.segment_id)
             if state is None or not state.mounted or state.info.tier != Tier.SSD:
                 continue  # gone, or in DRAM again

@@ -152,7 +152,7 @@ def check_no_overlap(core: MasterCore, now: float) -> None:
     and each segment's used bytes are exactly those extents."""
     seg_to_extents: dict[str, list[tuple[int, int]]] = {}
     for entry in core._objects.entries():
-        for p in entry.placements:
+        for p in entry.extents():
             seg_to_extents.setdefault(p.segment_id, []).append((p.offset, aligned(p.length)))
     for segment_id, offset, size in core._deferred.extents():
         seg_to_extents.setdefault(segment_id, []).append((offset, aligned(size)))
@@ -230,7 +230,7 @@ def run_pressure(operations: list[tuple]) -> None:  # type: ignore[type-arg]
             assert core.mount_segment(SegmentInfo(SegmentId("s1"), owner, 16 * 4096), now) == (
                 Status.OK)
             for entry in core._objects.entries():
-                assert all(p.segment_id == "s0" for p in entry.placements)
+                assert all(p.segment_id == "s0" for p in entry.extents())
         for key in pending:
             assert core.exist([key], now) == ([Status.NOT_FOUND], [0])
         check_no_overlap(core, now)

@@ -28,7 +28,7 @@ batches = st.lists(st.tuples(st.lists(item, min_size=1, max_size=80),
 def _check(core: MasterCore, segments: int) -> None:
     placed: dict[str, list[tuple[int, int]]] = {}
     for entry in core._objects.entries():
-        for p in entry.placements:
+        for p in entry.extents():
             placed.setdefault(p.segment_id, []).append((p.offset, aligned(p.length)))
     total = 0
     for index in range(segments):

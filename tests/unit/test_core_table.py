@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool_master.core.objects import NUM_SHARDS, ObjectEntry, ObjectTable
-from kvpool_wire.types import ClientId, ObjectKey, Pin
+from kvpool_wire.types import ClientId, ObjectKey, Pin, SegmentId
 
 KEYS = [ObjectKey(b"k%d" % i) for i in range(5)]
 WRITER = ClientId("w")
@@ -69,7 +69,8 @@ def test_the_table_keeps_the_order_a_model_ordered_dict_keeps(ops: list[tuple[st
     for name, key, parent in ops:
         entry = table.get(key)
         if name == "put" and entry is None:
-            table.add_pending(key, ObjectEntry(key, 1, (), WRITER, Pin.NONE, parent), 0.0)
+            entry = ObjectEntry(key, 1, SegmentId("s"), 0, WRITER, Pin.NONE, parent)
+            table.add_pending(key, entry, 0.0)
             model.order[key] = (False, parent)
             model.pending[key] = None
             if model.dram is not None:
@@ -113,7 +114,7 @@ def test_the_table_keeps_the_order_a_model_ordered_dict_keeps(ops: list[tuple[st
 def test_a_walk_may_drop_the_entry_it_holds() -> None:
     table = ObjectTable(track_children=False)
     for key in KEYS:
-        table.add_ready(key, ObjectEntry(key, 1, (), None, Pin.NONE, None))
+        table.add_ready(key, ObjectEntry(key, 1, SegmentId("s"), 0, None, Pin.NONE, None))
     table.start_dram_order(list(table.entries()))
     seen = []
     for entry in table.entries():
@@ -129,7 +130,7 @@ def test_many_keys_spread_over_every_shard_and_come_back_in_order() -> None:
     table = ObjectTable(track_children=False)
     keys = [ObjectKey(b"key-%d" % i) for i in range(20 * NUM_SHARDS)]
     for key in keys:
-        table.add_ready(key, ObjectEntry(key, 1, (), None, Pin.NONE, None))
+        table.add_ready(key, ObjectEntry(key, 1, SegmentId("s"), 0, None, Pin.NONE, None))
     assert all(len(shard) > 0 for shard in table.shards)
     assert max(len(shard) for shard in table.shards) < 20 * 4
     for key in keys[::3]:

@@ -45,7 +45,7 @@ def segments_of(core: MasterCore, name: str) -> list[str]:
     """Where an object lives, without reading it (a read would change its recency)."""
     entry = core._objects.get(ObjectKey(name.encode()))
     assert entry is not None
-    return [p.segment_id for p in entry.placements]
+    return [p.segment_id for p in entry.extents()]
 
 
 def read(core: MasterCore, name: str, now: float) -> None:
