@@ -256,12 +256,12 @@ OPTIONS: tuple[Option, ...] = (
            "after a change; default), never (left to the OS; a killed master still loses "
            "nothing, a machine crash may)", "POLICY"),
     Option("state_compact_bytes", "state_compact_bytes", _size(4096, 2**40),
-           "state log size that starts a compaction into a new snapshot, written by a forked "
-           "child while the master serves (default 64mb)", "BYTES"),
+           "state log size that starts a compaction into a new snapshot, written a step at "
+           "a time between requests while the master serves (default 64mb)", "BYTES"),
     Option("state_compact_ratio", "state_compact_ratio", _float(0.0, 100.0),
            "a compaction also waits until the state log is this many times the size of the "
-           "last snapshot, so a big index is not forked and rewritten every few MiB of "
-           "change (default 0.25; 0: the size alone decides)", "RATIO"),
+           "last snapshot, so a big index is not rewritten every few MiB of change "
+           "(default 0.25; 0: the size alone decides)", "RATIO"),
     Option("restore_grace", "restore_grace_s", _float(0.0, 24 * HOUR_S),
            "seconds restored segments have to be remounted before their objects are dropped "
            "(default 60)", "SECONDS"),

@@ -11,27 +11,41 @@ API (server.py wires it; every call is synchronous and made from the event loop 
                                          # False: the answer of that call must not go out
     store.flush(core)                    # now and then (tick loop): fsync what "batch" left
     store.compact(core)                  # a full snapshot; the way out of read-only mode
+    delay = store.compact_step(core)     # between calls while it is not None (a background
+                                         # compaction and what it held back, in steps)
     store.close()
 
 A compaction is due once the log has grown past ``compact_log_bytes`` and past
 ``compact_log_ratio`` times the size of the snapshot it applies to. The second bound keeps the
-cost of compacting proportional to the change it folds in: each compaction forks (page tables
-in proportion to the master's memory, about 12 ms a GiB, on the loop) and writes the whole
+cost of compacting proportional to the change it folds in: each compaction writes the whole
 index again (seconds for millions of objects), so a big index compacted every 64 MiB of log
-would fork every few seconds under churn and keep a child writing all the time. Restore then
-reads at most the snapshot and a log of ``compact_log_ratio`` times its size.
+would be rewriting itself all the time under churn. Restore then reads at most the snapshot
+and a log of ``compact_log_ratio`` times its size.
 
 With ``background=True`` (the server's choice), a compaction that the log's size calls for
-(``maybe_compact``) does not hold the caller: the store forks, the child writes the snapshot
-of the index as it was at the fork and exits, and the parent goes on logging to the current
-log. Once the child is done (``record`` and ``flush`` look), the parent appends the log
-records written since the fork to the new snapshot as its tail (``statefile.py``), fsyncs
-it, renames it into place and starts the new log: the only work on the caller's thread is
-that copy, bounded by what changed while the child wrote. A crash of either before the
-rename leaves the old snapshot and log, which hold everything. The child's pages are the
-parent's until either writes them (copy-on-write), so a compaction may need up to the
-master's resident memory again, for its duration. An explicit ``compact`` (the way out of
-read-only mode) abandons a child that is still writing and snapshots in the caller.
+(``maybe_compact``) does not hold the caller: it is written between calls, one short step at a
+time (``compact_step``, which the server runs whenever the loop has nothing else to do), and
+the master goes on logging to the current log meanwhile:
+
+- it starts with the clients and segments as they are, and notes the log's size;
+- each step writes the rows of the next ``_OBJECTS_PER_CHUNK`` objects of the index in LRU
+  order as of the start (``MasterCore.start_snapshot``). A row shows its object as it is when
+  its step comes, so the snapshot is fuzzy: an object changed meanwhile may show either way,
+  or not at all if it went;
+- then steps copy the log records written since the start into the file as its tail
+  (``statefile.py``), up to ``_TAIL_STEP_BYTES`` a step; once nearly caught up, a thread
+  fsyncs the file while the loop goes on; a last step copies the rest, fsyncs what is new,
+  renames it into place and starts the new log.
+
+Restore applies the tail on top of the rows, and every change since the start is in it: a
+commit row carries the object's whole state and a removal is idempotent, so the result is the
+index at the rename, whatever the rows showed. No child is forked: a fork copies the
+page tables of the whole master on the loop (about 12–19 ms a GiB of resident memory), which
+no step here comes near, and needs no memory beyond the step's rows. Reads during the
+compaction move their objects to the recent end only after it (``MasterCore.settle``, in
+steps too). A crash before the rename leaves the old snapshot and log, which hold everything.
+An explicit ``compact`` (the way out of read-only mode) abandons a compaction in progress and
+snapshots in the caller.
 
 Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp`` (records and replay:
 ``statefile.py``). Both are sequences of records
@@ -99,7 +113,7 @@ import contextlib
 import gc
 import logging
 import os
-import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -110,7 +124,6 @@ from kvpool_master.core import events as ev
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.snapshot import Snapshot
 from kvpool_master.statefile import (
-    TRAILER_BYTES,
     VERSION,
     Corrupt,
     Overlay,
@@ -121,7 +134,6 @@ from kvpool_master.statefile import (
     read_snapshot_objects,
     read_snapshot_tail,
     tail_trailer,
-    trailer_tail_offset,
     whole_records_bytes,
 )
 
@@ -131,22 +143,31 @@ SNAPSHOT_NAME = "snapshot.kvp"
 LOG_NAME = "log.kvp"
 FSYNC_POLICIES = ("always", "batch", "never")
 _OBJECTS_PER_CHUNK = 4096
-#: A compaction child copies the log written since its fork in rounds, until a round finds
-#: less than this (or after this many rounds); the parent copies the rest when it swaps.
-_CAUGHT_UP_BYTES = 64 << 10
-_CATCH_UP_ROUNDS = 8
+#: A stepped compaction copies at most this much of the log into its tail in one step, and
+#: syncs its file (in a thread) once less than this is left to copy.
+_TAIL_STEP_BYTES = 1 << 20
+#: How often a step looks whether that sync is done (seconds).
+_SYNC_POLL_S = 0.005
+#: Objects read during a stepped compaction moved to the recent end in one step afterwards.
+_SETTLE_STEP = 16384
 
 
+@dataclass(slots=True)
+class _Stepped:
+    """A compaction written a step at a time between calls (see the module docstring)."""
 
-@dataclass(frozen=True, slots=True)
-class _Child:
-    """A compaction running in a forked child."""
-
-    pid: int
     generation: int
-    path: Path          # the snapshot it writes (renamed into place by the parent)
-    log_offset: int     # the log's size at the fork: what follows becomes the tail
+    path: Path          # the snapshot being written (renamed into place at the end)
+    file: BinaryIO
+    log: BinaryIO       # the current log, read back into the tail
+    log_offset: int     # the log's size at the start: what follows becomes the tail
     started_s: float
+    num_objects: int = 0
+    tail_offset: int = -1   # where the tail starts in ``file``; -1 while objects are written
+    copied: int = 0         # log bytes copied into the tail so far
+    sync: threading.Thread | None = None
+    sync_error: OSError | None = None
+    longest_step_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +212,8 @@ class StateStore:
         self._synced_bytes = 0
         self._last_sync_s = time.monotonic()
         self._failure = ""   # why the state directory is untrustworthy; "" when healthy
-        self._background = background and hasattr(os, "fork")
-        self._child: _Child | None = None
+        self._background = background
+        self._stepped: _Stepped | None = None
 
     @property
     def log_bytes(self) -> int:
@@ -212,8 +233,8 @@ class StateStore:
 
     @property
     def compacting(self) -> bool:
-        """True while a forked child writes a snapshot."""
-        return self._child is not None
+        """True while a compaction is written in steps (``compact_step``)."""
+        return self._stepped is not None
 
     @property
     def healthy(self) -> bool:
@@ -396,9 +417,6 @@ class StateStore:
         if self._fd >= 0 and self._unsynced and self._fsync != "never" and not self._failure:
             with contextlib.suppress(OSError):
                 self._sync()
-        if core is not None and self._child is not None:
-            with contextlib.suppress(OSError):
-                self._poll_child(core)
         if core is not None and not self._failure and not (
                 self._unsynced and self._fsync != "never"):
             core.mark_durable(core.free_seq)
@@ -429,11 +447,11 @@ class StateStore:
 
         Call it right after ``append`` of every event taken from ``core`` so far.
         """
-        if self._child is not None:
-            return self._poll_child(core)
-        if self._log_bytes < self.compact_at_log_bytes:
+        if self._stepped is not None or self._log_bytes < self.compact_at_log_bytes:
             return False
-        if self._background and self._fork_child(core):
+        if self._background:
+            if not core.settling:  # the last one's held-back reads are not all moved yet
+                self._start_stepped(core)
             return False
         self.compact(core)
         return True
@@ -445,7 +463,8 @@ class StateStore:
         every free of ``core`` durable. Raises OSError (the store is then read-only; the
         temporary file is removed so that a full disk gets its space back).
         """
-        self._abandon_child()
+        self._abandon_stepped(core)
+        core.settle(None)
         generation = self._generation + 1
         tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
         try:
@@ -459,80 +478,127 @@ class StateStore:
         self._failure = ""
         core.mark_durable(core.free_seq)
 
-    def _fork_child(self, core: MasterCore) -> bool:
-        """Start a compaction in a forked child (see the module docstring); False when no
-        child could be made (the caller then compacts itself)."""
+    def _start_stepped(self, core: MasterCore) -> None:
+        """Start a compaction written in steps: its head now, its objects and tail later."""
         generation = self._generation + 1
         path = self._dir / (SNAPSHOT_NAME + ".tmp")
-        offset = self._log_bytes
         started_s = time.monotonic()
         try:
-            pid = os.fork()
+            file = path.open("wb")
         except OSError as exc:
-            log.warning("cannot fork a background compaction (%s): compacting in place", exc)
-            return False
-        if pid == 0:  # the child: write the index as it is now, then leave at once
-            code = 1
-            try:
-                signal.set_wakeup_fd(-1)  # the parent's event loop must not see our signals
-                for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                    signal.signal(number, signal.SIG_DFL)
-                gc.disable()  # a collection would touch (and so copy) every page
-                self._write_snapshot(core, path, generation, tail_from=offset)
-                code = 0
-            finally:
-                os._exit(code)
-        self._child = _Child(pid, generation, path, offset, started_s)
-        log.info("compacting the state log in the background (pid %d, generation %d; the "
-                 "fork took %.1f ms)", pid, generation, (time.monotonic() - started_s) * 1e3)
-        return True
-
-    def _poll_child(self, core: MasterCore) -> bool:
-        """Finish the child's compaction if it is done; True when a new snapshot is in place.
-        A child that failed is logged and forgotten (the next log growth tries again)."""
-        child = self._child
-        assert child is not None
-        pid, status = os.waitpid(child.pid, os.WNOHANG)
-        if pid == 0:
-            return False
-        self._child = None
-        if status != 0 or self._failure:
-            log.warning("background compaction (pid %d) %s; the log goes on", child.pid,
-                        f"failed (wait status {status})" if status else
-                        "outlived a failed write")
-            with contextlib.suppress(OSError):
-                child.path.unlink(missing_ok=True)
-            return False
-        finishing_s = time.monotonic()
+            log.warning("cannot start a compaction (%s); the log goes on", exc)
+            return
         try:
-            with child.path.open("r+b") as f:
-                # the child carried the log up to where it stopped: add only what came after
-                tail_offset = trailer_tail_offset(f)
-                if tail_offset < 0:
-                    raise OSError(f"{child.path}: the child's snapshot has no trailer")
-                end = f.seek(0, 2) - TRAILER_BYTES
-                carried = end - tail_offset
-                with (self._dir / LOG_NAME).open("rb") as log_file:
-                    log_file.seek(child.log_offset + carried)
-                    changed = log_file.read(self._log_bytes - child.log_offset - carried)
-                f.seek(end)
-                f.truncate()
-                f.write(changed)
-                f.write(tail_trailer(tail_offset))
-                f.flush()
-                os.fsync(f.fileno())
-            self._install(child.path, child.generation)
+            log_file = (self._dir / LOG_NAME).open("rb")
         except OSError as exc:
-            self._fail(exc)
-            with contextlib.suppress(OSError):
-                child.path.unlink(missing_ok=True)
-            raise
+            file.close()
+            log.warning("cannot start a compaction (%s); the log goes on", exc)
+            return
+        stepped = _Stepped(generation, path, file, log_file, self._log_bytes, started_s)
+        self._stepped = stepped
+        head = core.start_snapshot()
+        try:
+            self._write_head(file, generation, head)
+        except OSError as exc:
+            self._abandon_stepped(core, f"failed ({exc})")
+            return
+        log.info("compacting the state log in steps between calls (generation %d)",
+                 generation)
+
+    def compact_step(self, core: MasterCore) -> float | None:
+        """Run one step of the compaction started by ``maybe_compact`` (``_OBJECTS_PER_CHUNK``
+        objects, or up to ``_TAIL_STEP_BYTES`` of log), or of moving the objects read
+        meanwhile (``MasterCore.settle``). Returns None when nothing is left to do, else the
+        seconds until the next step is worth running (0.0: at once). Never raises: a failed
+        compaction is logged and dropped (the log goes on; the next growth tries again)."""
+        stepped = self._stepped
+        if stepped is None:
+            return 0.0 if core.settle(_SETTLE_STEP) else None
+        if self._failure:
+            self._abandon_stepped(core, "outlived a failed write")
+            return 0.0
+        started_s = time.monotonic()
+        try:
+            delay = self._advance(core, stepped)
+        except OSError as exc:
+            self._abandon_stepped(core, f"failed ({exc})")
+            return 0.0
+        stepped.longest_step_s = max(stepped.longest_step_s, time.monotonic() - started_s)
+        return delay
+
+    def _advance(self, core: MasterCore, stepped: _Stepped) -> float:
+        file = stepped.file
+        if stepped.tail_offset < 0:
+            rows = core.snapshot_step(_OBJECTS_PER_CHUNK)
+            if rows is None:
+                file.write(frame({"end": True, "num_objects": stepped.num_objects}))
+                stepped.tail_offset = file.tell()
+            elif rows:
+                file.write(frame(rows))
+                stepped.num_objects += len(rows)
+            return 0.0
+        if stepped.sync is not None and stepped.sync.is_alive():
+            return _SYNC_POLL_S
+        self._copy_tail(stepped, _TAIL_STEP_BYTES)
+        left = self._log_bytes - stepped.log_offset - stepped.copied
+        if stepped.sync is None:
+            if left < _TAIL_STEP_BYTES:  # sync the bulk of it off the loop
+                file.flush()
+                stepped.sync = threading.Thread(target=_sync_in_thread, args=(stepped,),
+                                                name="kvpool-snapshot-sync", daemon=True)
+                stepped.sync.start()
+            return 0.0
+        if stepped.sync_error is not None:
+            raise stepped.sync_error
+        if left:
+            return 0.0
+        # caught up: what is left to sync is what came since the thread's sync
+        file.write(tail_trailer(stepped.tail_offset))
+        file.flush()
+        os.fsync(file.fileno())
+        self._close_stepped(stepped)
+        self._install(stepped.path, stepped.generation)
+        self._stepped = None
         core.mark_durable(core.free_seq)
-        log.info("background compaction done in %.2f s (generation %d; changes made meanwhile "
-                 "carried as its tail: %d bytes by the child, %d by the swap, which took "
-                 "%.1f ms)", time.monotonic() - child.started_s, child.generation, carried,
-                 len(changed), (time.monotonic() - finishing_s) * 1e3)
-        return True
+        log.info("background compaction done in %.2f s (generation %d, %d objects; %d bytes "
+                 "of changes made meanwhile carried as its tail; longest step %.1f ms)",
+                 time.monotonic() - stepped.started_s, stepped.generation,
+                 stepped.num_objects, stepped.copied, stepped.longest_step_s * 1e3)
+        return 0.0
+
+    def _copy_tail(self, stepped: _Stepped, max_bytes: int) -> None:
+        """Copy up to ``max_bytes`` of whole log records written since the compaction
+        started into its tail."""
+        stepped.log.seek(stepped.log_offset + stepped.copied)
+        data = stepped.log.read(min(max_bytes, self._log_bytes - stepped.log_offset
+                                    - stepped.copied))
+        whole = whole_records_bytes(data)
+        if not whole and data:  # one record longer than a step: copy it whole
+            stepped.log.seek(stepped.log_offset + stepped.copied)
+            data = stepped.log.read(self._log_bytes - stepped.log_offset - stepped.copied)
+            whole = whole_records_bytes(data)
+        stepped.file.write(memoryview(data)[:whole])
+        stepped.copied += whole
+
+    def _abandon_stepped(self, core: MasterCore, why: str = "") -> None:
+        """Drop a compaction in progress and its file (its held-back reads still settle)."""
+        stepped, self._stepped = self._stepped, None
+        if stepped is None:
+            return
+        core.end_snapshot()
+        self._close_stepped(stepped)
+        with contextlib.suppress(OSError):
+            stepped.path.unlink(missing_ok=True)
+        if why:
+            log.warning("background compaction (generation %d) %s; the log goes on",
+                        stepped.generation, why)
+
+    @staticmethod
+    def _close_stepped(stepped: _Stepped) -> None:
+        if stepped.sync is not None:
+            stepped.sync.join()  # never close a file a sync is running on
+        stepped.log.close()
+        stepped.file.close()
 
     def _install(self, path: Path, generation: int) -> None:
         """Put the written and synced snapshot at ``path`` in place and start the empty log of
@@ -543,29 +609,11 @@ class StateStore:
         self._snapshot_bytes = (self._dir / SNAPSHOT_NAME).stat().st_size
         self._open_log(fresh=True)
 
-    def _abandon_child(self) -> None:
-        """Stop a child still writing a snapshot and remove its file."""
-        child, self._child = self._child, None
-        if child is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(child.pid, 0)
-        with contextlib.suppress(OSError):
-            child.path.unlink(missing_ok=True)
-
-    def _write_snapshot(self, core: MasterCore, path: Path, generation: int,
-                        tail_from: int = -1) -> None:
-        """Write ``core``'s snapshot to ``path`` and fsync it. A compaction child
-        (``tail_from``: the log's size at its fork) then carries the log records written
-        since, as they come, until it has caught up, and ends the file with the trailer."""
+    def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> None:
+        """Write ``core``'s snapshot to ``path`` in one go and fsync it."""
         snapshot = core.snapshot()
         with path.open("wb") as f:
-            f.write(frame({"format": "kvpool-snapshot", "version": VERSION,
-                            "generation": generation}))
-            f.write(frame([list(c) for c in snapshot.clients]))
-            f.write(frame([list(s) for s in snapshot.segments]))
+            self._write_head(f, generation, snapshot)
             num_objects = 0
             chunk: list[Sequence[Any]] = []
             for row in snapshot.objects:
@@ -578,27 +626,26 @@ class StateStore:
                 f.write(frame(chunk))
                 num_objects += len(chunk)
             f.write(frame({"end": True, "num_objects": num_objects}))
-            if tail_from >= 0:
-                tail_offset = f.tell()
-                with (self._dir / LOG_NAME).open("rb") as log_file:
-                    log_file.seek(tail_from)
-                    for _ in range(_CATCH_UP_ROUNDS):
-                        data = log_file.read()
-                        whole = whole_records_bytes(data)
-                        f.write(data[:whole])
-                        log_file.seek(whole - len(data), 1)  # a record being written: later
-                        if whole < _CAUGHT_UP_BYTES:
-                            break
-                f.write(tail_trailer(tail_offset))
             f.flush()
             os.fsync(f.fileno())
+
+    @staticmethod
+    def _write_head(f: BinaryIO, generation: int, snapshot: Snapshot) -> None:
+        f.write(frame({"format": "kvpool-snapshot", "version": VERSION,
+                        "generation": generation}))
+        f.write(frame([list(c) for c in snapshot.clients]))
+        f.write(frame([list(s) for s in snapshot.segments]))
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
         """Fsync (unless ``fsync="never"`` or read-only) and close the log. Idempotent. A
-        compaction still running in a child is abandoned."""
-        self._abandon_child()
+        compaction still running in steps is abandoned."""
+        if self._stepped is not None:
+            stepped, self._stepped = self._stepped, None
+            self._close_stepped(stepped)
+            with contextlib.suppress(OSError):
+                stepped.path.unlink(missing_ok=True)
         if self._fd < 0:
             return
         try:
@@ -632,3 +679,11 @@ class StateStore:
         finally:
             os.close(fd)
 
+
+def _sync_in_thread(stepped: _Stepped) -> None:
+    """Fsync a stepped compaction's file (off the loop: it may hold gigabytes not yet
+    written back)."""
+    try:
+        os.fsync(stepped.file.fileno())
+    except OSError as exc:
+        stepped.sync_error = exc

@@ -105,6 +105,8 @@ class MasterServer:
         self._tick_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._sweep_wanted: asyncio.Event | None = None
+        self._compact_task: asyncio.Task[None] | None = None
+        self._compact_wanted: asyncio.Event | None = None
         self.gc_pauses = GcPauses()
         self.metrics.watch_gc(self.gc_pauses)
         self._stop = asyncio.Event()
@@ -155,6 +157,9 @@ class MasterServer:
         self._sweep_wanted = asyncio.Event()
         self.servicer.on_sweep_work = self._sweep_wanted.set
         self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop())
+        if self.store is not None:
+            self._compact_wanted = asyncio.Event()
+            self._compact_task = asyncio.get_running_loop().create_task(self._compact_loop())
         log.info("kvpool-master %s serving: grpc %s:%d, lean %s, metrics %s", self.master_id,
                  self.config.host, self.grpc_port,
                  f"{self.config.host}:{self.fast_port}" if self._lean else "off",
@@ -308,6 +313,21 @@ class MasterServer:
             except Exception:
                 log.exception("sweeping lost segments failed")
 
+    async def _compact_loop(self) -> None:
+        """Write a background compaction of the state log, and then move the objects read
+        meanwhile, a step at a time, letting requests in between the steps."""
+        wanted = self._compact_wanted
+        store = self.store
+        assert wanted is not None and store is not None
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            try:
+                while (delay := store.compact_step(self.core)) is not None:
+                    await asyncio.sleep(delay)
+            except Exception:
+                log.exception("compacting the state log failed")
+
     def _tick_store(self) -> None:
         store = self.store
         if store is None:
@@ -344,6 +364,8 @@ class MasterServer:
         if store is None:
             return True
         may_answer = store.record(self.core, events)
+        if self._compact_wanted is not None and (store.compacting or self.core.settling):
+            self._compact_wanted.set()
         if not store.healthy:
             self._note_store_health()
         return may_answer
@@ -389,7 +411,7 @@ class MasterServer:
             await self._lean.close()
         if self._http is not None:
             await self._http.close()
-        for task in (self._tick_task, self._sweep_task):
+        for task in (self._tick_task, self._sweep_task, self._compact_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

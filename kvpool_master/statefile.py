@@ -7,11 +7,11 @@ Rules of this file:
   half-used.
 - Only events that change durable state become log rows (``event_row``); ``Overlay`` applies
   rows on top of a snapshot and streams the restored object rows in LRU order.
-- A snapshot written in the background (``persist.py``) shows the index as it was when its
-  writer forked; the log records of what changed while it was written follow its end record
-  as its *tail*, and a fixed trailer (``TAIL_MAGIC``, the tail's offset) ends the file. They
-  apply before the log of the snapshot's generation. A snapshot without the trailer has no
-  tail.
+- A snapshot written in the background (``persist.py``, a step at a time) may show each
+  object as it was at any moment while it was written; the log records of everything that
+  changed since it started follow its end record as its *tail*, and a fixed trailer
+  (``TAIL_MAGIC``, the tail's offset) ends the file. They apply before the log of the
+  snapshot's generation. A snapshot without the trailer has no tail.
 """
 
 from __future__ import annotations

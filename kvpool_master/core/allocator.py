@@ -14,6 +14,8 @@ Rules of this file:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable
 
 from sortedcontainers import SortedList
@@ -67,20 +69,22 @@ class Allocator:
         allocator._start_to_size.clear()
         allocator._end_to_start.clear()
         packed.sort()
-        limit = allocator.size_bytes
-        cursor = 0
-        for item in packed:
-            offset = item >> OFFSET_BITS
-            size = item & _OFFSET_MASK
-            if offset < cursor or offset % ALIGN_BYTES or offset + size > limit or not size:
-                raise ValueError(f"extent ({offset}, {size}) overlaps or lies outside the segment")
-            if offset > cursor:
-                allocator._add_free(cursor, offset - cursor)
-            cursor = offset + size
-        allocator.used_bytes = sum(item & _OFFSET_MASK for item in packed)
+        # Column at a time through C-level maps: this runs once per object on restore.
+        offsets = list(map(operator.rshift, packed, itertools.repeat(OFFSET_BITS)))
+        sizes = list(map(operator.and_, packed, itertools.repeat(_OFFSET_MASK)))
+        ends = list(map(operator.add, offsets, sizes))
+        if packed and (offsets[0] < 0 or ends[-1] > allocator.size_bytes or 0 in sizes
+                       or any(map(operator.and_, offsets, itertools.repeat(ALIGN_BYTES - 1)))
+                       or any(map(operator.lt, itertools.islice(offsets, 1, None), ends))):
+            raise ValueError("extents overlap or lie outside the segment")
+        ends.insert(0, 0)  # now the end of what comes before each extent, and one more
+        for start, offset in zip(ends, offsets, strict=False):  # the free gap before each
+            if offset > start:
+                allocator._add_free(start, offset - start)
+        allocator.used_bytes = sum(sizes)
         allocator.num_extents = len(packed)
-        if cursor < limit:
-            allocator._add_free(cursor, limit - cursor)
+        if ends[-1] < allocator.size_bytes:
+            allocator._add_free(ends[-1], allocator.size_bytes - ends[-1])
         return allocator
 
     @property

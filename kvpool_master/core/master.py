@@ -31,7 +31,14 @@ from kvpool_master.core.events import (
 )
 from kvpool_master.core.objects import SHARD_MASK, ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
-from kvpool_master.core.snapshot import RestoreCounts, Snapshot, restore_into, take_snapshot
+from kvpool_master.core.snapshot import (
+    ObjectRow,
+    RestoreCounts,
+    Snapshot,
+    restore_into,
+    take_snapshot,
+    walk_rows,
+)
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
 from kvpool_master.core.sweeps import RemoveJob
 from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
@@ -354,6 +361,38 @@ class MasterCore(Tiering):
         into the core.
         """
         return take_snapshot(self._clients, self._segments, self._objects)
+
+    def start_snapshot(self) -> Snapshot:
+        """Start a snapshot taken a step at a time between calls: return the clients and
+        segments as they are now (its ``objects`` is empty); ``snapshot_step`` then hands out
+        the rows of every object READY now that is still there when its step comes, in LRU
+        order as of now. It is fuzzy: what changes meanwhile may show either way, so it is
+        only whole with every change logged since this call applied on top (what a state log
+        does: a commit row is a whole state, a removal idempotent). Reads meanwhile move
+        objects in the LRU order only afterwards (``settle``)."""
+        self._objects.recency.start_walk()
+        whole = take_snapshot(self._clients, self._segments, self._objects)
+        return Snapshot(whole.clients, whole.segments, ())
+
+    def snapshot_step(self, max_objects: int) -> list[ObjectRow] | None:
+        """The rows of the next objects (up to ``max_objects`` looked at) of the snapshot
+        started by ``start_snapshot``; None once it is complete (or was ended)."""
+        return walk_rows(self._objects, max_objects)
+
+    def end_snapshot(self) -> None:
+        """Abandon the snapshot started by ``start_snapshot`` (``settle`` still has to run)."""
+        self._objects.recency.end_walk()
+
+    @property
+    def settling(self) -> bool:
+        """A stepped snapshot runs, or the reads it held back still have to move (``settle``)."""
+        return self._objects.recency.walking
+
+    def settle(self, max_objects: int | None) -> bool:
+        """After a stepped snapshot, move up to ``max_objects`` (all with None) of the objects
+        read meanwhile to the recent end, in the order they were read; True while more are
+        left."""
+        return self._objects.recency.settle(max_objects)
 
     def restore(self, snapshot: Snapshot, now: float, grace_s: float) -> RestoreCounts:
         """Load ``snapshot`` into this fresh core; return what was restored and dropped.

@@ -28,6 +28,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -120,9 +121,21 @@ class Recency:
     """Nodes least recently used first: a circular doubly linked list around one end node
     (``end.newer`` is the oldest, ``end.older`` the newest). Appending, touching and unlinking
     cost O(1); a node out of the list has ``newer`` None. Walks read a node's successor before
-    handing the node out, so the walker may unlink the node it holds (and nothing else)."""
+    handing the node out, so the walker may unlink the node it holds (and nothing else).
 
-    __slots__ = ("_end", "_count", "_of_links")
+    A *stepped walk* (``start_walk``, ``walk``; the snapshot written between requests, see
+    ``core/snapshot.py``) visits every node that was in the list when it started, once, in
+    that order, a step at a time while the list changes between steps. Two ``_Link`` nodes
+    with no entry mark it in the list (every other walk skips them): a cursor after the last
+    node visited and a stop mark after the newest node at the start (nodes appended later come
+    after it). Moving a READY object would let it jump the cursor unvisited, so from the start
+    of a walk until ``settle`` has caught up, ``touch_all`` only notes the READY objects it is
+    given and ``settle`` moves them afterwards, in the order they were touched. Meanwhile
+    eviction sees those objects where they were when the walk started (their leases still
+    protect the ones being read).
+    """
+
+    __slots__ = ("_end", "_count", "_of_links", "_cursor", "_stop", "_deferred", "_settled")
 
     def __init__(self, of_links: bool) -> None:
         end = _Link(None)
@@ -130,9 +143,18 @@ class Recency:
         self._end = end
         self._count = 0
         self._of_links = of_links  # nodes are _Links (walks yield their entries)
+        self._cursor: _Link | None = None
+        self._stop: _Link | None = None
+        self._deferred: list[ObjectEntry] | None = None  # touches waiting for ``settle``
+        self._settled = 0  # how many of ``_deferred`` are applied
 
     def __len__(self) -> int:
         return self._count
+
+    @property
+    def walking(self) -> bool:
+        """A stepped walk runs, or its touches wait for ``settle``."""
+        return self._deferred is not None
 
     def append(self, node: Node) -> None:
         """Link ``node`` (not in any list) at the recent end."""
@@ -160,7 +182,21 @@ class Recency:
 
     def touch_all(self, nodes: Iterable[Node]) -> None:
         """Move each of ``nodes`` (in this list) to the recent end, in turn (one call for a
-        batch: the moves are the hot path of every read)."""
+        batch: the moves are the hot path of every read). During a stepped walk READY
+        objects are only noted (see the class)."""
+        deferred = self._deferred
+        if deferred is None:
+            self._move_to_end(nodes)
+            return
+        pending: list[Node] = []
+        for node in nodes:
+            if node.writer_id is None:  # type: ignore[union-attr]
+                deferred.append(node)  # type: ignore[arg-type]
+            else:  # PENDING: never in a snapshot, free to move
+                pending.append(node)
+        self._move_to_end(pending)
+
+    def _move_to_end(self, nodes: Iterable[Node]) -> None:
         end = self._end
         for node in nodes:
             newer = node.newer
@@ -196,8 +232,77 @@ class Recency:
         else:
             while node is not end:
                 following = node.newer  # type: ignore[union-attr]
-                yield node  # type: ignore[misc]
+                if type(node) is ObjectEntry:  # not a stepped walk's mark
+                    yield node
                 node = following
+
+    # ---- stepped walks ----------------------------------------------------------------------
+
+    def start_walk(self) -> None:
+        """Start a stepped walk (none may be running or settling: ``walking`` is False)."""
+        assert self._deferred is None and not self._of_links
+        self._cursor, self._stop = _Link(None), _Link(None)
+        self._insert_after(self._cursor, self._end)
+        self._insert_after(self._stop, self._end.older)  # type: ignore[arg-type]
+        self._deferred = []
+        self._settled = 0
+
+    def walk(self, max_nodes: int) -> list[ObjectEntry] | None:
+        """The next ``max_nodes`` objects of the walk at most; None once it has visited them
+        all (it then ends, see ``end_walk``)."""
+        cursor, stop = self._cursor, self._stop
+        if cursor is None:
+            return None
+        visited: list[ObjectEntry] = []
+        node = cursor.newer
+        while node is not stop and len(visited) < max_nodes:
+            visited.append(node)  # type: ignore[arg-type]
+            node = node.newer  # type: ignore[union-attr]
+        if not visited:
+            self.end_walk()
+            return None
+        self._remove_mark(cursor)
+        self._insert_after(cursor, visited[-1])
+        return visited
+
+    def end_walk(self) -> None:
+        """End the walk now (done or abandoned); its noted touches wait for ``settle``."""
+        for mark in (self._cursor, self._stop):
+            if mark is not None:
+                self._remove_mark(mark)
+        self._cursor = self._stop = None
+
+    def settle(self, max_nodes: int | None) -> bool:
+        """Once the walk has ended, make up to ``max_nodes`` (all with None) of the touches it
+        held back, in order; True while more are left (touches go on being noted until none
+        is)."""
+        deferred = self._deferred
+        if deferred is None:
+            return False
+        if self._cursor is not None:
+            return True
+        start = self._settled
+        stop = len(deferred) if max_nodes is None else min(len(deferred), start + max_nodes)
+        self._move_to_end([node for node in itertools.islice(deferred, start, stop)
+                           if node.newer is not None])  # still in the table
+        if stop < len(deferred):
+            self._settled = stop
+            return True
+        self._deferred = None
+        self._settled = 0
+        return False
+
+    def _insert_after(self, mark: _Link, node: Node) -> None:
+        following = node.newer
+        mark.older = node
+        mark.newer = following
+        node.newer = mark
+        following.older = mark  # type: ignore[union-attr]
+
+    def _remove_mark(self, mark: _Link) -> None:
+        mark.older.newer = mark.newer  # type: ignore[union-attr]
+        mark.newer.older = mark.older  # type: ignore[union-attr]
+        mark.older = mark.newer = None
 
 
 class ObjectTable:

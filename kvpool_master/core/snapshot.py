@@ -90,8 +90,21 @@ def take_snapshot(clients: ClientTable, segments: SegmentTable,
 def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
     for entry in objects.entries():
         if entry.writer_id is None:
-            yield object_row(entry.key, entry.size_bytes, entry.extents(), entry.checksum,
-                             entry.pin, entry.parent_key)
+            yield _entry_row(entry)
+
+
+def walk_rows(objects: ObjectTable, max_objects: int) -> list[ObjectRow] | None:
+    """The rows of the READY objects among the next ``max_objects`` of the table's stepped
+    walk (``Recency.start_walk``); None once it visited them all."""
+    entries = objects.recency.walk(max_objects)
+    if entries is None:
+        return None
+    return [_entry_row(entry) for entry in entries if entry.writer_id is None]
+
+
+def _entry_row(entry: ObjectEntry) -> ObjectRow:
+    return object_row(entry.key, entry.size_bytes, entry.extents(), entry.checksum, entry.pin,
+                      entry.parent_key)
 
 
 def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,

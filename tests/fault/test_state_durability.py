@@ -265,11 +265,12 @@ def test_restored_free_space_waits_for_old_write_capabilities(start_master: Any,
     assert waited_s >= 1.0
 
 
-def test_compactions_run_in_a_child_while_the_master_serves_and_survive_a_kill(
+def test_compactions_run_in_steps_while_the_master_serves_and_survive_a_kill(
         start_master: Any, tmp_path: Path) -> None:
     """With a small --state-compact-bytes, compactions start again and again while puts and
-    removals go on; the master keeps answering (a child writes each snapshot), and a master
-    killed at any point restores exactly what the last one answered."""
+    removals go on; the master keeps answering (each snapshot is written a step at a time
+    between requests), and a master killed at any point restores exactly what the last one
+    answered."""
     state = tmp_path / "state"
     master = start_master(state_dir=str(state), restore_grace=30, state_compact_bytes=4096,
                           state_compact_ratio=0)
@@ -283,7 +284,7 @@ def test_compactions_run_in_a_child_while_the_master_serves_and_survive_a_kill(
             gone = keys[:2]
             assert set(stub.Remove(pb.RemoveRequest(keys=gone)).statuses) == {pb.STATUS_OK}
             live.update(extents_of(stub, keys[2:]))
-            time.sleep(0.05)   # ticks: children finish and their snapshots are swapped in
+            time.sleep(0.05)   # idle time: compactions finish and are swapped in
         log_text = master.log()
         assert (state / SNAPSHOT_NAME).exists(), log_text
         assert extents_of(stub, list(live)) == live

@@ -190,3 +190,69 @@ def test_objects_that_leave_the_table_are_freed_without_the_cyclic_collector() -
     finally:
         if was_enabled:
             gc.enable()
+
+
+WALK_KEYS = [ObjectKey(b"w%d" % i) for i in range(12)]
+WALK_OPS = st.lists(st.tuples(st.sampled_from(["put", "commit", "read", "pop", "step"]),
+                              st.sampled_from(WALK_KEYS), st.integers(1, 4)),
+                    max_size=60)
+
+
+@settings(max_examples=500, derandomize=True, deadline=None)
+@given(st.integers(0, 8), WALK_OPS)
+def test_a_stepped_walk_visits_every_object_there_at_its_start_once_in_that_order(
+        num_ready: int, ops: list[tuple[str, ObjectKey, int]]) -> None:
+    """Between the steps of a walk objects come (PENDING, then committed), are read and
+    go. The walk visits each object that was there at its start and is still there when its
+    turn comes exactly once, in the order of the start, and nothing else; PENDING objects
+    move at once, READY ones move afterwards (``settle``) in the order they were touched."""
+    table = ObjectTable(track_children=False)
+    model: list[ObjectKey] = []  # the recency order once every held-back move is made
+    for key in WALK_KEYS[:num_ready]:
+        table.add_ready(key, ObjectEntry(key, 1, SegmentId("s"), 0, None, Pin.NONE, None))
+        model.append(key)
+    at_start = list(table.entries())
+    table.recency.start_walk()
+    held: list[ObjectEntry] = []  # READY objects read during the walk
+    visited: list[ObjectEntry] = []
+    done = False
+    for name, key, count in ops:
+        entry = table.get(key)
+        if name == "put" and entry is None:
+            table.add_pending(key, ObjectEntry(key, 1, SegmentId("s"), 0, WRITER, Pin.NONE,
+                                               None), 0.0)
+            model.append(key)
+        elif name == "commit" and entry is not None and entry.writer_id is not None:
+            table.commit(key, entry, 0)
+            table.touch_all([entry])
+            held.append(entry)
+        elif name == "read" and entry is not None:
+            table.touch_all([entry])
+            if entry.writer_id is None:
+                held.append(entry)
+            else:
+                model.remove(key)
+                model.append(key)
+        elif name == "pop" and entry is not None:
+            table.pop(key)
+            model.remove(key)
+        elif name == "step" and not done:
+            step = table.recency.walk(count)
+            done = step is None
+            visited += step or ()
+        assert [e.key for e in table.entries()] == model   # moves of READY ones held back
+    while not done:
+        step = table.recency.walk(3)
+        done = step is None
+        visited += step or ()
+    assert len(set(map(id, visited))) == len(visited)
+    assert visited == [e for e in at_start if e in visited]   # in order, none new
+    assert all(e in visited for e in at_start if table.get(e.key) is e)
+    while table.recency.settle(2):
+        pass
+    assert not table.recency.walking
+    for entry in held:
+        if table.get(entry.key) is entry:  # not gone (nor put again) since
+            model.remove(entry.key)
+            model.append(entry.key)
+    assert [e.key for e in table.entries()] == model and len(table) == len(model)

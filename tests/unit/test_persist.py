@@ -451,38 +451,57 @@ def _restores(path: Path, expected: dict[bytes, tuple], generation: int,  # type
     assert readable(restored, 102.0) == expected
 
 
-def _wait_compacted(store: StateStore, core: MasterCore) -> None:
-    """Poll the store (as the server's tick does) until its child finished."""
-    import time
-    deadline = time.monotonic() + 30
-    while store.compacting:
-        assert time.monotonic() < deadline, "the compaction child never finished"
-        store.flush(core)
-        time.sleep(0.01)
+def _steps(store: StateStore, core: MasterCore, count: int | None = None) -> None:
+    """Run ``count`` steps of the background compaction (all of them with None), as the
+    server does between requests (its fsync thread joined at each step, for determinism)."""
+    for _ in range(count if count is not None else 100_000):
+        stepped = store._stepped
+        if stepped is not None and stepped.sync is not None:
+            stepped.sync.join()
+        if store.compact_step(core) is None:
+            return
+    assert count is not None, "the compaction never finished"
 
 
-def test_a_background_compaction_keeps_what_changed_while_the_child_wrote(
-        tmp_path: Path) -> None:
-    """The child snapshots the index as it was at the fork; removals, commits, an unmount and
-    a new client logged meanwhile come back too (the snapshot's tail), as does what the new
-    log holds after the swap."""
+def _order(core: MasterCore) -> list[bytes]:
+    return [entry.key for entry in core._objects.entries()]
+
+
+def test_a_background_compaction_keeps_what_changed_while_it_was_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written a few objects a step, with removals, commits, reads, an unmount and a new
+    client between the steps (before and after the walk reached them): the fuzzy rows and the
+    tail restore exactly the index at the swap, and what the new log holds after it."""
+    import kvpool_master.persist as persist
+    monkeypatch.setattr(persist, "_OBJECTS_PER_CHUNK", 3)
     store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
     populate(store, core)
     assert store.maybe_compact(core) is False and store.compacting   # nothing waited for it
     assert not (tmp_path / SNAPSHOT_NAME).exists()
-    # changes while the child writes: into the current log, then into the snapshot's tail
-    core.remove([ObjectKey(b"obj-0"), ObjectKey(b"obj-1")], False, 2.0)
+    _steps(store, core, 2)                                  # obj-0 .. obj-5 written
+    order = _order(core)
+    core.remove([ObjectKey(b"obj-0"), ObjectKey(b"obj-12")], False, 2.0)  # behind, ahead
     core.put_start(A, [ObjectKey(b"obj-19")], [999], PutOptions(preferred_segment="seg-a"), 2.0)
     core.put_end(A, [ObjectKey(b"obj-19")], 2.0, checksums=[99])
+    sync(store, core)
+    on_a = [e.key for e in core._objects.entries()
+            if e.segment_id == "seg-a" and e.writer_id is None and not e.more]
+    read = [on_a[-2], on_a[0]]                                # one ahead of the walk, one behind
+    core.get_replicas(read, 2.0)                                        # reads: held back
+    assert _order(core) == [k for k in order if k not in (b"obj-0", b"obj-12")] + [b"obj-19"]
+    _steps(store, core, 2)
     core.unmount_segment(B, SegmentId("seg-b"), 2.0)
     core.register_client(ClientId("late"), "h3", b"c" * 32, 2.0)
     sync(store, core)
-    _wait_compacted(store, core)
+    _steps(store, core)
     assert (tmp_path / SNAPSHOT_NAME).exists() and store.log_bytes < 100
+    assert not store.compacting and not core.settling
+    assert _order(core)[-2:] == read                              # the reads moved, in order
     core.remove([ObjectKey(b"obj-2")], False, 3.0)                     # after the swap
     sync(store, core)
     expected = readable(core, 4.0)
     assert ObjectKey(b"obj-19") in expected and ObjectKey(b"obj-0") not in expected
+    assert ObjectKey(b"obj-12") not in expected and ObjectKey(b"chain-1") in expected
     store.close()
     restored = MasterCore(CONFIG)
     report = StateStore(tmp_path).load(restored, 100.0)
@@ -491,68 +510,115 @@ def test_a_background_compaction_keeps_what_changed_while_the_child_wrote(
     assert readable(restored, 102.0) == expected
 
 
-def test_a_compaction_child_that_dies_leaves_the_old_snapshot_and_log(tmp_path: Path) -> None:
-    import signal
+def test_a_failed_background_compaction_leaves_the_old_snapshot_and_log(
+        tmp_path: Path) -> None:
+    """A write that fails part-way (a full disk) drops that compaction and its file, leaves
+    the store healthy, and the next one starts afresh."""
     store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
     populate(store, core)
     store.maybe_compact(core)
-    assert store.compacting
-    child = store._child
-    assert child is not None
-    os.kill(child.pid, signal.SIGKILL)                                  # killed mid-write
+    stepped = store._stepped
+    assert stepped is not None
+
+    class Full:
+        def __init__(self, file: Any) -> None:
+            self.file = file
+
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+    stepped.file = Full(stepped.file)  # type: ignore[assignment]
+    assert store.compact_step(core) == 0.0
+    assert not store.compacting and store.healthy
+    assert not stepped.path.exists()                                   # its file is gone
+    _steps(store, core)                                                # reads settle
     core.remove([ObjectKey(b"obj-3")], False, 2.0)
     sync(store, core)
-    _wait_compacted(store, core)
-    assert not (tmp_path / SNAPSHOT_NAME).exists()
-    assert not child.path.exists()                                     # its file is gone
     expected = readable(core, 4.0)
+    _restores_copy(tmp_path, expected, 0, SEG_A, SEG_B)
+    assert store.maybe_compact(core) is False and store.compacting     # tried again
+    _steps(store, core)
     store.close()
-    _restores(tmp_path, expected, 0, SEG_A, SEG_B)
+    _restores(tmp_path, expected, 1, SEG_A, SEG_B)
 
 
-def test_an_explicit_compaction_abandons_a_running_child(tmp_path: Path) -> None:
+def _restores_copy(path: Path, expected: dict[bytes, tuple],  # type: ignore[type-arg]
+                   generation: int, *segments: SegmentInfo) -> None:
+    """``_restores`` on a copy of the state directory as it is now (the store stays open)."""
+    import shutil
+    copy = path.parent / (path.name + "-copy")
+    shutil.copytree(path, copy)
+    _restores(copy, expected, generation, *segments)
+
+
+def test_an_explicit_compaction_abandons_a_background_one(tmp_path: Path) -> None:
     store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
     populate(store, core)
     store.maybe_compact(core)
     assert store.compacting
-    core.remove([ObjectKey(b"obj-4")], False, 2.0)
+    core.get_replicas([ObjectKey(b"obj-4")], 2.0)                      # held back
+    core.remove([ObjectKey(b"obj-5")], False, 2.0)
     sync(store, core)
     store.compact(core)                                   # e.g. the way out of read-only
-    assert not store.compacting
+    assert not store.compacting and not core.settling
+    assert _order(core)[-1] == b"obj-4"
     expected = readable(core, 4.0)
     store.close()
     _restores(tmp_path, expected, 1, SEG_A, SEG_B)
 
 
-def test_a_slow_compaction_child_carries_the_changes_itself(tmp_path: Path) -> None:
-    """A child still writing when changes are logged copies them into its snapshot's tail
-    itself (the parent's swap then copies only what came after); a record being appended
-    while it reads is left for the parent."""
-    import time
+def test_a_background_compaction_copies_its_tail_in_steps_and_syncs_off_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Changes logged while the tail is copied (a few bytes a step) and while its file is
+    synced (in a thread) all land in the tail, whole records only; the swap waits for the
+    sync."""
+    import threading
 
-    from kvpool_master.statefile import frame, whole_records_bytes
+    import kvpool_master.persist as persist
+    monkeypatch.setattr(persist, "_TAIL_STEP_BYTES", 20)  # about a record
     store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
     populate(store, core)
-    snapshot = core.snapshot
-
-    def slow_snapshot() -> Any:
-        time.sleep(0.5)            # in the child: the parent logs changes meanwhile
-        return snapshot()
-    core.snapshot = slow_snapshot  # type: ignore[method-assign]
     store.maybe_compact(core)
-    assert store.compacting
-    for n in range(5, 10):
+    stepped = store._stepped
+    assert stepped is not None
+    while stepped.tail_offset < 0:                                     # the objects
+        assert store.compact_step(core) == 0.0
+    for n in range(5, 10):                                             # five records
         core.remove([ObjectKey(b"obj-%d" % n)], False, 2.0)
         sync(store, core)
-    _wait_compacted(store, core)
+    release = threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        if threading.current_thread().name == "kvpool-snapshot-sync":
+            release.wait(10)
+        real_fsync(fd)
+    monkeypatch.setattr(persist.os, "fsync", slow_fsync)
+    steps = 0
+    while stepped.sync is None:                                        # copied in steps
+        assert store.compact_step(core) == 0.0
+        steps += 1
+    assert steps > 1 and stepped.copied > 0
+    assert store.compact_step(core) == persist._SYNC_POLL_S            # waits for the sync
+    core.remove([ObjectKey(b"obj-10")], False, 2.0)                    # a sixth, meanwhile
+    sync(store, core)
+    release.set()
+    _steps(store, core)
+    assert not store.compacting and store.log_bytes < 100
     expected = readable(core, 4.0)
-    assert ObjectKey(b"obj-5") not in expected
+    assert ObjectKey(b"obj-5") not in expected and ObjectKey(b"obj-10") not in expected
     store.close()
     restored = MasterCore(CONFIG)
     report = StateStore(tmp_path).load(restored, 100.0)
-    assert report.generation == 1 and report.num_log_records == 5   # the tail's records
+    assert report.generation == 1 and report.num_log_records == 6   # the tail's records
     come_back(restored, 101.0, SEG_A, SEG_B)
     assert readable(restored, 102.0) == expected
+
+
+def test_whole_records_bytes_stops_before_a_torn_record() -> None:
+    from kvpool_master.statefile import frame, whole_records_bytes
     whole = frame([1, 2]) + frame({"a": 1})
     assert whole_records_bytes(whole + frame([3])[:-1]) == len(whole)
     assert whole_records_bytes(whole[:5]) == 0
