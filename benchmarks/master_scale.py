@@ -14,7 +14,7 @@ answered UNKNOWN_CLIENT (a false expiry: every client heartbeats on time) and th
 ``kvpool_clients_expired_total``. Every process listens on 127.0.0.1 and is stopped by pid.
 
     .venv/bin/python benchmarks/master_scale.py [--clients 1000] [--procs 4] [--objects 1000000]
-        [--seconds 60] [--client-ttl 10]
+        [--seconds 60] [--client-ttl 10] [--state]
 """
 
 from __future__ import annotations
@@ -145,6 +145,10 @@ def main() -> int:
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--client-ttl", type=float, default=10.0)
+    ap.add_argument("--state", action="store_true",
+                    help="the master persists its index (--state-dir in a temporary "
+                         "directory, log at info level: its compaction lines), so state-log "
+                         "compactions run under the load")
     ap.add_argument("--_worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
@@ -153,7 +157,8 @@ def main() -> int:
                             float(seconds), 64 * OBJECT_BYTES, out))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        master, ready = start_master(Path(tmp), "--client-ttl", str(args.client_ttl))
+        state = ["--state-dir", f"{tmp}/state", "--log-level", "info"] if args.state else []
+        master, ready = start_master(Path(tmp), "--client-ttl", str(args.client_ttl), *state)
         procs: list[subprocess.Popen[str]] = []
         try:
             address = f"127.0.0.1:{ready['grpc_port']}"
