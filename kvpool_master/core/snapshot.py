@@ -103,8 +103,11 @@ def walk_rows(objects: ObjectTable, max_objects: int) -> list[ObjectRow] | None:
 
 
 def _entry_row(entry: ObjectEntry) -> ObjectRow:
-    return object_row(entry.key, entry.size_bytes, entry.extents(), entry.checksum, entry.pin,
-                      entry.parent_key)
+    """``object_row`` of a table entry, from its fields (no ``Extent`` built per object)."""
+    flat: list[Any] = [entry.segment_id, entry.offset, entry.size_bytes]
+    for p in entry.more:
+        flat += (p.segment_id, p.offset, p.length)
+    return (entry.key, entry.size_bytes, flat, entry.checksum, int(entry.pin), entry.parent_key)
 
 
 def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
@@ -153,8 +156,9 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         return len(chunk) - len(added)
 
     chunk: list[ObjectEntry] = []
+    size_to_int = objects.size_to_int
     for row in snapshot.objects:
-        entry = _object_entry(row, infos, usable, max_key_bytes, objects)
+        entry = _object_entry(row, infos, usable, max_key_bytes, size_to_int)
         if entry is None:
             dropped += 1
             continue
@@ -233,7 +237,7 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
 
 def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
                   usable: dict[SegmentId, int], max_key_bytes: int,
-                  objects: ObjectTable) -> ObjectEntry | None:
+                  size_to_int: dict[int, int]) -> ObjectEntry | None:
     """Return the entry a row describes (None when malformed); ``usable``: the bytes of each
     segment extents may reach.
 
@@ -252,16 +256,18 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
                 or not (parent_key is None or (type(parent_key) is bytes
                                                and 0 < len(parent_key) <= max_key_bytes))):
             return None
-        size_bytes = objects.size_to_int.setdefault(size_bytes, size_bytes)
+        # checked bytes: ObjectKey(...) would only cost a call per row
+        object_key: ObjectKey = key  # type: ignore[assignment]
+        parent: ObjectKey | None = parent_key  # type: ignore[assignment]
+        size_bytes = size_to_int.setdefault(size_bytes, size_bytes)
         extent_bytes = (size_bytes + _ALIGN_MASK) & ~_ALIGN_MASK
-        parent = ObjectKey(parent_key) if parent_key is not None else None
         if len(flat) == 3:
             segment_id, offset, length = flat
             info = infos.get(segment_id)
             if (info is None or type(offset) is not int or offset < 0 or offset & _ALIGN_MASK
                     or length != size_bytes or offset + extent_bytes > usable[segment_id]):
                 return None
-            return ObjectEntry(ObjectKey(key), size_bytes, info.segment_id, offset, None,
+            return ObjectEntry(object_key, size_bytes, info.segment_id, offset, None,
                                _PINS[pin], parent, checksum)
         if len(flat) % 3 or not flat:
             return None
@@ -277,7 +283,7 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
             found.append(Extent(info.segment_id, offset, size_bytes))
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
         return None
-    return ObjectEntry.of_extents(ObjectKey(key), size_bytes, tuple(found), None, _PINS[pin],
+    return ObjectEntry.of_extents(object_key, size_bytes, tuple(found), None, _PINS[pin],
                                   parent, checksum)
 
 
