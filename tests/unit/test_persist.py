@@ -622,3 +622,28 @@ def test_whole_records_bytes_stops_before_a_torn_record() -> None:
     whole = frame([1, 2]) + frame({"a": 1})
     assert whole_records_bytes(whole + frame([3])[:-1]) == len(whole)
     assert whole_records_bytes(whole[:5]) == 0
+
+
+def test_the_files_a_compaction_replaces_are_unlinked_by_a_thread_and_leftovers_at_load(
+        tmp_path: Path) -> None:
+    """Replacing a big snapshot or log would free its blocks on the caller's thread; they keep
+    a second name until a thread unlinks them, and a load removes any a crash left."""
+    import threading
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.compact(core)
+    first = os.stat(tmp_path / SNAPSHOT_NAME).st_ino
+    core.remove([ObjectKey(b"obj-1")], False, 2.0)
+    sync(store, core)
+    store.compact(core)                                  # replaces snapshot and log again
+    for thread in threading.enumerate():
+        if thread.name == "kvpool-state-unlink":
+            thread.join(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOG_NAME, SNAPSHOT_NAME]
+    assert os.stat(tmp_path / SNAPSHOT_NAME).st_ino != first
+    expected = readable(core, 4.0)
+    store.close()
+    (tmp_path / (SNAPSHOT_NAME + ".old")).write_bytes(b"left by a crash")
+    (tmp_path / (LOG_NAME + ".old")).write_bytes(b"left by a crash")
+    _restores(tmp_path, expected, 2, SEG_A, SEG_B)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOG_NAME, SNAPSHOT_NAME]
