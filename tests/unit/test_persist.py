@@ -513,7 +513,8 @@ def test_a_background_compaction_keeps_what_changed_while_it_was_written(
 def test_a_failed_background_compaction_leaves_the_old_snapshot_and_log(
         tmp_path: Path) -> None:
     """A write that fails part-way (a full disk) drops that compaction and its file, leaves
-    the store healthy, and the next one starts afresh."""
+    the store healthy, and the next one starts afresh once the log has grown by
+    ``compact_log_bytes`` again."""
     store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
     populate(store, core)
     store.maybe_compact(core)
@@ -538,7 +539,19 @@ def test_a_failed_background_compaction_leaves_the_old_snapshot_and_log(
     sync(store, core)
     expected = readable(core, 4.0)
     _restores_copy(tmp_path, expected, 0, SEG_A, SEG_B)
-    assert store.maybe_compact(core) is False and store.compacting     # tried again
+    assert store.maybe_compact(core) is False and not store.compacting  # not at once
+    grown = store.log_bytes
+    for n in range(50):
+        key = ObjectKey(b"more-%d" % n)
+        core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-a"), 2.0)
+        core.put_end(A, [key], 2.0)
+        sync(store, core)
+        store.maybe_compact(core)
+        assert store.compacting == (store.log_bytes >= grown + 500)
+        if store.compacting:
+            break
+    assert store.compacting                                              # tried again
+    expected = readable(core, 4.0)
     _steps(store, core)
     store.close()
     _restores(tmp_path, expected, 1, SEG_A, SEG_B)
