@@ -573,8 +573,14 @@ class StateStore:
         file.flush()
         os.fsync(file.fileno())
         self._close_stepped(stepped)
-        self._install(stepped.path, stepped.generation)
         self._stepped = None
+        try:
+            self._install(stepped.path, stepped.generation)
+        except OSError as exc:
+            self._fail(exc)  # half swapped, maybe: only a full snapshot is trusted now
+            with contextlib.suppress(OSError):
+                stepped.path.unlink(missing_ok=True)
+            return 0.0
         core.mark_durable(core.free_seq)
         done_s = time.monotonic()
         log.info("background compaction done in %.2f s (generation %d, %d objects; %d bytes "

@@ -660,3 +660,26 @@ def test_the_files_a_compaction_replaces_are_unlinked_by_a_thread_and_leftovers_
     (tmp_path / (LOG_NAME + ".old")).write_bytes(b"left by a crash")
     _restores(tmp_path, expected, 2, SEG_A, SEG_B)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOG_NAME, SNAPSHOT_NAME]
+
+
+def test_a_background_compaction_whose_swap_fails_makes_the_store_read_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swap that fails may leave the new snapshot beside the old log: the store turns
+    read-only until a full snapshot succeeds, as after any failed write."""
+    store, core = fresh_store(tmp_path, compact_log_bytes=500, background=True)
+    populate(store, core)
+    store.maybe_compact(core)
+    real_install = store._install
+
+    def failing(path: Path, generation: int) -> None:
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(store, "_install", failing)
+    _steps(store, core)
+    assert not store.healthy and not store.compacting
+    assert not (tmp_path / (SNAPSHOT_NAME + ".tmp")).exists()
+    monkeypatch.setattr(store, "_install", real_install)
+    store.compact(core)                                   # the way out of read-only
+    assert store.healthy
+    expected = readable(core, 4.0)
+    store.close()
+    _restores(tmp_path, expected, 1, SEG_A, SEG_B)
