@@ -683,3 +683,51 @@ def test_a_background_compaction_whose_swap_fails_makes_the_store_read_only(
     expected = readable(core, 4.0)
     store.close()
     _restores(tmp_path, expected, 1, SEG_A, SEG_B)
+
+
+def test_a_master_killed_at_any_step_of_a_background_compaction_restores_what_it_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state directory as a kill would leave it after every step of a compaction (head,
+    rows a few objects at a time, the tail copied a record at a time, the sync, the swap,
+    the held-back reads settling), with a change logged before each step: each copy
+    restores exactly what the master would have answered at that moment."""
+    import shutil
+
+    import kvpool_master.persist as persist
+    monkeypatch.setattr(persist, "_OBJECTS_PER_CHUNK", 3)
+    monkeypatch.setattr(persist, "_TAIL_STEP_BYTES", 20)
+    state = tmp_path / "state"
+    store, core = fresh_store(state, compact_log_bytes=500, background=True)
+    populate(store, core)
+    assert store.maybe_compact(core) is False and store.compacting
+    phases: set[str] = set()
+    for step in range(60):
+        n = step // 2 % 18   # every step logs a change: the swap must carry the last ones
+        if step % 2 == 0:
+            core.remove([ObjectKey(b"obj-%d" % n)], True, 2.0 + step)   # read: forced
+        else:
+            key = ObjectKey(b"obj-%d" % n)
+            core.put_start(A, [key], [100 + n], PutOptions(preferred_segment="seg-a"),
+                           2.0 + step)
+            core.put_end(A, [key], 2.0 + step, checksums=[n])
+            core.get_replicas([ObjectKey(b"obj-%d" % (17 - n))], 2.0 + step)
+        grown = store.log_bytes
+        sync(store, core)
+        assert store.log_bytes > grown
+        expected = readable(core, 1000.0 + step)
+        killed = tmp_path / f"killed-{step}"
+        shutil.copytree(state, killed)
+        restored = MasterCore(CONFIG)
+        StateStore(killed).load(restored, 100.0)
+        come_back(restored, 101.0, SEG_A, SEG_B)
+        assert readable(restored, 102.0) == expected, f"after step {step}"
+        shutil.rmtree(killed)
+        stepped = store._stepped
+        phases.add("none" if stepped is None else "rows" if stepped.tail_offset < 0
+                   else "tail" if stepped.sync is None else "synced")
+        if stepped is not None and stepped.sync is not None:
+            stepped.sync.join()
+        if store.compact_step(core) is None and not store.maybe_compact(core):
+            pass
+    assert phases == {"rows", "tail", "synced", "none"}
+    store.close()
