@@ -607,15 +607,21 @@ class StateStore:
 
     def _abandon_stepped(self, core: MasterCore, why: str = "") -> None:
         """Drop a compaction in progress and its file (its held-back reads still settle)."""
-        stepped, self._stepped = self._stepped, None
+        stepped = self._drop_stepped()
         if stepped is None:
             return
         core.end_snapshot()
-        self._close_stepped(stepped)
-        with contextlib.suppress(OSError):
-            stepped.path.unlink(missing_ok=True)
         if why:
             self._retry_later(stepped.generation, why)
+
+    def _drop_stepped(self) -> _Stepped | None:
+        """Forget the compaction in progress, if any: close and remove its file."""
+        stepped, self._stepped = self._stepped, None
+        if stepped is not None:
+            self._close_stepped(stepped)
+            with contextlib.suppress(OSError):
+                stepped.path.unlink(missing_ok=True)
+        return stepped
 
     def _retry_later(self, generation: int, why: str) -> None:
         """A background compaction failed: the next waits until the log has grown by
@@ -690,11 +696,7 @@ class StateStore:
     def close(self) -> None:
         """Fsync (unless ``fsync="never"`` or read-only) and close the log. Idempotent. A
         compaction still running in steps is abandoned."""
-        if self._stepped is not None:
-            stepped, self._stepped = self._stepped, None
-            self._close_stepped(stepped)
-            with contextlib.suppress(OSError):
-                stepped.path.unlink(missing_ok=True)
+        self._drop_stepped()
         if self._fd < 0:
             return
         try:

@@ -37,7 +37,6 @@ _OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
 #: The trailer of a snapshot with a tail: this magic, then the tail's offset (u64 LE).
 TAIL_MAGIC = b"KVPTAIL1"
 _TRAILER = struct.Struct("<8sQ")
-TRAILER_BYTES = _TRAILER.size
 
 
 # ---- records -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from kvpool_master.core.snapshot import (
     RestoreCounts,
     Snapshot,
     restore_into,
+    snapshot_head,
     take_snapshot,
     walk_rows,
 )
@@ -371,8 +372,7 @@ class MasterCore(Tiering):
         does: a commit row is a whole state, a removal idempotent). Reads meanwhile move
         objects in the LRU order only afterwards (``settle``)."""
         self._objects.recency.start_walk()
-        whole = take_snapshot(self._clients, self._segments, self._objects)
-        return Snapshot(whole.clients, whole.segments, ())
+        return snapshot_head(self._clients, self._segments)
 
     def snapshot_step(self, max_objects: int) -> list[ObjectRow] | None:
         """The rows of the next objects (up to ``max_objects`` looked at) of the snapshot

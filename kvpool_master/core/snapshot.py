@@ -69,7 +69,17 @@ def segment_row(info: SegmentInfo) -> SegmentRow:
 def object_row(key: bytes, size_bytes: int, placements: tuple[Extent, ...], checksum: int,
                pin: int, parent_key: bytes | None) -> ObjectRow:
     """Return the row of one READY object."""
-    flat: list[Any] = []
+    return _row(key, size_bytes, [], placements, checksum, pin, parent_key)
+
+
+def _entry_row(entry: ObjectEntry) -> ObjectRow:
+    """``object_row`` of a table entry, from its fields (no ``Extent`` built per object)."""
+    return _row(entry.key, entry.size_bytes, [entry.segment_id, entry.offset, entry.size_bytes],
+                entry.more, entry.checksum, entry.pin, entry.parent_key)
+
+
+def _row(key: bytes, size_bytes: int, flat: list[Any], placements: tuple[Extent, ...],
+         checksum: int, pin: int, parent_key: bytes | None) -> ObjectRow:
     for p in placements:
         flat += (p.segment_id, p.offset, p.length)
     return (key, size_bytes, flat, checksum, int(pin), parent_key)
@@ -79,11 +89,17 @@ def take_snapshot(clients: ClientTable, segments: SegmentTable,
                   objects: ObjectTable) -> Snapshot:
     """Return the durable state; its ``objects`` iterator must be consumed before the core
     changes again."""
+    head = snapshot_head(clients, segments)
+    return Snapshot(head.clients, head.segments, _object_rows(objects))
+
+
+def snapshot_head(clients: ClientTable, segments: SegmentTable) -> Snapshot:
+    """Return the clients and segments as they are now (no objects)."""
     return Snapshot(
         clients=[(c.client_id, c.host_id, c.capability_key)
                  for c in clients.id_to_client.values()],
         segments=[segment_row(s.info) for s in segments.id_to_segment.values()],
-        objects=_object_rows(objects),
+        objects=(),
     )
 
 
@@ -100,14 +116,6 @@ def walk_rows(objects: ObjectTable, max_objects: int) -> list[ObjectRow] | None:
     if entries is None:
         return None
     return [_entry_row(entry) for entry in entries if entry.writer_id is None]
-
-
-def _entry_row(entry: ObjectEntry) -> ObjectRow:
-    """``object_row`` of a table entry, from its fields (no ``Extent`` built per object)."""
-    flat: list[Any] = [entry.segment_id, entry.offset, entry.size_bytes]
-    for p in entry.more:
-        flat += (p.segment_id, p.offset, p.length)
-    return (entry.key, entry.size_bytes, flat, entry.checksum, int(entry.pin), entry.parent_key)
 
 
 def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
