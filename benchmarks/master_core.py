@@ -9,6 +9,7 @@ the longest single step of a table under churn, and of a full pool under put/get
 
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
+    .venv/bin/python benchmarks/master_core.py --memory-objects 10000000   # memory, restore
 
 Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica. Reads are
 measured twice: keys drawn at random from the whole table (each lookup misses the CPU caches,
@@ -409,7 +410,13 @@ def main() -> None:
                         help="memory, eviction and persistence at one million objects")
     parser.add_argument("--segments-only", action="store_true",
                         help="only the placement cost (8 to 50,000 segments, after removes)")
+    parser.add_argument("--memory-objects", type=int, default=0, metavar="N",
+                        help="only memory, eviction and persistence, at N objects (10 M: "
+                             "about 5 minutes and 9 GiB of memory)")
     args = parser.parse_args()
+    if args.memory_objects:
+        bench_memory_and_eviction(args.memory_objects)
+        return
     if args.segments_only:
         bench_many_segments()
         bench_put_after_removes()

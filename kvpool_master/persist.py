@@ -642,8 +642,9 @@ class StateStore:
         """Put the written and synced snapshot at ``path`` in place and start the empty log of
         its ``generation`` (raises OSError)."""
         # The replaced snapshot and log keep a second name until a thread unlinks them:
-        # freeing a file's blocks takes about 0.2 ms a MB here, so replacing the files of an
-        # index of millions of objects would hold the loop for a quarter of a second.
+        # the kernel frees a file's blocks as its last name goes, in proportion to its size,
+        # so replacing the files of an index of millions of objects would hold the loop for
+        # a large part of a second (README, the scale row: swaps of up to 179 ms).
         retired = [self._retire(name) for name in (SNAPSHOT_NAME, LOG_NAME)]
         os.replace(path, self._dir / SNAPSHOT_NAME)
         self._sync_dir()
