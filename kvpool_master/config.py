@@ -49,7 +49,7 @@ class MasterConfig:
     put_start_discard_timeout_s: float = 30.0
     write_capability_ttl_s: float = 10.0
     max_segments_per_client: int = 1024
-    max_batch_keys: int = 100_000
+    max_batch_keys: int = 16_384
     engine_transport: str = "allow"
     ssd_promote_after_hits: int = 1
     copy_task_ttl_s: float = 30.0
@@ -218,7 +218,9 @@ OPTIONS: tuple[Option, ...] = (
            "most segments one client may mount; more answer RESOURCE_EXHAUSTED (default 1024)",
            "N"),
     Option("max_batch_keys", "max_batch_keys", _int(1, 10_000_000),
-           "most keys in one call; longer batches answer INVALID_ARGUMENT (default 100000)", "N"),
+           "most keys in one call; longer batches answer INVALID_ARGUMENT. Clients learn it at "
+           "registration and send longer batches as several calls; a call's request is decoded "
+           "as one step, about 1.5 ms for 16384 keys (default 16384)", "N"),
     Option("engine_transport", "engine_transport", _choice("allow", "refuse", "require"),
            "segments a transfer engine reaches one-sidedly (no capability check by the owner, "
            "see README 'Engine transport'): allow them, refuse them (their MountSegment answers "

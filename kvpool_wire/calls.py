@@ -56,6 +56,7 @@ class RegisterAnswer:
     retry_after_ms: int
     capability_epoch: int
     master_clock_ms: int
+    max_batch_keys: int = 0  # 0: the master did not say
 
 
 _STATUS_BY_INT: dict[int, Status] = {int(s): s for s in Status}
@@ -113,7 +114,8 @@ def _checked(what: str, read: Callable[[Any], T]) -> Callable[[Any], T]:
 def _register_answer(r: Any) -> RegisterAnswer:
     return RegisterAnswer(status_of(r.status), r.client_ttl_ms, r.capability_key, r.client_token,
                           r.master_id, r.default_lease_ttl_ms, r.fast_port, r.fast_socket,
-                          r.master_pid, r.retry_after_ms, r.capability_epoch, r.master_clock_ms)
+                          r.master_pid, r.retry_after_ms, r.capability_epoch, r.master_clock_ms,
+                          r.max_batch_keys)
 
 
 def register_client(client_id: str, host_id: str, hostname: str,
@@ -203,18 +205,19 @@ EndedLeases = Sequence[int]
 
 class ReplicasAnswer(NamedTuple):
     """A GetReplicas answer: per key where its bytes are (with a read lease) or NOT_FOUND; the
-    lease in s, counted from when the call was sent; the lease's id (0: it cannot be ended)."""
+    lease in s, counted from when the call was sent; the ids of the leases to end once read
+    (none when they cannot be ended; a batch sent as several calls has one per call)."""
 
     results: list[ReadResult[Placement]]
     lease_ttl_s: float
-    lease_id: int
+    lease_ids: tuple[int, ...]
 
 
 def _replicas_answer(r: Any) -> ReplicasAnswer:
     results = [ReadResult(status_of(s), size, placements_of(p) if p.placements else (), checksum)
                for s, size, p, checksum in zip(r.statuses, r.sizes_bytes, r.replicas, r.checksums,
                                                strict=False)]
-    return ReplicasAnswer(results, r.lease_ttl_ms / 1000, r.lease_id)
+    return ReplicasAnswer(results, r.lease_ttl_ms / 1000, (r.lease_id,) if r.lease_id else ())
 
 
 def get_replicas(client_id: str, keys: Sequence[bytes], client_token: bytes = b"",

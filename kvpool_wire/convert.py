@@ -86,14 +86,15 @@ def encode_register_client(status: Status, *, client_ttl_s: float, capability_ke
                            default_lease_ttl_s: float, fast_socket: str = "",
                            master_pid: int = 0, retry_after_s: float = 0.0,
                            master_clock_ms: int = 0, capability_epoch: int = 0,
-                           ) -> pb.RegisterClientResponse:
+                           max_batch_keys: int = 0) -> pb.RegisterClientResponse:
     """The RegisterClient answer (key and token only when OK)."""
     return pb.RegisterClientResponse(
         status=_pb(status), client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
         client_token=client_token, fast_port=max(fast_port, 0), master_id=master_id,
         default_lease_ttl_ms=round(default_lease_ttl_s * 1000), fast_socket=fast_socket,
         master_pid=master_pid if fast_socket else 0, retry_after_ms=math.ceil(retry_after_s * 1000),
-        master_clock_ms=master_clock_ms, capability_epoch=capability_epoch)
+        master_clock_ms=master_clock_ms, capability_epoch=capability_epoch,
+        max_batch_keys=max_batch_keys)
 
 
 def decode_client_id(request: Any) -> ClientId:

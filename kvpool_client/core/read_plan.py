@@ -48,7 +48,7 @@ def lease_deadline(sent_s: float, lease_ttl_s: float) -> float:
 class ReadPlan:
     """One batch read; see the module docstring."""
 
-    __slots__ = ("keys", "results", "replies", "deadline_s", "lease_id", "_check_checksums",
+    __slots__ = ("keys", "results", "replies", "deadline_s", "lease_ids", "_check_checksums",
                  "_jobs", "_attempt")
 
     def __init__(self, keys: Sequence[bytes], check_checksums: bool) -> None:
@@ -57,27 +57,27 @@ class ReadPlan:
         self.results = [0] * len(keys)
         self.replies: list[ReadResult[Placement]] = []
         self.deadline_s = 0.0
-        self.lease_id = 0
+        self.lease_ids: tuple[int, ...] = ()
         self._check_checksums = check_checksums
         self._jobs: list[tuple[int, list[ReadItem]]] = []  # (key index, candidates in order)
         self._attempt = 0
 
     def granted(self, replies: list[ReadResult[Placement]], sent_s: float, lease_ttl_s: float,
-                lease_id: int = 0) -> None:
-        """Take the ``GetReplicas`` answer (``sent_s``: when it was asked for; ``lease_id``:
-        the lease's number, 0 when it cannot be ended). Raises INTERNAL_ERROR for a short
+                lease_ids: tuple[int, ...] = ()) -> None:
+        """Take the ``GetReplicas`` answer (``sent_s``: when it was asked for; ``lease_ids``:
+        the leases to end, none when they cannot be ended). Raises INTERNAL_ERROR for a short
         answer."""
         check_answers("GetReplicas", replies, self.keys)
         self.replies = replies
         self.deadline_s = lease_deadline(sent_s, lease_ttl_s)
-        self.lease_id = lease_id
+        self.lease_ids = lease_ids
 
-    def lease(self) -> tuple[int, list[bytes]]:
-        """(lease id, the keys it covers): what to end once every copy out of them is done
+    def lease(self) -> tuple[tuple[int, ...], list[bytes]]:
+        """(lease ids, the keys they cover): what to end once every copy out of them is done
         (never before: the master may reuse their bytes as soon as it learns of the end)."""
         keys = [key for key, reply in zip(self.keys, self.replies, strict=True)
                 if reply.status == Status.OK]
-        return self.lease_id, keys
+        return self.lease_ids, keys
 
     def replicas(self, infos: Mapping[str, SegmentInfo]) -> list[KeyReplicas]:
         """Per key (its size, each replica with its segment's descriptor, None where the

@@ -196,7 +196,7 @@ class AsyncDataPath:
         plan = self.parts.read_plan(keys)
         sent_s = time.monotonic()
         answer = await self.rpc.get_replicas(self.parts.client_id, keys)
-        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_id)
+        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_ids)
         needed = plan.segment_ids
         return plan, (await self.resolve(needed) if needed else {})
 

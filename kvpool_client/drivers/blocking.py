@@ -207,7 +207,7 @@ class BlockingDataPath:
         plan = self.parts.read_plan(keys)
         sent_s = time.monotonic()
         answer = self.rpc.get_replicas(self.parts.client_id, keys)
-        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_id)
+        plan.granted(answer.results, sent_s, answer.lease_ttl_s, answer.lease_ids)
         needed = plan.segment_ids
         return plan, (self.resolve(needed) if needed else {})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -29,8 +29,7 @@ from kvpool_client.rpc.endpoints import (
     split_address,
     ssl_context,
 )
-from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig
-from kvpool_wire import calls
+from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig, joined_lists
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call, RegisterAnswer
 from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
@@ -45,6 +44,16 @@ class _Expired(Exception):
 def _expire(future: asyncio.Future[bytes]) -> None:
     if not future.done():
         future.set_exception(_Expired())
+
+
+async def _settled(parts: Sequence[Awaitable[Any]]) -> list[Any]:
+    """The results of ``parts``, run together, a KVPoolError in place of a part that raised
+    it (any other error is raised once all are done)."""
+    results = await asyncio.gather(*parts, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, KVPoolError):
+            raise result
+    return results
 
 
 # --- lean framing connection ---------------------------------------------------------------------
@@ -269,6 +278,10 @@ class MasterRpc(MasterCalls):
         result = call.decode(await self._call(call.method, call.request))
         return result if after is None else after(result, sent_s)
 
+    async def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
+        # sent together: pipelined on the lean connection, served in order
+        return join(await _settled([self._run(part) for part in parts]))
+
     async def _call(self, method: RpcMethod, request: Any) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
@@ -329,7 +342,18 @@ class MasterRpc(MasterCalls):
         Returns a future of the per-key statuses (it raises KVPoolError like put_end).
         """
         loop = asyncio.get_running_loop()
-        call = calls.put_end(client_id, self.session.token, keys, checksums)
+        parts, spans = self.put_end_calls(client_id, keys, checksums)
+        if len(parts) == 1:
+            return self._send_now(parts[0])
+        sent = [self._send_now(part) for part in parts]  # in order
+
+        async def joined() -> list[Status]:
+            return joined_lists(spans, lambda s: s, await _settled(sent))
+        return loop.create_task(joined())
+
+    def _send_now(self, call: Call[list[Status]]) -> asyncio.Future[list[Status]]:
+        """``put_end_nowait`` of one call."""
+        loop = asyncio.get_running_loop()
         conn = self._lean_connection()
         if conn is not None:
             deadline = loop.time() + self._timeout_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -88,6 +89,15 @@ class BlockingMasterRpc(MasterCalls):
         sent_s = time.monotonic()
         result = call.decode(self._call(call.method, call.request))
         return result if after is None else after(result, sent_s)
+
+    def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
+        results: list[Any] = []
+        for part in parts:
+            try:
+                results.append(self._run(part))
+            except KVPoolError as exc:
+                results.append(exc)
+        return join(results)
 
     def _call(self, method: RpcMethod, request: Any) -> Any:
         deadline = time.monotonic() + self._timeout_s

@@ -8,6 +8,12 @@ Rules of this file:
 - Identity: a ``MasterSession`` (shared by every stub of one client) holds the token the last
   registration returned, which every client-scoped call presents and a re-registration proves
   itself with, and the best known sample of the master's capability clock.
+- Batches of any length: a batch longer than the master's ``max_batch_keys`` (learnt at
+  registration) goes as several calls of at most that many keys, whose answers are joined in
+  key order. The master decodes a call's request whole, as one step between other clients'
+  calls, so this bounds how long one batch holds it. Parts are sent together (the asyncio
+  stub) or in turn (the blocking one); a part that fails fails its own keys, and the batch
+  raises only when every part failed, as a single call would.
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from kvpool_wire import calls
 from kvpool_wire.calls import Call, RegisterAnswer
 from kvpool_wire.capability import MasterClock
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import PutOptions, SegmentInfo
+from kvpool_wire.types import Placement, PutOptions, ReadResult, SegmentInfo
 
 T = TypeVar("T")
+
+#: The most keys one call carries until a registration tells the master's limit (its
+#: default ``max_batch_keys``).
+DEFAULT_MAX_CALL_KEYS = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +56,26 @@ class MasterSession:
     ``kvpool_wire.capability``). ``token`` and ``clock`` are replaced whole, never mutated;
     the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
-    __slots__ = ("token", "clock", "_ended", "_ended_lock", "on_copy_tasks")
+    __slots__ = ("token", "clock", "max_call_keys", "_ended", "_ended_lock", "on_copy_tasks")
 
     def __init__(self) -> None:
         self.token = b""
+        #: the most keys one call carries: the master's max_batch_keys once a registration
+        #: said it
+        self.max_call_keys = DEFAULT_MAX_CALL_KEYS
         # called with the number of tier copies waiting, when a heartbeat says some do
         self.on_copy_tasks: Callable[[int], None] | None = None
         self.clock = MasterClock(0, 0, 0.0)
         self._ended: list[int] = []  # ids of leases read under, not sent yet
         self._ended_lock = threading.Lock()
 
-    def end_lease(self, lease_id: int, keys: list[bytes]) -> None:
-        """Reads under lease ``lease_id`` of ``keys`` are done: tell the master with this
+    def end_lease(self, lease_ids: Sequence[int], keys: list[bytes]) -> None:
+        """Reads under the leases ``lease_ids`` of ``keys`` are done: tell the master with this
         client's next GetReplicas, PutStart or Remove (no call of its own; a lease whose end is
-        never sent runs its time; the master knows the keys, so only the id goes)."""
-        if lease_id and keys:
+        never sent runs its time; the master knows the keys, so only the ids go)."""
+        if lease_ids and keys:
             with self._ended_lock:
-                self._ended.append(lease_id)
+                self._ended.extend(lease_ids)
 
     def take_ended(self) -> list[int]:
         """The ended leases not sent yet (the caller sends them)."""
@@ -110,6 +123,18 @@ class MasterCalls:
     def _run(self, call: Call[Any], after: After | None = None) -> Any:
         raise NotImplementedError
 
+    def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
+        """``join`` of the results of ``parts`` in order, a part that raised KVPoolError as
+        that error (see the module rules)."""
+        raise NotImplementedError
+
+    def _spans(self, num_keys: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each call a batch of ``num_keys`` goes as."""
+        most = self.session.max_call_keys
+        if num_keys <= most:
+            return [(0, num_keys)]
+        return [(start, min(start + most, num_keys)) for start in range(0, num_keys, most)]
+
     def _learn_fast_path(self, answer: RegisterAnswer) -> None:
         """The master advertised (maybe new) lean-framing endpoints."""
 
@@ -129,6 +154,8 @@ class MasterCalls:
         clock = MasterClock(answer.capability_epoch, answer.master_clock_ms, sent_s)
         self.session.token = answer.client_token
         self.session.learn_clock(clock)
+        if answer.max_batch_keys:
+            self.session.max_call_keys = answer.max_batch_keys
         self._learn_fast_path(answer)
         return Registration(answer.client_ttl_ms / 1000, answer.capability_key, answer.master_id,
                             answer.default_lease_ttl_ms / 1000, answer.fast_port,
@@ -178,43 +205,92 @@ class MasterCalls:
                   options: PutOptions, parent_keys: Sequence[bytes] | None = None) -> Any:
         """Allocate space per key -> [(OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())]."""
         session = self.session
-        return self._run(calls.put_start(client_id, session.token, keys, sizes_bytes,
-                                         options, parent_keys, session.take_ended()))
+        spans = self._spans(len(keys))
+        if len(spans) == 1:
+            return self._run(calls.put_start(client_id, session.token, keys, sizes_bytes,
+                                             options, parent_keys, session.take_ended()))
+        ended = session.take_ended()
+        parts = [calls.put_start(client_id, session.token, keys[a:b], sizes_bytes[a:b], options,
+                                 parent_keys[a:b] if parent_keys else None,
+                                 ended if a == 0 else ()) for a, b in spans]
+        return self._run_parts(parts, functools.partial(
+            joined_lists, spans, lambda status: (status, ())))
 
     def put_end(self, client_id: str, keys: Sequence[bytes],
                 checksums: Sequence[int] | None = None) -> Any:
         """Commit PENDING keys -> OK per key, or NOT_FOUND / PERMISSION_DENIED / ..."""
-        return self._run(calls.put_end(client_id, self.session.token, keys, checksums))
+        return self._run_split(self.put_end_calls(client_id, keys, checksums))
+
+    def put_end_calls(self, client_id: str, keys: Sequence[bytes],
+                      checksums: Sequence[int] | None = None
+                      ) -> tuple[list[Call[list[Status]]], list[tuple[int, int]]]:
+        """The calls a commit of ``keys`` goes as, and the span of keys of each."""
+        token = self.session.token
+        spans = self._spans(len(keys))
+        if len(spans) == 1:
+            return [calls.put_end(client_id, token, keys, checksums)], spans
+        return [calls.put_end(client_id, token, keys[a:b], checksums[a:b] if checksums else None)
+                for a, b in spans], spans
 
     def put_revoke(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """Abandon PENDING keys (after a failed transfer) -> OK per key or why not."""
-        return self._run(calls.put_revoke(client_id, self.session.token, keys))
+        token = self.session.token
+        spans = self._spans(len(keys))
+        return self._run_split(([calls.put_revoke(client_id, token, keys[a:b])
+                                 for a, b in spans], spans))
+
+    def _run_split(self, split: tuple[list[Call[Any]], list[tuple[int, int]]]) -> Any:
+        """Run calls answering a list per key (statuses): one as it is, several joined."""
+        parts, spans = split
+        if len(parts) == 1:
+            return self._run(parts[0])
+        return self._run_parts(parts, functools.partial(joined_lists, spans, lambda s: s))
 
     def get_replicas(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> ReplicasAnswer (per key where its bytes are, with a read lease, or NOT_FOUND;
         lease_ttl_s; lease_id). The lease counts from when this call was sent: reads must finish
         within lease_ttl_s; ``session.end_lease(lease_id, keys)`` once they did."""
         session = self.session
-        return self._run(calls.get_replicas(client_id, keys, session.token,
-                                            session.take_ended()))
+        spans = self._spans(len(keys))
+        ended = session.take_ended()
+        parts = [calls.get_replicas(client_id, keys[a:b], session.token, ended if a == 0 else ())
+                 for a, b in spans]
+        if len(parts) == 1:
+            return self._run(parts[0])
+        return self._run_parts(parts, functools.partial(_joined_replicas, spans))
 
     def exist(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> (per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
-        return self._run(calls.exist(client_id, keys))
+        spans = self._spans(len(keys))
+        parts = [calls.exist(client_id, keys[a:b]) for a, b in spans]
+        if len(parts) == 1:
+            return self._run(parts[0])
+        return self._run_parts(parts, functools.partial(_joined_exist, spans))
 
     def tiers(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> per key the tier of its fastest replica, None when it does not exist."""
-        return self._run(calls.tiers(client_id, keys))
+        spans = self._spans(len(keys))
+        parts = [calls.tiers(client_id, keys[a:b]) for a, b in spans]
+        if len(parts) == 1:
+            return self._run(parts[0])
+        return self._run_parts(parts, functools.partial(joined_lists, spans, lambda _: None))
 
     def query_prefix(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> the number of leading keys that are READY (each is leased). Raises unless OK."""
-        return self._run(calls.query_prefix(client_id, keys))
+        spans = self._spans(len(keys))
+        parts = [calls.query_prefix(client_id, keys[a:b]) for a, b in spans]
+        if len(parts) == 1:
+            return self._run(parts[0])
+        return self._run_parts(parts, functools.partial(_joined_prefix, spans))
 
     def remove(self, client_id: str, keys: Sequence[bytes], force: bool = False) -> Any:
         """Remove keys -> OK | NOT_FOUND | HAS_LEASE (unless force) | ... per key."""
         session = self.session
-        return self._run(calls.remove(client_id, keys, force, session.token,
-                                      session.take_ended()))
+        ended = session.take_ended()
+        spans = self._spans(len(keys))
+        return self._run_split(([calls.remove(client_id, keys[a:b], force, session.token,
+                                              ended if a == 0 else ()) for a, b in spans],
+                                spans))
 
     def remove_all(self, client_id: str, force: bool = False) -> Any:
         """Remove every removable object -> how many. Raises unless OK."""
@@ -228,3 +304,68 @@ class MasterCalls:
     def get_stats(self) -> Any:
         """-> the master's /status document (clients, segments, capacity, usage, objects)."""
         return self._run(calls.get_stats())
+
+
+# -- joining the answers of a batch sent as several calls ---------------------------------------
+
+def _check_parts(results: list[Any]) -> None:
+    """Raise the first error when every part failed (the batch failed as one call would)."""
+    if all(isinstance(r, KVPoolError) for r in results):
+        raise results[0]
+
+
+def joined_lists(spans: list[tuple[int, int]], failed: Callable[[Status], Any],
+                 results: list[Any]) -> list[Any]:
+    """The per-key lists of the parts, in order; ``failed(status)`` for each key of a part
+    that raised."""
+    _check_parts(results)
+    out: list[Any] = []
+    for part, (a, b) in zip(results, spans, strict=True):
+        out.extend([failed(part.status)] * (b - a) if isinstance(part, KVPoolError) else part)
+    return out
+
+
+def _joined_exist(spans: list[tuple[int, int]],
+                  results: list[Any]) -> tuple[list[Status], list[int]]:
+    _check_parts(results)
+    statuses: list[Status] = []
+    sizes: list[int] = []
+    for part, (a, b) in zip(results, spans, strict=True):
+        if isinstance(part, KVPoolError):
+            statuses.extend([part.status] * (b - a))
+            sizes.extend([0] * (b - a))
+        else:
+            statuses.extend(part[0])
+            sizes.extend(part[1])
+    return statuses, sizes
+
+
+def _joined_prefix(spans: list[tuple[int, int]], results: list[Any]) -> int:
+    """The leading keys found: a part counts only when every part before it found all of its
+    keys (sent together, later parts may lease keys past the first miss; their leases run
+    out); a part that failed ends the count, and fails the call when it is the first."""
+    if isinstance(results[0], KVPoolError):
+        raise results[0]
+    found = 0
+    for part, (a, b) in zip(results, spans, strict=True):
+        if isinstance(part, KVPoolError):
+            break
+        found += int(part)
+        if part < b - a:
+            break
+    return found
+
+
+def _joined_replicas(spans: list[tuple[int, int]], results: list[Any]) -> calls.ReplicasAnswer:
+    """One answer: the results in order, the shortest lease, every lease's id."""
+    _check_parts(results)
+    out: list[ReadResult[Placement]] = []
+    lease_ids: list[int] = []
+    lease_ttl_s = min(r.lease_ttl_s for r in results if not isinstance(r, KVPoolError))
+    for part, (a, b) in zip(results, spans, strict=True):
+        if isinstance(part, KVPoolError):
+            out.extend([ReadResult(part.status, 0, (), 0)] * (b - a))
+        else:
+            out.extend(part.results)
+            lease_ids.extend(part.lease_ids)
+    return calls.ReplicasAnswer(out, lease_ttl_s, tuple(lease_ids))

@@ -25,7 +25,7 @@ class CoreConfig:
     eviction_ratio: float = 0.05
     eviction_policy: str = "lru"          # or "prefix-lru"
     max_key_bytes: int = 1024
-    max_batch_keys: int = 100_000
+    max_batch_keys: int = 16_384
     engine_transport: str = "allow"
     ssd_promote_after_hits: int = 1  # reads from SSD only before a DRAM copy is made; 0: never
     copy_task_ttl_s: float = 30.0  # how long a client has for one tier copy it fetched

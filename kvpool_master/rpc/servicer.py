@@ -338,7 +338,8 @@ class Servicer:
             fast_port=self.fast_port, master_id=self._master_id,
             default_lease_ttl_s=config.default_lease_ttl_s, fast_socket=self.fast_socket,
             master_pid=os.getpid(), retry_after_s=retry_after_s,
-            master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch)
+            master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch,
+            max_batch_keys=config.max_batch_keys)
 
     def _heartbeat(self, request: Any) -> Any:
         client_id = convert.decode_client_id(request)

@@ -186,7 +186,7 @@ class RegisterClientRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid", "client_token", "retry_after_ms", "master_clock_ms", "capability_epoch")
+    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid", "client_token", "retry_after_ms", "master_clock_ms", "capability_epoch", "max_batch_keys")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class RegisterClientResponse(_message.Message):
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     client_ttl_ms: int
     capability_key: bytes
@@ -211,7 +212,8 @@ class RegisterClientResponse(_message.Message):
     retry_after_ms: int
     master_clock_ms: int
     capability_epoch: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ..., client_token: _Optional[bytes] = ..., retry_after_ms: _Optional[int] = ..., master_clock_ms: _Optional[int] = ..., capability_epoch: _Optional[int] = ...) -> None: ...
+    max_batch_keys: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ..., client_token: _Optional[bytes] = ..., retry_after_ms: _Optional[int] = ..., master_clock_ms: _Optional[int] = ..., capability_epoch: _Optional[int] = ..., max_batch_keys: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "client_token")

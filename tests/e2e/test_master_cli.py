@@ -160,7 +160,7 @@ def test_signal_during_traffic_finishes_calls_and_exits_0(start_master, signum: 
     from concurrent.futures import ThreadPoolExecutor
 
     master = start_master(executable=[str(SCRIPT)])
-    keys = [f"k{i}".encode() for i in range(20_000)]
+    keys = [f"k{i}".encode() for i in range(16_000)]   # under max_batch_keys
     with grpc.insecure_channel(master.address) as channel:
         stub = TokenStub(channel)
         assert stub.Heartbeat(pb.HeartbeatRequest(client_id="x")).status == \

@@ -150,17 +150,17 @@ async def test_a_read_of_many_keys_holds_them_all_under_one_lease(master,
     try:
         await reader.register_client("r", "host-b", "")
         asked = keys + [b"absent"]   # a miss in the last step
-        results, _, lease_id = await reader.get_replicas("r", asked)
+        results, _, lease_ids = await reader.get_replicas("r", asked)
         assert [r.status for r in results] == [Status.OK] * n + [Status.NOT_FOUND]
         assert [r.placements[0].offset for r in results[:n]] == offsets
         assert all(r.placements[0].capability for r in results[:n])
-        assert lease_id > 0
+        assert len(lease_ids) == 1 and lease_ids[0] > 0
         # a forced remove of a key read under a live lease parks its bytes ...
         assert await owner.remove("c", [keys[1]], force=True) == [Status.OK]
         assert await _parked_bytes(owner) == BLOCK
         # ... and frees them at once once the reader ended that lease (the remove carries the
         # end): the answer's one lease covers the keys of every step
-        reader.session.end_lease(lease_id, asked)
+        reader.session.end_lease(lease_ids, asked)
         every_step = [keys[1], keys[READ_STEP_KEYS], keys[-1]]
         assert await reader.remove("r", every_step, force=True) == \
             [Status.NOT_FOUND, Status.OK, Status.OK]

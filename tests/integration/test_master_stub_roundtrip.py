@@ -188,9 +188,9 @@ async def test_only_the_reader_ends_its_lease(master, use_fast_path: bool) -> No
         assert [status for status, _ in started] == [Status.OK] * 2
         assert await owner.put_end("c1", [b"x", b"y"]) == [Status.OK] * 2
         anonymous = await impostor.get_replicas("", [b"y"])
-        assert anonymous.lease_id == 0                  # nobody can end an anonymous lease
+        assert anonymous.lease_ids == ()                 # nobody can end an anonymous lease
         answer = await owner.get_replicas("c1", [b"x"])
-        assert answer.lease_id > 0 and answer.results[0].status == Status.OK
+        assert len(answer.lease_ids) == 1 and answer.results[0].status == Status.OK
         assert await owner.remove("c1", [b"x"], force=True) == [Status.OK]
 
         async def parked_bytes() -> int:
@@ -198,17 +198,17 @@ async def test_only_the_reader_ends_its_lease(master, use_fast_path: bool) -> No
 
         assert await parked_bytes() == 100                  # c1 may still be copying x
         # Another client names c1's lease: it ends only its own holds (none).
-        impostor.session.end_lease(answer.lease_id, [b"x"])
+        impostor.session.end_lease(answer.lease_ids, [b"x"])
         await impostor.remove("c2", [b"y"])
         assert await parked_bytes() == 100
         # A caller without c1's token names c1 and c1's lease: nothing ends.
         token, impostor.session.token = impostor.session.token, b""
-        impostor.session.end_lease(answer.lease_id, [b"x"])
+        impostor.session.end_lease(answer.lease_ids, [b"x"])
         await impostor.remove("c1", [b"y"])
         assert await parked_bytes() == 100
         impostor.session.token = token
         # c1's own end, sent along with its next call, frees x's bytes at once.
-        owner.session.end_lease(answer.lease_id, [b"x"])
+        owner.session.end_lease(answer.lease_ids, [b"x"])
         await owner.get_replicas("c1", [b"absent"])
         assert await parked_bytes() == 0
         stats = await owner.get_stats()
