@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.request
@@ -549,3 +550,28 @@ def test_a_start_that_fails_after_joining_leaves_nothing_behind(master: Any) -> 
     with pytest.raises(KVPoolError) as err:
         asyncio.run(client.exists("anything"))
     assert err.value.status == Status.UNAVAILABLE
+
+
+def test_batches_longer_than_the_masters_limit(start_master: Any) -> None:
+    """A master that takes at most 64 keys a call: every batched operation of 200 keys goes
+    as several calls (the client learnt the limit at registration), in key order."""
+    master = start_master(max_batch_keys=64)
+    keys = [f"many-{i}" for i in range(200)]
+    datas = [pattern(i, 100 + i).tobytes() for i in range(200)]
+    with KVPoolClient(make_config(master)) as c:
+        assert c.put_batch(keys, datas) == [Status.OK] * 200
+        assert c.get_batch([*keys, "nope"]) == [*datas, None]
+        assert c.batch_exists(keys[:150] + ["nope"]) == [True] * 150 + [False]
+        assert c.query_prefix(keys) == 200
+        assert c.query_prefix(keys[:100] + ["nope"] + keys[100:]) == 100
+        assert c.batch_remove(keys[::2], force=True) == [Status.OK] * 100
+        assert c.get_batch(keys) == [None if i % 2 == 0 else d for i, d in enumerate(datas)]
+
+    async def in_async() -> None:
+        async with AsyncKVPoolClient(make_config(master)) as c:
+            more = [f"async-many-{i}" for i in range(200)]
+            assert await c.put_batch(more, datas) == [Status.OK] * 200
+            assert await c.get_batch(more) == datas
+            assert await c.batch_exists(more) == [True] * 200
+            assert await c.query_prefix(more) == 200
+    asyncio.run(in_async())
