@@ -19,7 +19,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.stats import CoreStats
+from kvpool_master.looplag import LAG_BUCKETS_S
 from kvpool_wire.types import Tier
 
 log = logging.getLogger("kvpool.master.metrics")
@@ -80,6 +81,7 @@ class MasterMetrics:
             registry=r)
         self._store: Any = None
         self.registry.register(_CoreCollector(core, clock, master_id))
+        self.registry.register(_CompactionCollector(lambda: self._store))
 
     # -- fed by the servicer ----------------------------------------------------------------------
 
@@ -101,6 +103,10 @@ class MasterMetrics:
     def watch_gc(self, pauses: Any) -> None:
         """Export the collector pauses of ``pauses`` (a gcpause.GcPauses)."""
         self.registry.register(_GcCollector(pauses))
+
+    def watch_loop_lag(self, lag: Any) -> None:
+        """Export the samples of ``lag`` (a looplag.LoopLag)."""
+        self.registry.register(_LoopLagCollector(lag))
 
     def watch_busy_poll(self, poller: Any) -> None:
         """Export the lingers of ``poller`` (a busypoll.BusyPoller)."""
@@ -338,6 +344,52 @@ class _GcCollector(Collector):
         yield GaugeMetricFamily("kvpool_master_gc_frozen_objects",
                                 "Objects frozen out of the collector's reach (they survived a "
                                 "full collection)", value=p.frozen_objects)
+
+
+class _LoopLagCollector(Collector):
+    """How late the master's event loop ran timers that were due (see ``looplag``)."""
+
+    def __init__(self, lag: Any) -> None:
+        self._lag = lag
+
+    def collect(self) -> Iterator[Metric]:
+        lag = self._lag
+        histogram = HistogramMetricFamily(
+            "kvpool_master_loop_lag_seconds",
+            "How late the event loop ran a timer that was due, sampled every "
+            f"{lag.interval_s * 1000:g} ms: the wait a call arriving at that moment saw "
+            "before the master got to it (a long step, a collector pause, CPU starvation)")
+        bounds = [repr(float(b)) for b in LAG_BUCKETS_S] + ["+Inf"]
+        histogram.add_metric([], list(zip(bounds, itertools.accumulate(lag.buckets),
+                                          strict=True)), lag.sum_s)
+        yield histogram
+        yield GaugeMetricFamily("kvpool_master_loop_lag_max_seconds",
+                                "The longest lag sampled since start", value=lag.max_s)
+
+
+class _CompactionCollector(Collector):
+    """Compactions of the --state-dir log: how many, and what the last one cost (zeros
+    without a state directory, as the other state metrics)."""
+
+    def __init__(self, store: Callable[[], Any]) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store()
+        yield CounterMetricFamily("kvpool_state_compactions",
+                                  "Compactions of the --state-dir log finished since start",
+                                  value=store.num_compactions if store is not None else 0)
+        last = store.last_compaction if store is not None else None
+        yield GaugeMetricFamily("kvpool_state_last_compaction_seconds",
+                                "How long the last compaction took, start to swap (0: none yet)",
+                                value=last.seconds if last is not None else 0.0)
+        yield GaugeMetricFamily("kvpool_state_last_compaction_longest_step_seconds",
+                                "The longest time the last compaction held the event loop at "
+                                "once (a compaction not written in steps: all of it)",
+                                value=last.longest_step_s if last is not None else 0.0)
+        yield GaugeMetricFamily("kvpool_state_last_compaction_objects",
+                                "Objects the last compaction's snapshot holds",
+                                value=last.num_objects if last is not None else 0)
 
 
 def core_metrics(stats: CoreStats) -> Iterator[Metric]:

@@ -179,6 +179,16 @@ class _Stepped:
 
 
 @dataclass(frozen=True, slots=True)
+class Compaction:
+    """A finished compaction, as the metrics show the last one."""
+
+    seconds: float              # from its start to its swap
+    num_objects: int
+    longest_step_s: float       # the longest time it held the loop (all of it when not stepped)
+    last_step_s: float          # the step that synced and swapped
+
+
+@dataclass(frozen=True, slots=True)
 class RestoreReport:
     """What ``StateStore.load`` found and restored."""
 
@@ -224,6 +234,8 @@ class StateStore:
         self._stepped: _Stepped | None = None
         # after a failed background compaction, the next waits for this much log
         self._retry_at_log_bytes = 0
+        self.num_compactions = 0   # finished, since start
+        self.last_compaction: Compaction | None = None
 
     @property
     def log_bytes(self) -> int:
@@ -476,11 +488,12 @@ class StateStore:
         temporary file is removed so that a full disk gets its space back).
         """
         self._abandon_stepped(core)
+        started_s = time.monotonic()
         core.settle(None)
         generation = self._generation + 1
         tmp = self._dir / (SNAPSHOT_NAME + ".tmp")
         try:
-            self._write_snapshot(core, tmp, generation)
+            num_objects = self._write_snapshot(core, tmp, generation)
             self._install(tmp, generation)
         except OSError as exc:
             self._fail(exc)
@@ -489,6 +502,12 @@ class StateStore:
             raise
         self._failure = ""
         core.mark_durable(core.free_seq)
+        took_s = time.monotonic() - started_s
+        self._finished(Compaction(took_s, num_objects, took_s, took_s))
+
+    def _finished(self, compaction: Compaction) -> None:
+        self.num_compactions += 1
+        self.last_compaction = compaction
 
     def _start_stepped(self, core: MasterCore) -> None:
         """Start a compaction written in steps: its head now, its objects and tail later."""
@@ -583,6 +602,9 @@ class StateStore:
             return 0.0
         core.mark_durable(core.free_seq)
         done_s = time.monotonic()
+        self._finished(Compaction(done_s - stepped.started_s, stepped.num_objects,
+                                  max(stepped.longest_step_s, done_s - stepped.step_started_s),
+                                  done_s - stepped.step_started_s))
         log.info("background compaction done in %.2f s (generation %d, %d objects; %d bytes "
                  "of changes made meanwhile carried as its tail; longest step %.1f ms, of "
                  "which %.1f ms on the CPU; the last one, which syncs and swaps, %.1f ms)",
@@ -665,8 +687,9 @@ class StateStore:
             return None
         return old
 
-    def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> None:
-        """Write ``core``'s snapshot to ``path`` in one go and fsync it."""
+    def _write_snapshot(self, core: MasterCore, path: Path, generation: int) -> int:
+        """Write ``core``'s snapshot to ``path`` in one go and fsync it; return how many
+        objects it holds."""
         snapshot = core.snapshot()
         with path.open("wb") as f:
             self._write_head(f, generation, snapshot)
@@ -684,6 +707,7 @@ class StateStore:
             f.write(frame({"end": True, "num_objects": num_objects}))
             f.flush()
             os.fsync(f.fileno())
+        return num_objects
 
     @staticmethod
     def _write_head(f: BinaryIO, generation: int, snapshot: Snapshot) -> None:

@@ -40,6 +40,7 @@ from kvpool_master.config import MasterConfig, load_auth_token, public_settings
 from kvpool_master.core import events as ev
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.gcpause import GcPauses
+from kvpool_master.looplag import LoopLag
 from kvpool_master.metrics import HttpEndpoint, MasterMetrics
 from kvpool_master.persist import StateStore
 from kvpool_master.rpc.lean import LeanServer
@@ -109,6 +110,8 @@ class MasterServer:
         self._compact_wanted: asyncio.Event | None = None
         self.gc_pauses = GcPauses()
         self.metrics.watch_gc(self.gc_pauses)
+        self.loop_lag = LoopLag()
+        self.metrics.watch_loop_lag(self.loop_lag)
         self._stop = asyncio.Event()
         self.grpc_port = 0
         self.fast_port = 0
@@ -154,6 +157,7 @@ class MasterServer:
             self.metrics_port = await self._http.start(self.config.metrics_host,
                                                        self.config.metrics_port)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
+        self.loop_lag.start()
         self._sweep_wanted = asyncio.Event()
         self.servicer.on_sweep_work = self._sweep_wanted.set
         self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop())
@@ -411,6 +415,7 @@ class MasterServer:
             await self._lean.close()
         if self._http is not None:
             await self._http.close()
+        self.loop_lag.stop()
         for task in (self._tick_task, self._sweep_task, self._compact_task):
             if task is not None:
                 task.cancel()

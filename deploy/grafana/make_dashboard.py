@@ -42,6 +42,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Refusals and expiries", "short", [
         ("sum by (reason) (increase(kvpool_refusals_total[5m]))", "refused {{reason}}"),
         ("increase(kvpool_clients_expired_total[5m])", "clients expired")]),
+    ("Master loop lag (how late due work ran)", "s", [
+        ("histogram_quantile(0.99, sum by (le) (rate(kvpool_master_loop_lag_seconds_bucket[5m])))",
+         "p99"),
+        ("histogram_quantile(0.999, sum by (le) "
+         "(rate(kvpool_master_loop_lag_seconds_bucket[5m])))", "p99.9"),
+        ("kvpool_master_loop_lag_max_seconds", "longest since start")]),
+    ("State log compactions", "s", [
+        ("kvpool_state_last_compaction_seconds", "last compaction, start to swap"),
+        ("kvpool_state_last_compaction_longest_step_seconds", "its longest step"),
+        ("increase(kvpool_state_compactions_total[1h])", "compactions in the last hour")]),
 ]
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -124,3 +127,47 @@ async def test_eviction_and_reclaim_show_in_metrics(start_master) -> None:
         text, "kvpool_evicted_objects_total")
     assert _value(text, "kvpool_eviction_passes_total") > 0
     assert _value(text, 'kvpool_used_bytes{tier="DRAM"}') <= 0.5 * 64 * 1024 + 1024
+
+
+async def test_a_stalled_loop_shows_in_the_loop_lag(master) -> None:
+    """The master's loop stopped for 300 ms (SIGSTOP, as a VM freeze or a long step would):
+    the lag histogram and its maximum show it."""
+    await _traffic(master.address)
+    before = _scrape(master.metrics_url)
+    assert _value(before, "kvpool_master_loop_lag_seconds_count") > 0
+    os.kill(master.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.3)
+    finally:
+        os.kill(master.pid, signal.SIGCONT)
+    text = _scrape(master.metrics_url)
+    assert _value(text, "kvpool_master_loop_lag_max_seconds") >= 0.25
+    assert _value(text, 'kvpool_master_loop_lag_seconds_bucket{le="0.1"}') < \
+        _value(text, 'kvpool_master_loop_lag_seconds_bucket{le="+Inf"}')
+
+
+async def test_compactions_show_in_metrics(start_master, tmp_path) -> None:
+    master = start_master(state_dir=str(tmp_path / "state"), state_compact_bytes=4096,
+                          state_compact_ratio=0)
+    text = _scrape(master.metrics_url)
+    assert _value(text, "kvpool_state_compactions_total") == 0
+    assert _value(text, "kvpool_state_last_compaction_seconds") == 0
+    await _traffic(master.address)
+    rpc = MasterRpc(master.address)
+    try:   # 100 more objects: the log passes 4 KiB, which starts a compaction in steps
+        await rpc.register_client("m2", "h", "")
+        assert await rpc.mount_segment("m2", SegmentInfo(SegmentId("m2/0"), ClientId("m2"),
+                                                         SEGMENT_BYTES)) == Status.OK
+        keys = [b"%064d" % i for i in range(100)]
+        await rpc.put_start("m2", keys, [1000] * 100, PutOptions())
+        assert await rpc.put_end("m2", keys) == [Status.OK] * 100
+    finally:
+        await rpc.close()
+    deadline = time.monotonic() + 30
+    while _value(text, "kvpool_state_compactions_total") < 1:
+        assert time.monotonic() < deadline, "no compaction finished"
+        time.sleep(0.05)
+        text = _scrape(master.metrics_url)
+    assert _value(text, "kvpool_state_last_compaction_objects") >= 1
+    assert 0 < _value(text, "kvpool_state_last_compaction_longest_step_seconds") <= \
+        _value(text, "kvpool_state_last_compaction_seconds")
