@@ -116,7 +116,8 @@ async def scenario(address: str, kind: str, num_objects: int,
                          for j in range(i, min(i + batch_keys, num_objects))]
                 if kind == "read":
                     results = (await rpc.get_replicas(name, chunk)).results
-                    assert all(r.status == Status.OK for r in results)
+                    assert all(r.status == Status.OK for r in results), \
+                        {Status(r.status) for r in results}
                 else:
                     assert (await rpc.exist(name, chunk))[0] == [Status.OK] * len(chunk)
             return started, time.monotonic()
@@ -194,7 +195,7 @@ def main() -> int:
             windows[kind] = asyncio.run(scenario(address, kind, args.objects,
                                                  args.batch_keys))
             time.sleep(0.5)
-        gc_pauses = master_gc_pauses(ready)
+        exposition = master_metrics(ready)
     finally:
         assert prober.stdin is not None
         prober.stdin.close()
@@ -215,22 +216,25 @@ def main() -> int:
         print(f"  {kind:<12} {ended - started:>8.2f}s {len(during):>8} "
               f"{percentile(during, 0.5) * 1e6:>8.0f} {percentile(during, 0.99) * 1e6:>8.0f} "
               f"{percentile(during, 0.999) * 1e6:>9.0f} {max(during, default=0) * 1e3:>8.1f}")
+    gc_pauses = {line.split('"')[1]: value for line, value in exposition.items()
+                 if line.startswith('kvpool_master_gc_longest_pause_seconds{generation="')}
     print("  the master's own longest collector pause, whole run (ms, generation 0 / 1 / 2): "
           + " / ".join(f"{gc_pauses.get(g, 0.0) * 1e3:.1f}" for g in ("0", "1", "2")))
+    lag_samples = exposition["kvpool_master_loop_lag_seconds_count"]
+    late = lag_samples - exposition['kvpool_master_loop_lag_seconds_bucket{le="0.01"}']
+    print(f"  the master's own loop lag, whole run: {lag_samples:,.0f} samples, {late:,.0f} "
+          f"over 10 ms, the longest "
+          f"{exposition['kvpool_master_loop_lag_max_seconds'] * 1e3:.1f} ms")
     return 0
 
 
-def master_gc_pauses(ready: dict[str, Any]) -> dict[str, float]:
-    """The master's ``kvpool_master_gc_longest_pause_seconds`` per generation."""
+def master_metrics(ready: dict[str, Any]) -> dict[str, float]:
+    """The master's exposition: the value of each sample line by its name and labels."""
     url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as answer:
         text = answer.read().decode()
-    pauses = {}
-    for line in text.splitlines():
-        if line.startswith('kvpool_master_gc_longest_pause_seconds{generation="'):
-            generation = line.split('"')[1]
-            pauses[generation] = float(line.rsplit(" ", 1)[1])
-    return pauses
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 if __name__ == "__main__":
