@@ -3,7 +3,9 @@
 Measures, over gRPC and over the lean framing, through the client stub (``MasterRpc``):
 - single-key ``Exist``: p50 / p99 latency of sequential calls;
 - batched ``Exist`` with 1,000 keys per call: keys/s, one call at a time and with a few calls
-  in flight (pipelined on the one lean connection / multiplexed on the gRPC channel).
+  in flight (pipelined on the one lean connection / multiplexed on the gRPC channel);
+- batched ``GetReplicas`` (a signed capability per key) and ``PutStart`` + ``PutEnd`` with
+  1,000 keys per call, one call at a time: keys/s, decoding the answers included.
 Targets: batched >= 1,000,000 keys/s, single p50 <= 150 µs.
 
     .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
@@ -109,6 +111,29 @@ async def batched_throughput(rpc: MasterRpc, keys: list[bytes], seconds: float,
     return {"in_flight": in_flight, "keys_per_s": done_keys / elapsed_s}
 
 
+async def batched_reads_and_puts(rpc: MasterRpc, name: str, keys: list[bytes],
+                                 seconds: float) -> dict[str, float]:
+    """Keys/s of 1,000-key ``GetReplicas`` over ``keys`` and of 1,000-key ``PutStart`` +
+    ``PutEnd`` of fresh keys (at most 100 k of them), one call at a time."""
+    batches = [keys[i:i + BATCH_KEYS] for i in range(0, len(keys), BATCH_KEYS)]
+    read_keys = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() < t0 + seconds:
+        answer = await rpc.get_replicas(name, batches[read_keys // BATCH_KEYS % len(batches)])
+        read_keys += len(answer.results)
+    read_s = time.perf_counter() - t0
+    put_keys = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() < t0 + seconds and put_keys < 100_000:
+        fresh = [b"%s-put-%08d" % (name.encode(), put_keys + i) for i in range(BATCH_KEYS)]
+        started = await rpc.put_start(name, fresh, [4096] * BATCH_KEYS, PutOptions())
+        assert all(s == Status.OK for s, _ in started)
+        assert all(s == Status.OK for s in await rpc.put_end(name, fresh))
+        put_keys += BATCH_KEYS
+    put_s = time.perf_counter() - t0
+    return {"get_replicas_keys_per_s": read_keys / read_s, "puts_keys_per_s": put_keys / put_s}
+
+
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
     owner = await populate(address, keys)
@@ -117,9 +142,13 @@ async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     for transport, fast in (("grpc", False), ("lean", True)):
         rpc = MasterRpc(address, use_fast_path=fast, timeout_s=30)
         await rpc.register_client("bench-reader-" + transport, "bench-host", "")
+        name = "bench-reader-" + transport
+        segment = SegmentInfo(SegmentId(name + "-seg"), ClientId(name), 1 << 30)
+        assert await rpc.mount_segment(name, segment) == Status.OK
         results[transport] = {
             "single_exist": await single_latency(rpc, keys[0], seconds),
             "batched_exist": [await batched_throughput(rpc, keys, seconds, n) for n in (1, 4)],
+            "batched_reads_and_puts": await batched_reads_and_puts(rpc, name, keys, seconds),
         }
         await rpc.close()
     beating.cancel()
@@ -135,6 +164,10 @@ def report(results: dict[str, Any]) -> None:
         for b in r["batched_exist"]:
             print(f"{transport:5s} batched Exist x{BATCH_KEYS}, {b['in_flight']} in flight: "
                   f"{b['keys_per_s'] / 1e6:6.2f} M keys/s")
+        rw = r["batched_reads_and_puts"]
+        print(f"{transport:5s} batched GetReplicas x{BATCH_KEYS}: "
+              f"{rw['get_replicas_keys_per_s'] / 1e6:6.3f} M keys/s; PutStart + PutEnd "
+              f"x{BATCH_KEYS}: {rw['puts_keys_per_s'] / 1e6:6.3f} M keys/s")
     best_p50 = min(r["single_exist"]["p50_us"] for r in results.values())
     best_rate = max(b["keys_per_s"] for r in results.values() for b in r["batched_exist"])
     print(f"targets: single p50 <= {TARGET_P50_US:.0f} us -> best {best_p50:.1f} us "

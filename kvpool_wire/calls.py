@@ -9,6 +9,7 @@ Client-scoped calls carry the caller's ``client_token`` (see ``capability.client
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,24 @@ def placements_of(replicas: Any) -> tuple[Placement, ...]:
                           p.capability, p.put_id),)
     return tuple(Placement(p.segment_id, p.offset, p.length, p.capability_expiry_ms,
                            p.capability, p.put_id) for p in placements)
+
+
+def columns_of(columns: Any, sizes_bytes: Sequence[int]) -> list[tuple[Placement, ...]]:
+    """Per key the placements of a ``Columns`` message (see the proto), whose first replicas
+    are ``sizes_bytes`` long (the objects' sizes). A ``more_keys`` index outside the batch is
+    ignored (the answer is then short of that replica, never wrong about another key)."""
+    expiry_ms = columns.capability_expiry_ms
+    put_id = columns.put_id
+    out: list[tuple[Placement, ...]] = [
+        (Placement(segment_id, offset, size, expiry_ms, capability, put_id),)
+        if segment_id else ()
+        for segment_id, offset, capability, size in zip(
+            columns.segment_ids, columns.offsets, columns.capabilities, sizes_bytes,
+            strict=False)]
+    for index, replicas in zip(columns.more_keys, columns.more, strict=False):
+        if index < len(out) and out[index]:
+            out[index] += placements_of(replicas)
+    return out
 
 
 def segment_info_of(d: Any) -> SegmentInfo:
@@ -165,7 +184,10 @@ def get_segments(segment_ids: Sequence[str]) -> Call[list[SegmentInfo | None]]:
 PutStartAnswer = list[tuple[Status, tuple[Placement, ...]]]
 
 
-def _put_start_answer(r: Any) -> PutStartAnswer:
+def _put_start_answer(sizes_bytes: Sequence[int], r: Any) -> PutStartAnswer:
+    if r.HasField("columns"):
+        return [(status_of(s), placements) for s, placements in zip(
+            r.statuses, columns_of(r.columns, sizes_bytes), strict=False)]
     return [(status_of(s), placements_of(p) if p.placements else ())
             for s, p in zip(r.statuses, r.replicas, strict=False)]
 
@@ -178,11 +200,12 @@ def put_start(client_id: str, client_token: bytes, keys: Sequence[bytes],
     ``ended`` end first, so their space can serve this put."""
     return Call(RPC_METHODS["PutStart"], pb.PutStartRequest(
         client_id=client_id, client_token=client_token, keys=keys, sizes_bytes=sizes_bytes,
-        parent_keys=parent_keys or (), ended_lease_ids=ended,
+        parent_keys=parent_keys or (), ended_lease_ids=ended, columns=True,
         options=pb.PutOptions(replica_num=options.replica_num,
                               preferred_segment=options.preferred_segment,
                               prefer_same_host=options.prefer_same_host,
-                              pin=cast(pb.Pin, int(options.pin)))), _put_start_answer)
+                              pin=cast(pb.Pin, int(options.pin)))),
+        functools.partial(_put_start_answer, sizes_bytes))
 
 
 def put_end(client_id: str, client_token: bytes, keys: Sequence[bytes],
@@ -214,9 +237,17 @@ class ReplicasAnswer(NamedTuple):
 
 
 def _replicas_answer(r: Any) -> ReplicasAnswer:
-    results = [ReadResult(status_of(s), size, placements_of(p) if p.placements else (), checksum)
-               for s, size, p, checksum in zip(r.statuses, r.sizes_bytes, r.replicas, r.checksums,
-                                               strict=False)]
+    if r.HasField("columns"):
+        sizes = r.sizes_bytes
+        results = [ReadResult(status_of(s), size, placements, checksum)
+                   for s, size, placements, checksum in zip(
+                       r.statuses, sizes, columns_of(r.columns, sizes), r.checksums,
+                       strict=False)]
+    else:
+        results = [ReadResult(status_of(s), size, placements_of(p) if p.placements else (),
+                              checksum)
+                   for s, size, p, checksum in zip(r.statuses, r.sizes_bytes, r.replicas,
+                                                   r.checksums, strict=False)]
     return ReplicasAnswer(results, r.lease_ttl_ms / 1000, (r.lease_id,) if r.lease_id else ())
 
 
@@ -226,7 +257,7 @@ def get_replicas(client_id: str, keys: Sequence[bytes], client_token: bytes = b"
     lease is its own to end (``ended``: leases it finished reading under, sent along)."""
     return Call(RPC_METHODS["GetReplicas"], pb.GetReplicasRequest(
         client_id=client_id, keys=keys, client_token=client_token,
-        ended_lease_ids=ended), _replicas_answer)
+        ended_lease_ids=ended, columns=True), _replicas_answer)
 
 
 def exist(client_id: str, keys: Sequence[bytes]) -> Call[tuple[list[Status], list[int]]]:

@@ -13,7 +13,7 @@ Rules of this file:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -240,11 +240,47 @@ def _add_replicas(replicas: Any, placements: Sequence[Extent], expiry_ms: int,
                    capability_expiry_ms=expiry_ms, capability=capability_of(p), put_id=put_id)
 
 
+def _add_columns(columns: Any, replicas_per_key: Iterable[Sequence[Extent]], expiry_ms: int,
+                 capability_of: Callable[[Extent], bytes], put_id: int,
+                 first_index: int) -> None:
+    """Put each key's replicas, signed by ``capability_of``, into ``columns`` (a ``Columns``
+    message; the keys are those from index ``first_index`` of the batch on). A replica's
+    length is not sent: it is the object's size (every replica of an object has its size)."""
+    segment_ids: list[str] = []
+    offsets: list[int] = []
+    capabilities: list[bytes] = []
+    more_keys: list[int] = []
+    for index, placements in enumerate(replicas_per_key, first_index):
+        if not placements:
+            segment_ids.append("")
+            offsets.append(0)
+            capabilities.append(b"")
+            continue
+        first = placements[0]
+        segment_ids.append(first.segment_id)
+        offsets.append(first.offset)
+        capabilities.append(capability_of(first))
+        if len(placements) > 1:
+            more_keys.append(index)
+            _add_replicas(columns.more, placements[1:], expiry_ms, capability_of, put_id)
+    columns.segment_ids.extend(segment_ids)
+    columns.offsets.extend(offsets)
+    columns.capabilities.extend(capabilities)
+    columns.more_keys.extend(more_keys)
+    columns.capability_expiry_ms = expiry_ms
+    columns.put_id = put_id
+
+
 def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_ms: int,
-                     capability_of: Callable[[Extent], bytes],
-                     put_id: int) -> pb.PutStartResponse:
-    """One status and signed replica list per key (capabilities of put ``put_id``)."""
+                     capability_of: Callable[[Extent], bytes], put_id: int,
+                     columns: bool = False, first_index: int = 0) -> pb.PutStartResponse:
+    """One status and signed replica list per key (capabilities of put ``put_id``), as
+    ``Columns`` when asked for (``first_index``: where these keys start in the batch)."""
     response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
+    if columns:
+        _add_columns(response.columns, (placements for _, placements in results), expiry_ms,
+                     capability_of, put_id, first_index)
+        return response
     replicas = response.replicas
     for _, placements in results:
         _add_replicas(replicas, placements, expiry_ms, capability_of, put_id)
@@ -273,14 +309,21 @@ def decode_ended_lease_ids(request: Any) -> list[int]:
 
 def encode_get_replicas(results: Sequence[ReadResult[Extent]], lease_ttl_s: float,
                         expiry_ms: int, capability_of: Callable[[Extent], bytes],
-                        lease_id: int = 0) -> pb.GetReplicasResponse:
-    """Per key: status, size, signed replicas, checksum; plus the lease every OK key holds
-    (``lease_id``: the number its reader ends it by, 0 for a lease nobody can end)."""
+                        lease_id: int = 0, columns: bool = False,
+                        first_index: int = 0) -> pb.GetReplicasResponse:
+    """Per key: status, size, signed replicas (as ``Columns`` when asked for;
+    ``first_index``: where these keys start in the batch), checksum; plus the lease every OK
+    key holds (``lease_id``: the number its reader ends it by, 0 for a lease nobody can
+    end)."""
     response = pb.GetReplicasResponse(
         statuses=_pb([r.status for r in results]),
         sizes_bytes=[r.size_bytes for r in results],
         checksums=[r.checksum for r in results],
         lease_ttl_ms=round(lease_ttl_s * 1000), lease_id=lease_id)
+    if columns:
+        _add_columns(response.columns, (r.placements for r in results), expiry_ms,
+                     capability_of, 0, first_index)
+        return response
     replicas = response.replicas
     for r in results:
         _add_replicas(replicas, r.placements, expiry_ms, capability_of)

@@ -412,12 +412,13 @@ class Servicer:
         self._last_put_id += 1
         put_id = self._last_put_id
         signer = self._signer(Op.WRITE, expiry_ms, put_id)
+        columns = request.columns
 
         def step(lo: int, hi: int | None) -> Any:
             results = self._core.put_start(
                 ClientId(client_id), _span(keys, lo, hi), _span(sizes_bytes, lo, hi), options,
                 self._clock.now(), _span(parent_keys, lo, hi) if parent_keys is not None else None)
-            return convert.encode_put_start(results, expiry_ms, signer, put_id)
+            return convert.encode_put_start(results, expiry_ms, signer, put_id, columns, lo)
 
         return self._in_steps(request, len(keys), step, len(sizes_bytes) == len(keys) and (
             parent_keys is None or len(parent_keys) == len(keys)))
@@ -499,6 +500,7 @@ class Servicer:
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
         signer = self._signer(Op.READ, expiry_ms)
         lease_id = 0  # the reader's lease, numbered by the first step
+        columns = request.columns
 
         def step(lo: int, hi: int | None) -> Any:
             nonlocal lease_id
@@ -507,7 +509,7 @@ class Servicer:
             if reader is not None:
                 lease_id = self._core.last_lease_id
             return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms, signer,
-                                               lease_id)
+                                               lease_id, columns, lo)
 
         return self._in_steps(request, len(keys), step, step_keys=READ_STEP_KEYS, writes=False)
 

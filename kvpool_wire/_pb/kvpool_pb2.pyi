@@ -314,7 +314,7 @@ class EndedLease(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token", "ended_leases", "ended_lease_ids")
+    __slots__ = ("client_id", "keys", "sizes_bytes", "parent_keys", "options", "client_token", "ended_leases", "ended_lease_ids", "columns")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class PutStartRequest(_message.Message):
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -331,15 +332,36 @@ class PutStartRequest(_message.Message):
     client_token: bytes
     ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
     ended_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    columns: bool
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ..., columns: bool = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("statuses", "replicas")
+    __slots__ = ("statuses", "replicas", "columns")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     replicas: _containers.RepeatedCompositeFieldContainer[Replicas]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ...) -> None: ...
+    columns: Columns
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ..., columns: _Optional[_Union[Columns, _Mapping]] = ...) -> None: ...
+
+class Columns(_message.Message):
+    __slots__ = ("segment_ids", "offsets", "capabilities", "capability_expiry_ms", "put_id", "more_keys", "more")
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    capabilities: _containers.RepeatedScalarFieldContainer[bytes]
+    capability_expiry_ms: int
+    put_id: int
+    more_keys: _containers.RepeatedScalarFieldContainer[int]
+    more: _containers.RepeatedCompositeFieldContainer[Replicas]
+    def __init__(self, segment_ids: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., capabilities: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ..., put_id: _Optional[int] = ..., more_keys: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
     __slots__ = ("client_id", "keys", "checksums", "client_token")
@@ -376,34 +398,38 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "client_token", "ended_leases", "ended_lease_ids")
+    __slots__ = ("client_id", "keys", "client_token", "ended_leases", "ended_lease_ids", "columns")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASES_FIELD_NUMBER: _ClassVar[int]
     ENDED_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_token: bytes
     ended_leases: _containers.RepeatedCompositeFieldContainer[EndedLease]
     ended_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    columns: bool
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_token: _Optional[bytes] = ..., ended_leases: _Optional[_Iterable[_Union[EndedLease, _Mapping]]] = ..., ended_lease_ids: _Optional[_Iterable[int]] = ..., columns: bool = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("statuses", "sizes_bytes", "replicas", "checksums", "lease_ttl_ms", "lease_id")
+    __slots__ = ("statuses", "sizes_bytes", "replicas", "checksums", "lease_ttl_ms", "lease_id", "columns")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     replicas: _containers.RepeatedCompositeFieldContainer[Replicas]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     lease_ttl_ms: int
     lease_id: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    columns: Columns
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[_Union[Replicas, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., columns: _Optional[_Union[Columns, _Mapping]] = ...) -> None: ...
 
 class ExistRequest(_message.Message):
     __slots__ = ("client_id", "keys")
