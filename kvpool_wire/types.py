@@ -149,6 +149,7 @@ def parse_size_bytes(value: int | str) -> int:
     return int(amount * units[unit])
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReadResult(Generic[Located]):
     """The master's answer for one key of a read: where its bytes are, or why not
