@@ -114,6 +114,13 @@ def bench_ops(num_objects: int) -> None:
             core.take_events()
 
         rate("put_start+put_end", batch, put, [fresh[i:i + batch] for i in range(0, total, batch)])
+        if batch > 1:   # a master without --state-dir makes no per-object events
+            fresh = keys_of(next_key, total)
+            next_key += total
+            core.skip_object_events()
+            rate("  without object events", batch, put,
+                 [fresh[i:i + batch] for i in range(0, total, batch)])
+            core.object_events = True
         hits = [ObjectKey(b"%064x" % rng.randrange(num_objects)) for _ in range(total)]
         randoms = [hits[i:i + batch] for i in range(0, total, batch)]
         warm = [keys_of(5000, batch)] * (total // batch)

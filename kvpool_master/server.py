@@ -243,6 +243,8 @@ class MasterServer:
     def _restore(self) -> None:
         """Open the state store and load the persisted index into the fresh core."""
         if not self.config.state_dir:
+            if not log.isEnabledFor(logging.DEBUG):  # (debug logs every event)
+                self.core.skip_object_events()  # nothing else reads them
             return
         self.store = StateStore(self.config.state_dir, fsync=self.config.state_fsync,
                                 fsync_interval_s=STATE_FSYNC_INTERVAL_S,

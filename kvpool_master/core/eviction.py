@@ -12,11 +12,16 @@ Rules of this file:
   (oldest first). A chain is therefore evicted tail first.
 - A DRAM pass walks ``ObjectTable.dram_order`` once SSD segments exist (objects on SSD only
   are not in it); an SSD pass walks the main order and counts SSD bytes only.
-- A pass takes at most ``MAX_VICTIMS`` objects; the tier's next pass (the next put above the
-  watermark, or the tick) goes on from the new least recently used.
+- A pass takes at most ``MAX_VICTIMS`` objects and, once it has one, looks at no more than
+  ``MAX_SCANNED``; the tier's next pass (the next put above the watermark, the tick, or the
+  same put when it still has no room) goes on from the new least recently used.
 - Selection does not mutate the table (the walk must see it whole); the
-  caller removes the victims in the returned order. Hard-pinned and PENDING objects met on the
-  way are moved to the recent end afterwards, so later passes do not rescan them.
+  caller removes the victims in the returned order. Hard-pinned, PENDING and leased objects
+  met on the way are moved to the recent end afterwards, so later passes do not rescan them:
+  a pass walks its victims and what it moves, never the same unevictable objects again and
+  again. A leased object at the least recently used end was read within its lease, less
+  than ``default_lease_ttl_s`` ago, so moving it costs it at most that much of its LRU age;
+  it only happens when the pool turns over within a lease's time.
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ POLICIES = ("lru", "prefix-lru")
 #: millions included): a watermark pass over small objects would otherwise hold the master for
 #: as long as it takes to evict a few percent of the table.
 MAX_VICTIMS = 1024
+#: Objects one pass looks at, victims or not, after which it is cut like one that took
+#: ``MAX_VICTIMS``, once it has a victim (the unevictable ones it met are moved out of the way
+#: first). A pass without a victim goes on: every cut pass frees something, so the passes a
+#: put runs until it has room always end.
+MAX_SCANNED = 4 * MAX_VICTIMS
 
 
 class _Pass:
     """State of one selection: the victims so far and (prefix-lru) the objects waiting."""
 
     __slots__ = ("victims", "freed_bytes", "need_bytes", "evicted_children", "waiting", "ready",
-                 "scan_index", "skipped", "max_victims")
+                 "scan_index", "skipped", "max_victims", "left_to_scan")
 
     def __init__(self, need_bytes: int, max_victims: int) -> None:
         self.victims: dict[ObjectKey, ObjectEntry] = {}
@@ -51,6 +61,12 @@ class _Pass:
         self.scan_index = 0
         self.skipped: list[ObjectEntry] = []
         self.max_victims = max_victims
+        self.left_to_scan = max(max_victims, 1) * (MAX_SCANNED // MAX_VICTIMS)
+
+    @property
+    def cut(self) -> bool:
+        """Stopped after ``MAX_SCANNED`` objects, with victims."""
+        return self.left_to_scan < 0 and bool(self.victims)
 
     @property
     def enough(self) -> bool:
@@ -59,8 +75,9 @@ class _Pass:
 
 def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_bytes: int,
                    now: float, prefix_lru: bool,
-                   max_victims: int = MAX_VICTIMS) -> list[ObjectKey]:
-    """Return keys to evict, in eviction order, freeing at least ``need_bytes`` of ``tier``.
+                   max_victims: int = MAX_VICTIMS) -> tuple[list[ObjectKey], bool]:
+    """Return keys to evict, in eviction order, freeing at least ``need_bytes`` of ``tier``,
+    and whether the pass was cut (``max_victims`` taken, or ``MAX_SCANNED`` looked at).
 
     Returns fewer when not enough is evictable (possibly none), and at most ``max_victims``:
     a pass never holds the master for long; the next one goes on where it stopped.
@@ -79,13 +96,13 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
         state.waiting.clear()
         state.ready.clear()
         _scan(table, order, segments, tier, now, prefix_lru, simple, allowed, state)
-        if state.enough:
+        if state.enough or state.cut:
             break
     victims = state.victims
     skipped = [entry for entry in state.skipped if entry.key not in victims]
     order.touch_all(skipped if order is table.recency
                     else [entry.dram for entry in skipped if entry.dram is not None])
-    return list(victims)
+    return list(victims), len(victims) >= max_victims or state.cut
 
 
 def _scan(table: ObjectTable, order: Recency, segments: SegmentTable,
@@ -98,11 +115,14 @@ def _scan(table: ObjectTable, order: Recency, segments: SegmentTable,
     hard = Pin.HARD
     align_mask = ALIGN_BYTES - 1
     for entry in order.entries():
+        state.left_to_scan -= 1
+        if state.left_to_scan < 0 and victims:
+            return  # cut: the next pass goes on (what was skipped moves out of its way)
         key = entry.key
-        if entry.writer_id is not None or entry.pin is hard:
+        if entry.writer_id is not None or entry.pin is hard or entry.lease_expiry_s > now:
             state.skipped.append(entry)
             continue
-        if entry.pin not in allowed or entry.lease_expiry_s > now or key in victims:
+        if entry.pin not in allowed or key in victims:
             continue
         if simple:
             num_bytes = ((entry.size_bytes + align_mask) & ~align_mask) * (1 + len(entry.more))

@@ -419,6 +419,12 @@ class MasterCore(Tiering):
 
     # ---- durability of frees (persist.py drives it) ------------------------------------
 
+    def skip_object_events(self) -> None:
+        """From now on commits and removals make no event (``ObjectCommitted``,
+        ``ObjectRemoved``): nothing reads them without a state directory, and making them is
+        about a third of a put's cost in the core. Every other event stays."""
+        self.object_events = False
+
     def track_durability(self) -> None:
         """From now on a placement may reuse freed bytes only once the free is durable:
         ``put_start`` emits ``SyncRequired`` when one does, and ``mark_durable`` says what is.

@@ -48,7 +48,7 @@ from kvpool_master.core.events import (
     SegmentMounted,
     SyncRequired,
 )
-from kvpool_master.core.eviction import MAX_VICTIMS, select_victims
+from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
@@ -95,6 +95,7 @@ class Mutations:
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
     _pass_capped = False  # the last eviction pass stopped at MAX_VICTIMS
+    object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
     # ---- two-phase put -------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class Mutations:
         objects = self._objects
         shards = objects.shards
         mask = SHARD_MASK
-        events = self._events
+        events = self._events if self.object_events else None
         statuses: list[Status] = []
         committed: list[ObjectEntry] = []
         for i, key in enumerate(keys):
@@ -241,8 +242,9 @@ class Mutations:
                 statuses.append(Status.PERMISSION_DENIED)
             else:
                 objects.commit(key, entry, checksum)
-                events.append(ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum,
-                                              entry.pin, entry.parent_key))
+                if events is not None:
+                    events.append(ObjectCommitted(key, entry.size_bytes, entry.extents(),
+                                                  checksum, entry.pin, entry.parent_key))
                 committed.append(entry)
                 statuses.append(Status.OK)
         objects.touch_all(committed)
@@ -313,7 +315,7 @@ class Mutations:
         (until their read lease ends, and at least until ``hold_until_s``; ``lost``: a segment
         just discarded, whose extents of leased objects are parked too)."""
         pop = self._objects.pop
-        events = self._events
+        events = self._events if self.object_events else None
         to_free: list[Extent] = []
         lapsed = 0
         seq = self._segments.next_free_seq()
@@ -340,7 +342,8 @@ class Mutations:
                 if entry.lease_expiry_s > 0.0:
                     lapsed += 1
                 to_free += entry.extents()
-            events.append(ObjectRemoved(key, entry.size_bytes, reason))
+            if events is not None:
+                events.append(ObjectRemoved(key, entry.size_bytes, reason))
         self._segments.free(to_free, seq)
         self._lease_counters.leases_lapsed += lapsed
 
@@ -538,9 +541,9 @@ class Mutations:
     def _evict_pass(self, tier: Tier, need_bytes: int, now: float) -> int:
         """Evict victims freeing at least ``need_bytes`` of ``tier`` if possible; return the
         bytes of that tier actually freed."""
-        victims = select_victims(self._objects, self._segments, tier, need_bytes, now,
-                                 self._objects.track_children)
-        self._pass_capped = len(victims) >= MAX_VICTIMS
+        victims, self._pass_capped = select_victims(self._objects, self._segments, tier,
+                                                    need_bytes, now,
+                                                    self._objects.track_children)
         if not victims:
             return 0
         used = self._segments.tier_to_used_bytes

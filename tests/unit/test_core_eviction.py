@@ -265,3 +265,69 @@ def test_a_pass_evicts_at_most_max_victims_and_the_next_put_goes_on() -> None:
     assert passes[0].num_objects == MAX_VICTIMS           # cut, not all it wanted
     assert len(passes) >= 2                                # the next puts went on
     assert core.stats().tier_to_used_bytes[Tier.DRAM] <= 0.5 * 40_000 * BLOCK
+
+
+def test_without_object_events_the_index_behaves_the_same() -> None:
+    """A master without a state directory skips the per-object events: two cores, one with
+    them and one without, given the same puts, reads and removals, answer alike and evict the
+    same objects; only the per-object events are missing."""
+    with_events, without = make(num_blocks=20), make(num_blocks=20)
+    without.skip_object_events()
+    for core in (with_events, without):
+        for i in range(30):
+            assert put(core, f"k{i}", float(i)) == Status.OK
+            if i % 3 == 0:
+                core.get_replicas([ObjectKey(f"k{i // 2}".encode())], float(i) + 0.5)
+        assert core.remove([ObjectKey(b"k29"), ObjectKey(b"nope")], False, 40.0) == \
+            [Status.OK, Status.NOT_FOUND]
+    keys = [ObjectKey(f"k{i}".encode()) for i in range(30)]
+    assert with_events.exist(keys, 50.0) == without.exist(keys, 50.0)
+    assert with_events.stats().evicted_objects_total == without.stats().evicted_objects_total > 0
+    kinds = {type(e).__name__ for e in with_events.take_events()}
+    assert {"ObjectCommitted", "ObjectRemoved", "EvictionPass"} <= kinds
+    kinds = {type(e).__name__ for e in without.take_events()}
+    assert "EvictionPass" in kinds and not kinds & {"ObjectCommitted", "ObjectRemoved"}
+
+
+def test_leased_objects_at_the_old_end_are_looked_at_once_not_by_every_pass(
+        monkeypatch) -> None:
+    """The pool turns over within a lease: 6,000 objects read (leased for 1,000 s) end up at
+    the least recently used end. The pass that meets them steps over them to its victims and
+    moves them out of the way, so the passes look at each leased object once (before: every
+    pass walked all 6,000), a pass with victims looks at no more than MAX_SCANNED, every put
+    still finds room, and no leased object is evicted."""
+    from kvpool_master.core import objects
+    from kvpool_master.core.eviction import MAX_SCANNED
+    core = MasterCore(CoreConfig(eviction_high_watermark_ratio=0.9, eviction_ratio=0.01,
+                                 default_lease_ttl_s=1000.0, client_ttl_s=1e9,
+                                 put_start_discard_timeout_s=1e9))
+    core.register_client(A, "h", b"k" * 32, 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("s"), A, 20_000 * BLOCK), 0.0)
+    keys = [ObjectKey(b"b%d" % i) for i in range(28_000)]
+    leased = keys[:6000]
+
+    def put_all(batch: list[ObjectKey], now: float) -> None:
+        for i in range(0, len(batch), 500):
+            chunk = batch[i:i + 500]
+            started = core.put_start(A, chunk, [BLOCK] * len(chunk), PutOptions(), now)
+            assert [s for s, _ in started] == [Status.OK] * len(chunk)
+            assert core.put_end(A, chunk, now) == [Status.OK] * len(chunk)
+
+    put_all(keys[:12_000], 1.0)
+    assert {r.status for r in core.get_replicas(leased, 2.0)} == {Status.OK}
+    looked_at: list[int] = []
+    walk = objects.Recency.entries
+
+    def counted(self: objects.Recency):  # type: ignore[no-untyped-def]
+        looked_at.append(0)
+        for entry in walk(self):
+            looked_at[-1] += 1
+            yield entry
+    monkeypatch.setattr(objects.Recency, "entries", counted)
+    core.take_events()
+    put_all(keys[12_000:], 3.0)   # evicts the 6,000 unread, then new ones past the leased
+    evicted_keys = {e.key for e in core.take_events() if isinstance(e, ObjectRemoved)}
+    assert sum(looked_at) <= len(evicted_keys) + len(leased) + len(looked_at)
+    assert sorted(looked_at)[-2] <= MAX_SCANNED   # only the pass that met them all is longer
+    assert not evicted_keys & set(leased) and len(evicted_keys) >= 10_000
+    assert core.exist(leased, 4.0)[0] == [Status.OK] * len(leased)
