@@ -29,7 +29,7 @@ from kvpool_client.rpc.endpoints import (
     split_address,
     ssl_context,
 )
-from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig, joined_lists
+from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call, RegisterAnswer
 from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
@@ -342,13 +342,13 @@ class MasterRpc(MasterCalls):
         Returns a future of the per-key statuses (it raises KVPoolError like put_end).
         """
         loop = asyncio.get_running_loop()
-        parts, spans = self.put_end_calls(client_id, keys, checksums)
+        parts, join = self.put_end_calls(client_id, keys, checksums)
         if len(parts) == 1:
             return self._send_now(parts[0])
         sent = [self._send_now(part) for part in parts]  # in order
 
         async def joined() -> list[Status]:
-            return joined_lists(spans, lambda s: s, await _settled(sent))
+            return join(await _settled(sent))
         return loop.create_task(joined())
 
     def _send_now(self, call: Call[list[Status]]) -> asyncio.Future[list[Status]]:

@@ -128,6 +128,10 @@ class MasterCalls:
         that error (see the module rules)."""
         raise NotImplementedError
 
+    def _batch(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
+        """Run a batch's calls: one as it is, several joined (see the module rules)."""
+        return self._run(parts[0]) if len(parts) == 1 else self._run_parts(parts, join)
+
     def _spans(self, num_keys: int) -> list[tuple[int, int]]:
         """``[start, end)`` of each call a batch of ``num_keys`` goes as."""
         most = self.session.max_call_keys
@@ -205,92 +209,71 @@ class MasterCalls:
                   options: PutOptions, parent_keys: Sequence[bytes] | None = None) -> Any:
         """Allocate space per key -> [(OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())]."""
         session = self.session
-        spans = self._spans(len(keys))
-        if len(spans) == 1:
-            return self._run(calls.put_start(client_id, session.token, keys, sizes_bytes,
-                                             options, parent_keys, session.take_ended()))
         ended = session.take_ended()
-        parts = [calls.put_start(client_id, session.token, keys[a:b], sizes_bytes[a:b], options,
-                                 parent_keys[a:b] if parent_keys else None,
-                                 ended if a == 0 else ()) for a, b in spans]
-        return self._run_parts(parts, functools.partial(
-            joined_lists, spans, lambda status: (status, ())))
+        spans = self._spans(len(keys))
+        return self._batch([calls.put_start(client_id, session.token, keys[a:b], sizes_bytes[a:b],
+                                            options, parent_keys[a:b] if parent_keys else None,
+                                            ended if a == 0 else ()) for a, b in spans],
+                           functools.partial(joined_lists, spans, lambda s: (s, ())))
 
     def put_end(self, client_id: str, keys: Sequence[bytes],
                 checksums: Sequence[int] | None = None) -> Any:
         """Commit PENDING keys -> OK per key, or NOT_FOUND / PERMISSION_DENIED / ..."""
-        return self._run_split(self.put_end_calls(client_id, keys, checksums))
+        return self._batch(*self.put_end_calls(client_id, keys, checksums))
 
     def put_end_calls(self, client_id: str, keys: Sequence[bytes],
                       checksums: Sequence[int] | None = None
-                      ) -> tuple[list[Call[list[Status]]], list[tuple[int, int]]]:
-        """The calls a commit of ``keys`` goes as, and the span of keys of each."""
+                      ) -> tuple[list[Call[list[Status]]], Callable[[list[Any]], list[Status]]]:
+        """The calls a commit of ``keys`` goes as, and how their answers join."""
         token = self.session.token
         spans = self._spans(len(keys))
-        if len(spans) == 1:
-            return [calls.put_end(client_id, token, keys, checksums)], spans
-        return [calls.put_end(client_id, token, keys[a:b], checksums[a:b] if checksums else None)
-                for a, b in spans], spans
+        return ([calls.put_end(client_id, token, keys[a:b], checksums[a:b] if checksums else None)
+                 for a, b in spans], functools.partial(joined_lists, spans, lambda s: s))
 
     def put_revoke(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """Abandon PENDING keys (after a failed transfer) -> OK per key or why not."""
         token = self.session.token
         spans = self._spans(len(keys))
-        return self._run_split(([calls.put_revoke(client_id, token, keys[a:b])
-                                 for a, b in spans], spans))
-
-    def _run_split(self, split: tuple[list[Call[Any]], list[tuple[int, int]]]) -> Any:
-        """Run calls answering a list per key (statuses): one as it is, several joined."""
-        parts, spans = split
-        if len(parts) == 1:
-            return self._run(parts[0])
-        return self._run_parts(parts, functools.partial(joined_lists, spans, lambda s: s))
+        return self._batch([calls.put_revoke(client_id, token, keys[a:b]) for a, b in spans],
+                           functools.partial(joined_lists, spans, lambda s: s))
 
     def get_replicas(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> ReplicasAnswer (per key where its bytes are, with a read lease, or NOT_FOUND;
-        lease_ttl_s; lease_id). The lease counts from when this call was sent: reads must finish
-        within lease_ttl_s; ``session.end_lease(lease_id, keys)`` once they did."""
+        lease_ttl_s; lease_ids). The lease counts from when this call was sent: reads must
+        finish within lease_ttl_s; ``session.end_lease(lease_ids, keys)`` once they did."""
         session = self.session
-        spans = self._spans(len(keys))
         ended = session.take_ended()
-        parts = [calls.get_replicas(client_id, keys[a:b], session.token, ended if a == 0 else ())
-                 for a, b in spans]
-        if len(parts) == 1:
-            return self._run(parts[0])
-        return self._run_parts(parts, functools.partial(_joined_replicas, spans))
+        spans = self._spans(len(keys))
+        return self._batch([calls.get_replicas(client_id, keys[a:b], session.token,
+                                               ended if a == 0 else ()) for a, b in spans],
+                           functools.partial(_joined_replicas, spans))
 
     def exist(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> (per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
         spans = self._spans(len(keys))
-        parts = [calls.exist(client_id, keys[a:b]) for a, b in spans]
-        if len(parts) == 1:
-            return self._run(parts[0])
-        return self._run_parts(parts, functools.partial(_joined_exist, spans))
+        return self._batch([calls.exist(client_id, keys[a:b]) for a, b in spans],
+                           functools.partial(_joined_exist, spans))
 
     def tiers(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> per key the tier of its fastest replica, None when it does not exist."""
         spans = self._spans(len(keys))
-        parts = [calls.tiers(client_id, keys[a:b]) for a, b in spans]
-        if len(parts) == 1:
-            return self._run(parts[0])
-        return self._run_parts(parts, functools.partial(joined_lists, spans, lambda _: None))
+        return self._batch([calls.tiers(client_id, keys[a:b]) for a, b in spans],
+                           functools.partial(joined_lists, spans, lambda _: None))
 
     def query_prefix(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> the number of leading keys that are READY (each is leased). Raises unless OK."""
         spans = self._spans(len(keys))
-        parts = [calls.query_prefix(client_id, keys[a:b]) for a, b in spans]
-        if len(parts) == 1:
-            return self._run(parts[0])
-        return self._run_parts(parts, functools.partial(_joined_prefix, spans))
+        return self._batch([calls.query_prefix(client_id, keys[a:b]) for a, b in spans],
+                           functools.partial(_joined_prefix, spans))
 
     def remove(self, client_id: str, keys: Sequence[bytes], force: bool = False) -> Any:
         """Remove keys -> OK | NOT_FOUND | HAS_LEASE (unless force) | ... per key."""
         session = self.session
         ended = session.take_ended()
         spans = self._spans(len(keys))
-        return self._run_split(([calls.remove(client_id, keys[a:b], force, session.token,
-                                              ended if a == 0 else ()) for a, b in spans],
-                                spans))
+        return self._batch([calls.remove(client_id, keys[a:b], force, session.token,
+                                         ended if a == 0 else ()) for a, b in spans],
+                           functools.partial(joined_lists, spans, lambda s: s))
 
     def remove_all(self, client_id: str, force: bool = False) -> Any:
         """Remove every removable object -> how many. Raises unless OK."""
