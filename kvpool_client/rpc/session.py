@@ -8,12 +8,13 @@ Rules of this file:
 - Identity: a ``MasterSession`` (shared by every stub of one client) holds the token the last
   registration returned, which every client-scoped call presents and a re-registration proves
   itself with, and the best known sample of the master's capability clock.
-- Batches of any length: a batch longer than the master's ``max_batch_keys`` (learnt at
-  registration) goes as several calls of at most that many keys, whose answers are joined in
-  key order. The master decodes a call's request whole, as one step between other clients'
-  calls, so this bounds how long one batch holds it. Parts are sent together (the asyncio
-  stub) or in turn (the blocking one); a part that fails fails its own keys, and the batch
-  raises only when every part failed, as a single call would.
+- Batches of any length (keys, or segment ids for ``get_segments``): a batch longer than the
+  master's ``max_batch_keys`` (learnt at registration) goes as several calls of at most that
+  many keys, whose answers are joined in key order. The master decodes a call's request
+  whole, as one step between other clients' calls, so this bounds how long one batch holds
+  it. Parts are sent together (the asyncio stub) or in turn (the blocking one); a part that
+  fails fails its own keys, and the batch raises only when every part failed, as a single
+  call would.
 """
 
 from __future__ import annotations
@@ -200,8 +201,11 @@ class MasterCalls:
         return self._run(calls.unmount_segment(client_id, self.session.token, segment_id))
 
     def get_segments(self, segment_ids: Sequence[str]) -> Any:
-        """-> descriptors of the given segments (None where unknown)."""
-        return self._run(calls.get_segments(segment_ids))
+        """-> descriptors of the given segments (None where unknown, or where their part of
+        a long list failed)."""
+        spans = self._spans(len(segment_ids))
+        return self._batch([calls.get_segments(segment_ids[a:b]) for a, b in spans],
+                           functools.partial(joined_lists, spans, lambda _: None))
 
     # -- objects ----------------------------------------------------------------------------------
 

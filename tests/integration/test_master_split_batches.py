@@ -109,3 +109,22 @@ def test_the_blocking_stub_splits_too(small_master) -> None:
         assert rpc.remove(name, keys, force=True) == [Status.OK] * NUM_KEYS
     finally:
         rpc.close()
+
+
+async def test_segment_lookups_span_several_calls(small_master) -> None:
+    rpc = MasterRpc(small_master.address, timeout_s=30.0)
+    try:
+        await rpc.register_client("split-segments", "host-a", "")
+        mounted = [SegmentInfo(SegmentId(f"split-segments/{i}"), ClientId("split-segments"),
+                               1 << 20) for i in range(3)]
+        for segment in mounted:
+            assert await rpc.mount_segment("split-segments", segment) == Status.OK
+        asked = [f"absent/{i}" for i in range(NUM_KEYS)]
+        asked[5], asked[LIMIT + 5], asked[-1] = (s.segment_id for s in mounted)
+        found = await rpc.get_segments(asked)
+        assert len(found) == NUM_KEYS
+        assert [(i, info.segment_id) for i, info in enumerate(found) if info is not None] == \
+            [(5, mounted[0].segment_id), (LIMIT + 5, mounted[1].segment_id),
+             (NUM_KEYS - 1, mounted[2].segment_id)]
+    finally:
+        await rpc.close()
