@@ -156,6 +156,7 @@ class MasterServer:
             self._http = HttpEndpoint(self.metrics)
             self.metrics_port = await self._http.start(self.config.metrics_host,
                                                        self.config.metrics_port)
+        self.gc_pauses.freeze_start_up()
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
         self.loop_lag.start()
         self._sweep_wanted = asyncio.Event()

@@ -73,3 +73,13 @@ def test_collect_recent_freezes_what_a_tick_allocated_and_skips_an_idle_one(
     assert pauses.collections[2] == collections + 1
     assert pauses.frozen_objects >= frozen + len(table)
     assert gc.get_count()[1:] == (0, 0)
+
+
+def test_what_start_up_left_is_frozen_before_serving_and_not_counted(pauses: GcPauses) -> None:
+    modules = [Node() for _ in range(50_000)]   # what imports and a restore leave live
+    pauses.freeze_start_up()
+    assert pauses.frozen_objects >= len(modules)
+    assert pauses.collections[2] == 0           # not a pause: nothing was served yet
+    served = [Node() for _ in range(2000)]      # some of it outlived a young collection
+    pauses.collect_recent()                     # the first tick walks what came since
+    assert pauses.collections[2] == 1 and served
