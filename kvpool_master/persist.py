@@ -602,15 +602,16 @@ class StateStore:
             return 0.0
         core.mark_durable(core.free_seq)
         done_s = time.monotonic()
-        self._finished(Compaction(done_s - stepped.started_s, stepped.num_objects,
-                                  max(stepped.longest_step_s, done_s - stepped.step_started_s),
-                                  done_s - stepped.step_started_s))
+        last_step_s = done_s - stepped.step_started_s
+        done = Compaction(done_s - stepped.started_s, stepped.num_objects,
+                          max(stepped.longest_step_s, last_step_s), last_step_s)
+        self._finished(done)
         log.info("background compaction done in %.2f s (generation %d, %d objects; %d bytes "
                  "of changes made meanwhile carried as its tail; longest step %.1f ms, of "
                  "which %.1f ms on the CPU; the last one, which syncs and swaps, %.1f ms)",
-                 done_s - stepped.started_s, stepped.generation, stepped.num_objects,
-                 stepped.copied, stepped.longest_step_s * 1e3,
-                 stepped.longest_step_cpu_s * 1e3, (done_s - stepped.step_started_s) * 1e3)
+                 done.seconds, stepped.generation, done.num_objects, stepped.copied,
+                 stepped.longest_step_s * 1e3, stepped.longest_step_cpu_s * 1e3,
+                 done.last_step_s * 1e3)
         return 0.0
 
     def _copy_tail(self, stepped: _Stepped, max_bytes: int) -> None:

@@ -184,12 +184,17 @@ def get_segments(segment_ids: Sequence[str]) -> Call[list[SegmentInfo | None]]:
 PutStartAnswer = list[tuple[Status, tuple[Placement, ...]]]
 
 
-def _put_start_answer(sizes_bytes: Sequence[int], r: Any) -> PutStartAnswer:
+def replicas_of(r: Any, sizes_bytes: Sequence[int]) -> list[tuple[Placement, ...]]:
+    """Per key the placements of a PutStart or GetReplicas answer, in either form (its
+    ``Columns``, whose first replicas are ``sizes_bytes`` long, or a ``Replicas`` per key)."""
     if r.HasField("columns"):
-        return [(status_of(s), placements) for s, placements in zip(
-            r.statuses, columns_of(r.columns, sizes_bytes), strict=False)]
-    return [(status_of(s), placements_of(p) if p.placements else ())
-            for s, p in zip(r.statuses, r.replicas, strict=False)]
+        return columns_of(r.columns, sizes_bytes)
+    return [placements_of(p) if p.placements else () for p in r.replicas]
+
+
+def _put_start_answer(sizes_bytes: Sequence[int], r: Any) -> PutStartAnswer:
+    return [(status_of(s), placements) for s, placements in zip(
+        r.statuses, replicas_of(r, sizes_bytes), strict=False)]
 
 
 def put_start(client_id: str, client_token: bytes, keys: Sequence[bytes],
@@ -237,17 +242,10 @@ class ReplicasAnswer(NamedTuple):
 
 
 def _replicas_answer(r: Any) -> ReplicasAnswer:
-    if r.HasField("columns"):
-        sizes = r.sizes_bytes
-        results = [ReadResult(status_of(s), size, placements, checksum)
-                   for s, size, placements, checksum in zip(
-                       r.statuses, sizes, columns_of(r.columns, sizes), r.checksums,
-                       strict=False)]
-    else:
-        results = [ReadResult(status_of(s), size, placements_of(p) if p.placements else (),
-                              checksum)
-                   for s, size, p, checksum in zip(r.statuses, r.sizes_bytes, r.replicas,
-                                                   r.checksums, strict=False)]
+    sizes = r.sizes_bytes
+    results = [ReadResult(status_of(s), size, placements, checksum)
+               for s, size, placements, checksum in zip(
+                   r.statuses, sizes, replicas_of(r, sizes), r.checksums, strict=False)]
     return ReplicasAnswer(results, r.lease_ttl_ms / 1000, (r.lease_id,) if r.lease_id else ())
 
 

@@ -240,6 +240,20 @@ def _add_replicas(replicas: Any, placements: Sequence[Extent], expiry_ms: int,
                    capability_expiry_ms=expiry_ms, capability=capability_of(p), put_id=put_id)
 
 
+def _add_all_replicas(response: Any, replicas_per_key: Iterable[Sequence[Extent]],
+                      expiry_ms: int, capability_of: Callable[[Extent], bytes], put_id: int,
+                      columns: bool, first_index: int) -> None:
+    """Put each key's signed replicas into ``response``: its ``Columns`` when asked for, else
+    a ``Replicas`` message per key."""
+    if columns:
+        _add_columns(response.columns, replicas_per_key, expiry_ms, capability_of, put_id,
+                     first_index)
+        return
+    replicas = response.replicas
+    for placements in replicas_per_key:
+        _add_replicas(replicas, placements, expiry_ms, capability_of, put_id)
+
+
 def _add_columns(columns: Any, replicas_per_key: Iterable[Sequence[Extent]], expiry_ms: int,
                  capability_of: Callable[[Extent], bytes], put_id: int,
                  first_index: int) -> None:
@@ -277,13 +291,8 @@ def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_
     """One status and signed replica list per key (capabilities of put ``put_id``), as
     ``Columns`` when asked for (``first_index``: where these keys start in the batch)."""
     response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
-    if columns:
-        _add_columns(response.columns, (placements for _, placements in results), expiry_ms,
-                     capability_of, put_id, first_index)
-        return response
-    replicas = response.replicas
-    for _, placements in results:
-        _add_replicas(replicas, placements, expiry_ms, capability_of, put_id)
+    _add_all_replicas(response, (placements for _, placements in results), expiry_ms,
+                      capability_of, put_id, columns, first_index)
     return response
 
 
@@ -320,13 +329,8 @@ def encode_get_replicas(results: Sequence[ReadResult[Extent]], lease_ttl_s: floa
         sizes_bytes=[r.size_bytes for r in results],
         checksums=[r.checksum for r in results],
         lease_ttl_ms=round(lease_ttl_s * 1000), lease_id=lease_id)
-    if columns:
-        _add_columns(response.columns, (r.placements for r in results), expiry_ms,
-                     capability_of, 0, first_index)
-        return response
-    replicas = response.replicas
-    for r in results:
-        _add_replicas(replicas, r.placements, expiry_ms, capability_of)
+    _add_all_replicas(response, (r.placements for r in results), expiry_ms, capability_of, 0,
+                      columns, first_index)
     return response
 
 

@@ -61,7 +61,7 @@ class _Pass:
         self.scan_index = 0
         self.skipped: list[ObjectEntry] = []
         self.max_victims = max_victims
-        self.left_to_scan = max(max_victims, 1) * (MAX_SCANNED // MAX_VICTIMS)
+        self.left_to_scan = MAX_SCANNED
 
     @property
     def cut(self) -> bool:
