@@ -10,6 +10,7 @@ the longest single step of a table under churn, and of a full pool under put/get
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000   # memory, restore
+    .venv/bin/python benchmarks/master_core.py --churn-objects 1000000     # a full pool churns
 
 Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica. Reads are
 measured twice: keys drawn at random from the whole table (each lookup misses the CPU caches,
@@ -420,7 +421,12 @@ def main() -> None:
     parser.add_argument("--memory-objects", type=int, default=0, metavar="N",
                         help="only memory, eviction and persistence, at N objects (10 M: "
                              "about 5 minutes and 9 GiB of memory)")
+    parser.add_argument("--churn-objects", type=int, default=0, metavar="N",
+                        help="only the churn of a full pool of N objects")
     args = parser.parse_args()
+    if args.churn_objects:
+        bench_churn_steps(args.churn_objects)
+        return
     if args.memory_objects:
         bench_memory_and_eviction(args.memory_objects)
         return
