@@ -265,8 +265,8 @@ OPTIONS: tuple[Option, ...] = (
            "last snapshot, so a big index is not rewritten every few MiB of change "
            "(default 0.25; 0: the size alone decides)", "RATIO"),
     Option("restore_grace", "restore_grace_s", _float(0.0, 24 * HOUR_S),
-           "seconds restored segments have to be remounted before their objects are dropped "
-           "(default 60)", "SECONDS"),
+           "seconds restored segments have to be remounted before their objects are dropped, "
+           "counted from the end of the restore (default 60)", "SECONDS"),
     Option("tls_cert", "tls_cert", _text, "PEM certificate: serve TLS on both ports", "FILE"),
     Option("tls_key", "tls_key", _text, "PEM private key of --tls-cert", "FILE"),
     Option("tls_ca", "tls_ca", _text, "PEM CA bundle: require client certificates (mutual TLS)",

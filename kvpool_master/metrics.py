@@ -79,6 +79,10 @@ class MasterMetrics:
             "kvpool_restore_conflicting_objects",
             "Objects the last restore dropped because their extents overlapped another's",
             registry=r)
+        self._restore_seconds = Gauge(
+            "kvpool_restore_seconds",
+            "How long this master's start took to restore the index from --state-dir (the "
+            "restore grace counts from its end)", registry=r)
         self._store: Any = None
         self.registry.register(_CoreCollector(core, clock, master_id))
         self.registry.register(_CompactionCollector(lambda: self._store))
@@ -112,14 +116,16 @@ class MasterMetrics:
         """Export the lingers of ``poller`` (a busypoll.BusyPoller)."""
         self.registry.register(_BusyPollCollector(poller))
 
-    def watch_store(self, store: Any, report: Any = None) -> None:
-        """Export the size and health of the state log of ``store`` (a persist.StateStore)
-        and what its restore (``report``, a persist.RestoreReport) dropped for conflicts."""
+    def watch_store(self, store: Any, report: Any = None, restore_s: float = 0.0) -> None:
+        """Export the size and health of the state log of ``store`` (a persist.StateStore),
+        what its restore (``report``, a persist.RestoreReport) dropped for conflicts and how
+        long it took."""
         self._store = store
         self._state_log_bytes.set_function(lambda: store.log_bytes)
         self._state_read_only.set_function(lambda: 0 if store.healthy else 1)
         if report is not None:
             self._restore_conflicts.set(report.num_conflicting_objects)
+        self._restore_seconds.set(restore_s)
 
     def unhealthy_reason(self) -> str:
         """Why /healthz answers 503 ("" when healthy)."""

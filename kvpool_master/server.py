@@ -253,16 +253,19 @@ class MasterServer:
                                 compact_log_bytes=self.config.state_compact_bytes,
                                 compact_log_ratio=self.config.state_compact_ratio,
                                 background=True)
+        log.info("restoring the index from %s", self.config.state_dir)
+        started_s = time.perf_counter()
         report = self.store.load(self.core, self.clock.now())
-        log.info("restored from %s: %d clients, %d segments, %d objects (%d log records, "
-                 "%d rows dropped, %d objects dropped for overlapping extents, %d torn log "
-                 "bytes cut); segments have %g s to be remounted, their free space is held "
-                 "back for %g s", self.config.state_dir, report.num_clients,
-                 report.num_segments, report.num_objects, report.num_log_records,
-                 report.num_dropped_rows, report.num_conflicting_objects,
-                 report.truncated_log_bytes, self.config.restore_grace_s,
-                 self.config.write_capability_ttl_s)
-        self.metrics.watch_store(self.store, report)
+        restore_s = time.perf_counter() - started_s
+        log.info("restored from %s in %.1f s: %d clients, %d segments, %d objects (%d log "
+                 "records, %d rows dropped, %d objects dropped for overlapping extents, %d "
+                 "torn log bytes cut); segments have %g s from now to be remounted, their "
+                 "free space is held back for %g s", self.config.state_dir, restore_s,
+                 report.num_clients, report.num_segments, report.num_objects,
+                 report.num_log_records, report.num_dropped_rows,
+                 report.num_conflicting_objects, report.truncated_log_bytes,
+                 self.config.restore_grace_s, self.config.write_capability_ttl_s)
+        self.metrics.watch_store(self.store, report, restore_s)
 
     @staticmethod
     def _master_id(config: MasterConfig) -> str:

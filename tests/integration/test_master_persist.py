@@ -3,21 +3,28 @@ their objects, segments not back within the grace period lose theirs; a torn log
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from token_stub import TokenStub
 
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.persist import StateStore
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire._pb import kvpool_pb2_grpc as pb_grpc
+from kvpool_wire.capability import client_token
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
 
 GRACE_S = 2.0
 
 
-def _segment(client_id: str, index: int) -> pb.SegmentDescriptor:
+def _segment(client_id: str, index: int, size_bytes: int = 1 << 20) -> pb.SegmentDescriptor:
     return pb.SegmentDescriptor(segment_id=f"{client_id}/{index}", client_id=client_id,
-                                size_bytes=1 << 20, host_id="h", shm_name=f"/s-{index}")
+                                size_bytes=size_bytes, host_id="h", shm_name=f"/s-{index}")
 
 
 def _view(stub: pb_grpc.MasterStub, keys: list[bytes]) -> list[tuple]:
@@ -93,6 +100,60 @@ def test_restart_restores_remounted_segments_and_drops_the_rest(start_master,
         assert set(stub.Exist(pb.ExistRequest(keys=on_1)).statuses) == {pb.STATUS_NOT_FOUND}
         assert _view(stub, on_0) == before
     assert second.stop() == 0
+
+
+def _index_segment_bytes(num_objects: int) -> int:
+    return num_objects * 128   # 64-byte objects fill half of it: no eviction
+
+
+def _write_index(state: Path, num_objects: int) -> tuple[bytes, list[bytes]]:
+    """Write a state directory holding client c, its segment c/0 and ``num_objects`` READY
+    objects, as a master would have left it (built in this process, through the core)."""
+    key = bytes(range(32))
+    core = MasterCore(CoreConfig())
+    assert core.register_client(ClientId("c"), "h", key, 0.0)[0] == Status.OK
+    segment = _segment("c", 0, _index_segment_bytes(num_objects))
+    assert core.mount_segment(SegmentInfo(SegmentId(segment.segment_id), ClientId("c"),
+                                          segment.size_bytes, host_id="h",
+                                          shm_name=segment.shm_name), 0.0) == Status.OK
+    keys = [b"%020d" % i for i in range(num_objects)]
+    for start in range(0, num_objects, 10_000):
+        chunk: list[ObjectKey] = keys[start:start + 10_000]  # type: ignore[assignment]
+        assert {s for s, _ in core.put_start(ClientId("c"), chunk, [64] * len(chunk),
+                                              PutOptions(), 0.0)} == {Status.OK}
+        assert set(core.put_end(ClientId("c"), chunk, 0.0)) == {Status.OK}
+    store = StateStore(state, fsync="never")
+    store.load(MasterCore(CoreConfig()), 0.0)
+    store.compact(core)
+    store.close()
+    return key, keys
+
+
+def test_the_restore_grace_starts_once_the_master_serves(start_master, tmp_path: Path) -> None:
+    """An index whose restore takes longer than --restore-grace keeps the objects of an owner
+    that comes back within the grace after the master is up (the serving clock counts the
+    restore as a stall)."""
+    state = tmp_path / "state"
+    key, keys = _write_index(state, 600_000)
+    grace_s = 1.0
+    master = start_master(state_dir=str(state), restore_grace=grace_s, timeout_s=120)
+    restore_s = float(re.search(r"restored from \S+ in ([0-9.]+) s", master.log())[1])
+    assert restore_s > grace_s, "the restore was too quick to show anything"
+    exposition = urllib.request.urlopen(master.metrics_url + "/metrics", timeout=10).read()
+    exported_s = float(re.search(rb"^kvpool_restore_seconds (\S+)$", exposition, re.M)[1])
+    assert abs(exported_s - restore_s) < 0.06   # the log line rounds to 0.1 s
+    time.sleep(0.4 * grace_s)   # the master ticks (every 0.1 s) meanwhile
+    with grpc.insecure_channel(master.address) as channel:
+        stub = TokenStub(channel)
+        reply = stub.RegisterClient(pb.RegisterClientRequest(
+            client_id="c", host_id="h", client_token=client_token(key)))
+        assert reply.status == pb.STATUS_OK and reply.capability_key == key
+        segment = _segment("c", 0, _index_segment_bytes(len(keys)))
+        assert stub.MountSegment(pb.MountSegmentRequest(client_id="c", segment=segment)
+                                 ).status == pb.STATUS_OK
+        sample = keys[::10_000]
+        assert set(stub.Exist(pb.ExistRequest(keys=sample)).statuses) == {pb.STATUS_OK}
+    assert master.stop() == 0
 
 
 def test_torn_log_tail_is_cut_and_the_master_serves(start_master, tmp_path: Path) -> None:
