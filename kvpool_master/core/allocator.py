@@ -61,6 +61,15 @@ class Allocator:
                                             for offset, size in used])
 
     @classmethod
+    def from_columns(cls, size_bytes: int, offsets: Iterable[int],
+                     sizes_bytes: Iterable[int]) -> Allocator:
+        """Like ``from_used`` with the extents' offsets and aligned sizes as two columns (a
+        restore keeps them as machine words until it builds the allocator)."""
+        return cls.from_packed(size_bytes, list(map(
+            operator.or_, map(operator.lshift, offsets, itertools.repeat(OFFSET_BITS)),
+            sizes_bytes)))
+
+    @classmethod
     def from_packed(cls, size_bytes: int, packed: list[int]) -> Allocator:
         """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size`` (sorted
         in place): how a restore rebuilds a segment's allocator from its objects."""

@@ -20,11 +20,12 @@ Rules of this file:
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS, Allocator, aligned
+from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
@@ -144,7 +145,11 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
             dropped += 1
             continue
         infos[info.segment_id] = info
-    segment_to_packed: dict[SegmentId, list[int]] = {s: [] for s in infos}
+    # Each segment's extents as two columns of machine words until its allocator is built:
+    # ints made here for every object, between the entries that stay, would leave the
+    # process's memory fragmented for good (about 40 bytes an object)
+    segment_to_offsets: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
+    segment_to_sizes: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
     segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
     mask = _ALIGN_MASK
@@ -156,10 +161,12 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         for entry in added:
             key = entry.key
             extent_bytes = (entry.size_bytes + mask) & ~mask
-            segment_to_packed[entry.segment_id].append(entry.offset << OFFSET_BITS | extent_bytes)
+            segment_to_offsets[entry.segment_id].append(entry.offset)
+            segment_to_sizes[entry.segment_id].append(extent_bytes)
             segment_to_keys[entry.segment_id].append(key)
             for p in entry.more:
-                segment_to_packed[p.segment_id].append(p.offset << OFFSET_BITS | extent_bytes)
+                segment_to_offsets[p.segment_id].append(p.offset)
+                segment_to_sizes[p.segment_id].append(extent_bytes)
                 segment_to_keys[p.segment_id].append(key)
         return len(chunk) - len(added)
 
@@ -176,8 +183,11 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
             chunk = []
     dropped += add(chunk)
     try:
-        allocators = {s: Allocator.from_packed(infos[s].size_bytes, packed)
-                      for s, packed in segment_to_packed.items()}
+        allocators = {}
+        for s in infos:   # one segment's packed extents alive at a time
+            allocators[s] = Allocator.from_columns(infos[s].size_bytes,
+                                                   segment_to_offsets.pop(s),
+                                                   segment_to_sizes.pop(s))
     except ValueError:
         # Overlapping extents: an index that lost a change. Drop every object in an overlap,
         # then rebuild (the slow path; a whole log never takes it).

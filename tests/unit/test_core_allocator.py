@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -148,6 +149,14 @@ def test_from_used_rebuilds_the_same_free_space() -> None:
     assert rebuilt.used_bytes == allocator.used_bytes
     with pytest.raises(ValueError):
         Allocator.from_used(SEGMENT, [(0, 128), (64, 64)])
+    # the columns a restore keeps (machine words, in any order) rebuild it the same
+    offsets = array("Q", reversed(live))
+    sizes = array("Q", (aligned(live[o]) for o in reversed(live)))
+    from_columns = Allocator.from_columns(SEGMENT, offsets, sizes)
+    assert from_columns.free_extents() == allocator.free_extents()
+    assert from_columns.num_extents == len(live)
+    with pytest.raises(ValueError):
+        Allocator.from_columns(SEGMENT, array("Q", [0, 64]), array("Q", [128, 64]))
 
 
 def test_fragmentation_on_a_kv_like_workload() -> None:
