@@ -1,12 +1,15 @@
-"""deploy/ stays true: alert rules parse, and every metric they and the dashboard use is served."""
+"""deploy/ stays true: alert rules parse, every metric they and the dashboard use is served, and
+the container recipe installs a master that starts."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -68,3 +71,48 @@ def test_every_metric_used_by_deploy_is_served(master: Any) -> None:
     served = _served_names(master.metrics_url)
     missing = sorted(name for name in _used_names() if name not in served)
     assert not missing, f"deploy/ uses metrics the master does not serve: {missing}"
+
+
+def _copy_like_containerfile(containerfile: Path, into: Path) -> None:
+    """Copy what the Containerfile's COPY lines copy (sources relative to the repository,
+    destinations relative to its WORKDIR) into ``into``."""
+    for line in containerfile.read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, destination = line.split()[1:]
+        for source in sources:
+            target = into / destination
+            if destination.endswith("/"):
+                target = target / Path(source).name
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, target,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / source, target)
+
+
+def test_the_container_image_installs_a_master_that_starts(tmp_path: Path) -> None:
+    """What the Containerfile copies is all that `pip install .` there gets: installed from
+    exactly that (no network: the dependencies come from this environment), the master and
+    the client import, the master without anything of this checkout on its path."""
+    source = tmp_path / "src"
+    _copy_like_containerfile(DEPLOY / "container" / "Containerfile", source)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(site), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    paths = sysconfig.get_paths()
+    # -S: no site module, so no .pth file puts this checkout's editable install on the path
+    env = {"PYTHONPATH": os.pathsep.join([str(site), paths["purelib"], paths["platlib"]]),
+           "PATH": os.environ.get("PATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-S", "-c",
+         "import kvpool_master.cli, kvpool_client.client, kvpool_wire, sys;"
+         "assert all(m.__file__.startswith(sys.argv[1]) for m in "
+         "(kvpool_master.cli, kvpool_client.client, kvpool_wire))", str(site)],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-S", "-m", "kvpool_master.cli", "--help"],
+                            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0 and "--state-dir" in result.stdout, result.stderr[-2000:]
