@@ -54,6 +54,11 @@ DEFAULT_SSD_PER_DRAM = 4
 #: Environment variables that override one key of the file, as Mooncake's clients read them.
 ENV_OVERRIDES: dict[str, str] = {
     "MOONCAKE_MASTER": "master_server_address",
+    # set per pod or node (Kubernetes: the pod IP from the downward API), where a file shared
+    # by every worker cannot say it
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_DEVICE": "device_name",
     "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_PROTOCOL": "protocol",

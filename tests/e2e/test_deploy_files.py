@@ -116,3 +116,35 @@ def test_the_container_image_installs_a_master_that_starts(tmp_path: Path) -> No
     result = subprocess.run([sys.executable, "-S", "-m", "kvpool_master.cli", "--help"],
                             env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0 and "--state-dir" in result.stdout, result.stderr[-2000:]
+
+
+def _manifest_documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_every_shipped_config_is_accepted_as_it_stands(tmp_path: Path) -> None:
+    """The example master config, the master ConfigMap and the workers' client ConfigMap load
+    through the loaders the master and the clients use; nothing in them waits for an
+    expansion that no one does (Kubernetes expands nothing inside a ConfigMap)."""
+    from kvpool_client.config import ClientConfig
+    from kvpool_master.config import resolve
+
+    master_files = [DEPLOY / "master.example.yaml"]
+    for doc in _manifest_documents(DEPLOY / "kubernetes" / "kvpool-master.yaml"):
+        if doc["kind"] == "ConfigMap":
+            copy = tmp_path / "master.yaml"
+            copy.write_text(doc["data"]["master.yaml"])
+            master_files.append(copy)
+    assert len(master_files) == 2
+    for path in master_files:
+        assert "${" not in path.read_text(), path
+        config = resolve({"config": str(path)}, {})
+        assert config.state_dir, path   # both keep the index across restarts
+    [client_map] = _manifest_documents(DEPLOY / "kubernetes" / "worker-client-config.yaml")
+    text = client_map["data"]["mooncake.json"]
+    assert "${" not in text
+    path = tmp_path / "mooncake.json"
+    path.write_text(text)
+    config = ClientConfig.from_file(path, environ={"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7"})
+    assert config.master_server_address == "kvpool-master:50051"
+    assert config.data_host == "10.0.0.7"

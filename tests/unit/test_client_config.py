@@ -219,7 +219,19 @@ def test_config_path_env_names_are_the_documented_ones() -> None:
     assert set(config_module.ENV_OVERRIDES) == {"MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                                                 "MOONCAKE_LOCAL_BUFFER_SIZE", "MOONCAKE_PROTOCOL",
                                                 "MC_STORE_USE_HUGEPAGE",
-                                                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"}
+                                                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+                                                "MOONCAKE_LOCAL_HOSTNAME",
+                                                "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_DEVICE"}
+
+
+def test_the_host_peers_reach_comes_from_the_environment(tmp_path: Path) -> None:
+    """One file for every worker; each pod's address from its environment."""
+    path = write(tmp_path, {**MINDIE_JSON, "local_hostname": "127.0.0.1"})
+    config = ClientConfig.from_file(path, environ={"MOONCAKE_LOCAL_HOSTNAME": "10.1.2.3",
+                                                   "MOONCAKE_DEVICE": "mlx5_0"})
+    assert (config.local_hostname, config.data_host, config.device_name) == \
+        ("10.1.2.3", "10.1.2.3", "mlx5_0")
+    assert ClientConfig.from_file(path, environ={}).local_hostname == "127.0.0.1"
 
 
 def test_huge_pages_and_populate_keys(tmp_path: Path) -> None:
