@@ -65,6 +65,10 @@ def test_alert_rules_pass_promtool() -> None:
     result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    # the scrape config, with the rule file it names
+    result = subprocess.run([promtool, "check", "config", "scrape.yaml"], capture_output=True,
+                            text=True, cwd=DEPLOY / "prometheus")
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_metric_used_by_deploy_is_served(master: Any) -> None:
