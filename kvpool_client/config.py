@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import json
 import logging
 import math
@@ -238,6 +239,19 @@ class ClientConfig:
             return host.strip("[]")
         return self.local_hostname.strip("[]")
 
+    def unreachable_by_peers(self) -> str:
+        """Why workers on other hosts could not reach this worker's segments ("" when they
+        can, as far as the config tells): ``local_hostname`` is a loopback address while the
+        master is not on this host. The data server binds to that address and the master
+        hands it out as this worker's endpoint."""
+        master_host = self.master_server_address.rpartition(":")[0].strip("[]")
+        if _loopback(self.data_host) and master_host and not _loopback(master_host):
+            return (f"local_hostname {self.local_hostname!r} is a loopback address while the "
+                    f"master is at {self.master_server_address}: workers on other hosts cannot "
+                    "reach this worker's segments over TCP; set local_hostname (or "
+                    "MOONCAKE_LOCAL_HOSTNAME) to an address they can reach")
+        return ""
+
     def _check_combination(self, source: str) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError(f"{source}: keys 'tls_cert' and 'tls_key' must be given together "
@@ -433,6 +447,16 @@ def env_overrides(environ: Mapping[str, str] | None = None,
                 raise ConfigError(f"environment variable {name} (overrides key {key!r}): "
                                   f"{exc}") from None
     return overrides
+
+
+def _loopback(host: str) -> bool:
+    """``host`` names this machine only (``localhost`` or a loopback address)."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False   # a name: it may well resolve to an address peers reach
 
 
 def _with_env_overrides(values: dict[str, Any], environ: Mapping[str, str] | None,

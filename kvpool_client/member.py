@@ -315,6 +315,9 @@ def _serve(config: ClientConfig, segments: dict[str, LocalSegment | SsdSegment],
     key for this client is installed."""
     if not segments:
         return None
+    unreachable = config.unreachable_by_peers()
+    if unreachable:
+        logger.warning("%s", unreachable)
     server = DataServer(segments, secrets.token_bytes(32), host=config.data_host,
                         frame_timeout_s=config.transfer_timeout_s,
                         clock=lambda: session.clock,

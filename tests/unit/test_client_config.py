@@ -253,3 +253,20 @@ def test_vllm_ascend_mooncake_json_is_accepted() -> None:
         "enable_ssd_offload": False, "ssd_offload_path": "/tmp/x"})
     assert config.preferred_segment == ""
     assert config.global_segment_size == 1 << 30
+
+
+@pytest.mark.parametrize(("local", "master", "unreachable"), [
+    ("127.0.0.1", "10.0.0.1:50051", True),
+    ("localhost:8790", "kvpool-master:50051", True),
+    ("[::1]:8790", "[2001:db8::1]:50051", True),
+    ("127.0.0.1", "127.0.0.1:50051", False),        # everything on one host
+    ("10.0.0.7", "10.0.0.1:50051", False),
+    ("node7", "kvpool-master:50051", False),        # a name: it may resolve anywhere
+])
+def test_a_loopback_address_with_a_remote_master_is_named(local: str, master: str,
+                                                          unreachable: bool) -> None:
+    config = ClientConfig(local_hostname=local, master_server_address=master)
+    reason = config.unreachable_by_peers()
+    assert bool(reason) == unreachable
+    if unreachable:
+        assert "MOONCAKE_LOCAL_HOSTNAME" in reason and master in reason
