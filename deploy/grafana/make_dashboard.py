@@ -48,10 +48,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("histogram_quantile(0.999, sum by (le) "
          "(rate(kvpool_master_loop_lag_seconds_bucket[5m])))", "p99.9"),
         ("kvpool_master_loop_lag_max_seconds", "longest since start")]),
-    ("State log compactions", "s", [
+    ("State log: compactions, restore", "s", [
         ("kvpool_state_last_compaction_seconds", "last compaction, start to swap"),
         ("kvpool_state_last_compaction_longest_step_seconds", "its longest step"),
-        ("increase(kvpool_state_compactions_total[1h])", "compactions in the last hour")]),
+        ("increase(kvpool_state_compactions_total[1h])", "compactions in the last hour"),
+        ("kvpool_restore_seconds", "restore at the master's last start")]),
 ]
 
 
