@@ -117,7 +117,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -270,8 +270,10 @@ class StateStore:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def load(self, core: MasterCore, now: float) -> RestoreReport:
-        """Restore the saved index into the fresh ``core`` and open the log for appending.
+    def load(self, core: MasterCore, now: float,
+             on_rows: Callable[[int], None] | None = None) -> RestoreReport:
+        """Restore the saved index into the fresh ``core`` and open the log for appending;
+        ``on_rows(n)`` as each record of ``n`` snapshot rows is read (progress).
 
         Returns what was restored. A missing directory or files mean an empty index.
         """
@@ -308,7 +310,7 @@ class StateStore:
         for record in log_records:
             overlay.apply(record)
         try:
-            snapshot_rows = (read_snapshot_objects(snapshot_file, warnings)
+            snapshot_rows = (read_snapshot_objects(snapshot_file, warnings, on_rows)
                              if snapshot_file is not None else iter(()))
             counts = core.restore(Snapshot(list(overlay.clients.values()),
                                            list(overlay.segments.values()),

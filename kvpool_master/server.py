@@ -52,6 +52,8 @@ log = logging.getLogger("kvpool.master")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Master"].full_name
 TICK_INTERVAL_S = 0.1
+#: How often a long restore logs how far it has read.
+RESTORE_PROGRESS_EVERY_S = 5.0
 STATE_FSYNC_INTERVAL_S = 0.05
 MASTER_ID_NAME = "master_id"
 STALL_THRESHOLD_S = 0.5
@@ -79,6 +81,25 @@ def core_config(config: MasterConfig) -> CoreConfig:
         ssd_promote_after_hits=config.ssd_promote_after_hits,
         copy_task_ttl_s=config.copy_task_ttl_s,
     )
+
+
+class _RestoreProgress:
+    """Logs how far a long restore has read, every ``every_s`` seconds (a restore of ten
+    million objects takes tens of seconds, before the master listens)."""
+
+    def __init__(self, started_s: float, every_s: float) -> None:
+        self._started_s = started_s
+        self._every_s = every_s
+        self._next_s = started_s + every_s
+        self._rows = 0
+
+    def __call__(self, num_rows: int) -> None:
+        self._rows += num_rows
+        now_s = time.perf_counter()
+        if now_s >= self._next_s:
+            self._next_s = now_s + self._every_s
+            log.info("restoring: %d objects of the snapshot read in %.0f s", self._rows,
+                     now_s - self._started_s)
 
 
 class MasterServer:
@@ -255,7 +276,8 @@ class MasterServer:
                                 background=True)
         log.info("restoring the index from %s", self.config.state_dir)
         started_s = time.perf_counter()
-        report = self.store.load(self.core, self.clock.now())
+        report = self.store.load(self.core, self.clock.now(),
+                                 _RestoreProgress(started_s, RESTORE_PROGRESS_EVERY_S))
         restore_s = time.perf_counter() - started_s
         log.info("restored from %s in %.1f s: %d clients, %d segments, %d objects (%d log "
                  "records, %d rows dropped, %d objects dropped for overlapping extents, %d "

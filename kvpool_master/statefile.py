@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, BinaryIO
 
@@ -157,7 +157,11 @@ def read_snapshot_tail(f: BinaryIO, warnings: list[str]) -> list[list[Any]]:
     return records
 
 
-def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence[Any]]:
+def read_snapshot_objects(f: BinaryIO, warnings: list[str],
+                          on_rows: Callable[[int], None] | None = None
+                          ) -> Iterator[Sequence[Any]]:
+    """The object rows of the snapshot open in ``f``, a record at a time; ``on_rows(n)``
+    (when given) as each record of ``n`` rows is read."""
     while True:
         try:
             record = read_frame(f)
@@ -169,6 +173,8 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str]) -> Iterator[Sequence
         if not isinstance(record, list):
             warnings.append("snapshot: malformed object chunk; objects after it are lost")
             return
+        if on_rows is not None:
+            on_rows(len(record))
         yield from record
 
 

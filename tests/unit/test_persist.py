@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
+from kvpool_master.server import _RestoreProgress
 from kvpool_master.statefile import Overlay, event_row
 from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
@@ -252,6 +255,25 @@ def test_a_crash_between_snapshot_and_new_log_keeps_the_snapshot(tmp_path: Path)
     restored = MasterCore(CONFIG)
     report = StateStore(tmp_path).load(restored, 100.0)
     assert report.num_log_records == 0 and report.num_objects == 20
+
+
+def test_a_restore_tells_its_progress_as_it_reads_the_snapshot(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    store.compact(core)
+    store.close()
+    read: list[int] = []
+    report = StateStore(tmp_path).load(MasterCore(CONFIG), 100.0, read.append)
+    assert read and sum(read) == report.num_objects == 20
+    # the master logs it (every few seconds; here every call)
+    progress = _RestoreProgress(time.perf_counter(), 0.0)
+    with caplog.at_level(logging.INFO, logger="kvpool.master"):
+        progress(2048)
+        progress(2048)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+        "restoring: 2048 objects of the snapshot read",
+        "restoring: 4096 objects of the snapshot read"]
 
 
 def test_corrupt_snapshot_is_set_aside_and_the_log_still_applies(tmp_path: Path) -> None:
