@@ -29,9 +29,9 @@ from kvpool_client.rpc.endpoints import (
     split_address,
     ssl_context,
 )
-from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig
+from kvpool_client.rpc.session import NO_LEAN, After, MasterCalls, MasterSession, TlsConfig
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.calls import Call, RegisterAnswer
+from kvpool_wire.calls import Call
 from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
 from kvpool_wire.methods import DEFAULT_MAX_MESSAGE_BYTES, METHOD_AUTH, METHOD_ERROR, RpcMethod
 from kvpool_wire.status import KVPoolError, Status
@@ -212,6 +212,7 @@ class MasterRpc(MasterCalls):
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._channel: grpc.aio.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
+        self._followed = NO_LEAN  # the session's lean endpoints these fields follow
         self._fast_port = 0
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._master_pid = 0
@@ -232,11 +233,15 @@ class MasterRpc(MasterCalls):
 
     # -- transport plumbing -----------------------------------------------------------------------
 
-    def _learn_fast_path(self, answer: RegisterAnswer) -> None:
-        if (answer.fast_port, answer.fast_socket) != (self._fast_port, self._fast_socket):
-            self._fast_port = answer.fast_port
-            self._fast_socket = answer.fast_socket
-            self._master_pid = answer.master_pid
+    def _follow_lean(self) -> None:
+        lean, followed = self.session.lean, self._followed
+        if lean is followed:
+            return
+        self._followed = lean
+        if (lean.port, lean.socket) != (followed.port, followed.socket):
+            self._fast_port = lean.port
+            self._fast_socket = lean.socket
+            self._master_pid = lean.master_pid
             if self._lean is not None:
                 self._lean.close()
                 self._lean = None
@@ -255,6 +260,8 @@ class MasterRpc(MasterCalls):
         return call
 
     def _lean_connection(self) -> _LeanConnection | None:
+        if self.session.lean is not self._followed:
+            self._follow_lean()
         if not (self._use_fast_path and self._fast_port) or self._closed:
             return None
         loop = asyncio.get_running_loop()

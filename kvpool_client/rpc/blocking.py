@@ -30,9 +30,9 @@ from kvpool_client.rpc.endpoints import (
     split_address,
 )
 from kvpool_client.rpc.lean_blocking import BlockingLeanConnection
-from kvpool_client.rpc.session import After, MasterCalls, MasterSession, TlsConfig
+from kvpool_client.rpc.session import NO_LEAN, After, MasterCalls, MasterSession, TlsConfig
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.calls import Call, RegisterAnswer
+from kvpool_wire.calls import Call
 from kvpool_wire.methods import DEFAULT_MAX_MESSAGE_BYTES, METHOD_AUTH, RpcMethod
 from kvpool_wire.status import KVPoolError, Status
 
@@ -61,6 +61,7 @@ class BlockingMasterRpc(MasterCalls):
         self._idle: list[BlockingLeanConnection] = []
         self._channel: grpc.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
+        self._followed = NO_LEAN  # the session's lean endpoints these fields follow
         self._fast_port = 0
         self._fast_socket = ""
         self._master_pid = 0
@@ -72,13 +73,17 @@ class BlockingMasterRpc(MasterCalls):
         """The master's gRPC address."""
         return self._address
 
-    def _learn_fast_path(self, answer: RegisterAnswer) -> None:
+    def _follow_lean(self) -> None:
         with self._lock:
-            if (answer.fast_port, answer.fast_socket) == (self._fast_port, self._fast_socket):
+            lean, followed = self.session.lean, self._followed
+            if lean is followed:
                 return
-            self._fast_port = answer.fast_port
-            self._fast_socket = answer.fast_socket
-            self._master_pid = answer.master_pid
+            self._followed = lean
+            if (lean.port, lean.socket) == (followed.port, followed.socket):
+                return
+            self._fast_port = lean.port
+            self._fast_socket = lean.socket
+            self._master_pid = lean.master_pid
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
@@ -115,6 +120,8 @@ class BlockingMasterRpc(MasterCalls):
     def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
         if self._closed:
             raise KVPoolError(Status.RPC_FAILED, "the stub is closed")
+        if self.session.lean is not self._followed:
+            self._follow_lean()
         if self._use_fast_path and self._fast_port and time.monotonic() >= self._lean_retry_at:
             conn = self._checkout(deadline - time.monotonic())
             try:

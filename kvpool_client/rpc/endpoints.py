@@ -23,6 +23,10 @@ from kvpool_wire.status import KVPoolError, Status
 
 #: After the lean port could not be reached, calls use gRPC for this long before trying again.
 LEAN_RETRY_AFTER_S = 1.0
+#: gRPC reconnects to a master that went away: first after this, then backing off to at most
+#: the next (see ``grpc_channel_args``).
+INITIAL_RECONNECT_BACKOFF_MS = 250
+MAX_RECONNECT_BACKOFF_MS = 2000
 MAX_ATTEMPTS = 3
 _RETRY_STATUSES = frozenset({Status.RPC_FAILED, Status.RESOURCE_EXHAUSTED})
 
@@ -71,9 +75,16 @@ def ssl_context(tls: TlsConfig) -> ssl.SSLContext:
 
 def grpc_channel_args(tls: TlsConfig | None, max_message_bytes: int
                       ) -> tuple[Any, list[tuple[str, int]]]:
-    """(channel credentials, or None for an insecure channel; channel options)."""
+    """(channel credentials, or None for an insecure channel; channel options).
+
+    Reconnects back off to at most ``MAX_RECONNECT_BACKOFF_MS``: gRPC's own ceiling is two
+    minutes, and after the master was away (a restart restoring millions of objects takes
+    tens of seconds) a client would come back only that much later, past the grace its
+    restored segments have to be remounted in."""
     options = [("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.max_receive_message_length", max_message_bytes)]
+               ("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+               ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
     if tls is None:
         return None, options
     ca, key, cert = (Path(p).read_bytes() if p else None

@@ -7,7 +7,9 @@ Rules of this file:
   requests and the reading of answers come from ``kvpool_wire.calls``.
 - Identity: a ``MasterSession`` (shared by every stub of one client) holds the token the last
   registration returned, which every client-scoped call presents and a re-registration proves
-  itself with, and the best known sample of the master's capability clock.
+  itself with, the best known sample of the master's capability clock, and the master's lean
+  endpoints that registration advertised (every stub of the session follows them, so a stub
+  that never registers, such as the heartbeat's, still calls over the lean framing).
 - Batches of any length (keys, or segment ids for ``get_segments``): a batch longer than the
   master's ``max_batch_keys`` (learnt at registration) goes as several calls of at most that
   many keys, whose answers are joined in key order. The master decodes a call's request
@@ -51,16 +53,34 @@ class Registration:
     clock: MasterClock = MasterClock(0, 0, 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class LeanEndpoints:
+    """Where the master serves the lean framing, as a registration answer said: its port, its
+    abstract Unix socket ("" for none) and the pid that socket must belong to."""
+
+    port: int = 0
+    socket: str = ""
+    master_pid: int = 0
+
+
+#: Before any registration: calls go over gRPC.
+NO_LEAN = LeanEndpoints()
+
+
 class MasterSession:
     """One client's standing with the master, shared by all of its stubs: the token of its
     latest registration and the best known sample of the master's capability clock (see
     ``kvpool_wire.capability``). ``token`` and ``clock`` are replaced whole, never mutated;
     the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
-    __slots__ = ("token", "clock", "max_call_keys", "_ended", "_ended_lock", "on_copy_tasks")
+    __slots__ = ("token", "clock", "max_call_keys", "lean", "_ended", "_ended_lock",
+                 "on_copy_tasks")
 
     def __init__(self) -> None:
         self.token = b""
+        #: the master's lean endpoints, from the latest registration answer of any stub: every
+        #: stub of the session follows them (the heartbeat stub never registers itself)
+        self.lean = NO_LEAN
         #: the most keys one call carries: the master's max_batch_keys once a registration
         #: said it
         self.max_call_keys = DEFAULT_MAX_CALL_KEYS
@@ -140,8 +160,8 @@ class MasterCalls:
             return [(0, num_keys)]
         return [(start, min(start + most, num_keys)) for start in range(0, num_keys, most)]
 
-    def _learn_fast_path(self, answer: RegisterAnswer) -> None:
-        """The master advertised (maybe new) lean-framing endpoints."""
+    def _follow_lean(self) -> None:
+        """Use the session's lean endpoints (``session.lean``, maybe new) from now on."""
 
     # -- clients and segments ---------------------------------------------------------------------
 
@@ -161,7 +181,8 @@ class MasterCalls:
         self.session.learn_clock(clock)
         if answer.max_batch_keys:
             self.session.max_call_keys = answer.max_batch_keys
-        self._learn_fast_path(answer)
+        self.session.lean = LeanEndpoints(answer.fast_port, answer.fast_socket, answer.master_pid)
+        self._follow_lean()
         return Registration(answer.client_ttl_ms / 1000, answer.capability_key, answer.master_id,
                             answer.default_lease_ttl_ms / 1000, answer.fast_port,
                             answer.client_token, clock)
