@@ -183,7 +183,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
             chunk = []
     dropped += add(chunk)
     try:
-        allocators = {}
+        allocators: dict[SegmentId, Allocator] = {}
         for s in infos:   # one segment's packed extents alive at a time
             allocators[s] = Allocator.from_columns(infos[s].size_bytes,
                                                    segment_to_offsets.pop(s),
