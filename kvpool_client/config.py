@@ -241,12 +241,12 @@ class ClientConfig:
 
     def unreachable_by_peers(self) -> str:
         """Why workers on other hosts could not reach this worker's segments ("" when they
-        can, as far as the config tells): ``local_hostname`` is a loopback address while the
-        master is not on this host. The data server binds to that address and the master
+        can, as far as the config tells): ``local_hostname`` names this host only (a loopback
+        or the unspecified address) while the master is not on this host. The data server binds to that address and the master
         hands it out as this worker's endpoint."""
         master_host = self.master_server_address.rpartition(":")[0].strip("[]")
         if _loopback(self.data_host) and master_host and not _loopback(master_host):
-            return (f"local_hostname {self.local_hostname!r} is a loopback address while the "
+            return (f"local_hostname {self.local_hostname!r} names this host only while the "
                     f"master is at {self.master_server_address}: workers on other hosts cannot "
                     "reach this worker's segments over TCP; set local_hostname (or "
                     "MOONCAKE_LOCAL_HOSTNAME) to an address they can reach")
@@ -450,13 +450,16 @@ def env_overrides(environ: Mapping[str, str] | None = None,
 
 
 def _loopback(host: str) -> bool:
-    """``host`` names this machine only (``localhost`` or a loopback address)."""
+    """``host`` reaches this machine only from itself: ``localhost``, a loopback address, or
+    the unspecified one (``0.0.0.0``, ``::``: bound, it serves every address, but handed to a
+    peer it names the peer's own machine)."""
     if host.lower() in ("localhost", "localhost.localdomain"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False   # a name: it may well resolve to an address peers reach
+    return address.is_loopback or address.is_unspecified
 
 
 def _with_env_overrides(values: dict[str, Any], environ: Mapping[str, str] | None,

@@ -259,6 +259,7 @@ def test_vllm_ascend_mooncake_json_is_accepted() -> None:
     ("127.0.0.1", "10.0.0.1:50051", True),
     ("localhost:8790", "kvpool-master:50051", True),
     ("[::1]:8790", "[2001:db8::1]:50051", True),
+    ("0.0.0.0", "10.0.0.1:50051", True),            # handed to a peer: the peer itself
     ("127.0.0.1", "127.0.0.1:50051", False),        # everything on one host
     ("10.0.0.7", "10.0.0.1:50051", False),
     ("node7", "kvpool-master:50051", False),        # a name: it may resolve anywhere
