@@ -242,8 +242,8 @@ class ClientConfig:
     def unreachable_by_peers(self) -> str:
         """Why workers on other hosts could not reach this worker's segments ("" when they
         can, as far as the config tells): ``local_hostname`` names this host only (a loopback
-        or the unspecified address) while the master is not on this host. The data server binds to that address and the master
-        hands it out as this worker's endpoint."""
+        or the unspecified address) while the master is not on this host. The data server
+        binds to that address and the master hands it out as this worker's endpoint."""
         master_host = self.master_server_address.rpartition(":")[0].strip("[]")
         if _loopback(self.data_host) and master_host and not _loopback(master_host):
             return (f"local_hostname {self.local_hostname!r} names this host only while the "
