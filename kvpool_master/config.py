@@ -55,7 +55,7 @@ class MasterConfig:
     copy_task_ttl_s: float = 30.0
     max_key_bytes: int = MAX_KEY_BYTES
     max_message_bytes: int = 256 * 2**20
-    max_connections: int = 4096
+    max_connections: int = 16384
     max_connections_per_peer: int = 256
     auth_timeout_s: float = 5.0
     max_inflight_requests: int = 4096
@@ -237,7 +237,8 @@ OPTIONS: tuple[Option, ...] = (
            "largest request or answer on either port, e.g. 256mb (default 256 MiB: a batch of "
            "100k keys of 1 KiB fits)", "BYTES"),
     Option("max_connections", "max_connections", _int(1, 1_000_000),
-           "most open lean-framing connections; more are refused (default 4096)", "N"),
+           "most open lean-framing connections; more are refused (default 16384: a client "
+           "keeps about three; the master raises its open-files limit to fit)", "N"),
     Option("max_connections_per_peer", "max_connections_per_peer", _int(1, 1_000_000),
            "most open lean-framing connections from one IP address; more are refused "
            "(the local Unix socket is not counted; default 256)", "N"),

@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import resource
 import signal
 import ssl
 import time
@@ -52,6 +53,9 @@ log = logging.getLogger("kvpool.master")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Master"].full_name
 TICK_INTERVAL_S = 0.1
+#: Open files the master needs besides its lean connections: gRPC connections, the state
+#: directory's files, the metrics endpoint's.
+FILES_BESIDE_CONNECTIONS = 1024
 #: How often a long restore logs how far it has read.
 RESTORE_PROGRESS_EVERY_S = 5.0
 STATE_FSYNC_INTERVAL_S = 0.05
@@ -511,8 +515,25 @@ def _log_event(event: ev.Event) -> None:
         log.debug("%s", event)
 
 
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise this process's soft limit of open files toward its hard limit, to what
+    ``max_connections`` lean connections and the rest need (a shell's soft limit is often
+    1,024: a few hundred clients would meet EMFILE); warn when the hard limit is lower."""
+    wanted = max_connections + FILES_BESIDE_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info("open-files limit raised from %d to %d", soft, target)
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        log.warning("the open-files hard limit is %d: fewer than --max-connections %d lean "
+                    "connections can be served; raise it (systemd LimitNOFILE, ulimit -Hn)",
+                    hard, max_connections)
+
+
 async def run(config: MasterConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
+    raise_open_files_limit(config.max_connections)
     server = MasterServer(config)
     await server.start()
     await server.serve_until_stopped()

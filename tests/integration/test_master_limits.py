@@ -7,7 +7,10 @@ the master keeps serving.
 from __future__ import annotations
 
 import asyncio
+import resource
+import shutil
 import struct
+import sys
 import time
 
 import grpc
@@ -140,3 +143,25 @@ def test_half_a_frame_times_out_while_others_are_served(start_master, lean_socke
     assert method == pb.METHOD_ERROR and payload.startswith(b"TIMEOUT: incomplete frame")
     assert 0.3 < time.monotonic() - started_s < 5
     assert other.call(pb.METHOD_EXIST, exist)[0] == pb.METHOD_EXIST
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    """(soft, hard) of ``pid``'s open-files limit."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    return soft, hard
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_the_master_raises_its_open_files_limit_to_fit_its_connections(start_master) -> None:
+    """Started with a shell's soft limit (here 256), the master raises it to what
+    --max-connections needs, within the hard limit; a hard limit below that is warned about."""
+    command = [sys.executable, "-m", "kvpool_master.cli"]
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    roomy = start_master(executable=["prlimit", f"--nofile=256:{hard}", *command],
+                         max_connections=2000)
+    assert _open_files_limit(roomy.pid) == (min(hard, 2000 + 1024), hard)
+    assert "open-files limit raised from 256" in roomy.log()
+    tight = start_master(executable=["prlimit", "--nofile=256:512", *command],
+                         max_connections=2000)
+    assert _open_files_limit(tight.pid) == (512, 512)
+    assert "open-files hard limit is 512" in tight.log()
