@@ -212,10 +212,8 @@ class MasterRpc(MasterCalls):
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._channel: grpc.aio.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
-        self._followed = NO_LEAN  # the session's lean endpoints these fields follow
-        self._fast_port = 0
+        self._followed = NO_LEAN  # the session's lean endpoints this stub uses
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
-        self._master_pid = 0
         self._lean: _LeanConnection | None = None
         self._lean_retry_at = 0.0
         self._grpc_nowait: set[asyncio.Task[list[Status]]] = set()
@@ -229,7 +227,7 @@ class MasterRpc(MasterCalls):
     @property
     def fast_port(self) -> int:
         """The lean-framing port in use (0 while calls go over gRPC)."""
-        return self._fast_port if self._use_fast_path else 0
+        return self._followed.port if self._use_fast_path else 0
 
     # -- transport plumbing -----------------------------------------------------------------------
 
@@ -239,9 +237,7 @@ class MasterRpc(MasterCalls):
             return
         self._followed = lean
         if (lean.port, lean.socket) != (followed.port, followed.socket):
-            self._fast_port = lean.port
             self._fast_socket = lean.socket
-            self._master_pid = lean.master_pid
             if self._lean is not None:
                 self._lean.close()
                 self._lean = None
@@ -262,7 +258,7 @@ class MasterRpc(MasterCalls):
     def _lean_connection(self) -> _LeanConnection | None:
         if self.session.lean is not self._followed:
             self._follow_lean()
-        if not (self._use_fast_path and self._fast_port) or self._closed:
+        if not (self._use_fast_path and self._followed.port) or self._closed:
             return None
         loop = asyncio.get_running_loop()
         if self._lean is not None and not self._lean.closed:
@@ -272,10 +268,10 @@ class MasterRpc(MasterCalls):
         context = ssl_context(self._tls) if self._tls is not None else None
         local_sock = None
         if context is None and self._fast_socket:
-            local_sock = connect_local(self._fast_socket, self._master_pid)
+            local_sock = connect_local(self._fast_socket, self._followed.master_pid)
             if local_sock is None:
                 self._fast_socket = ""  # not on the master's host: loopback or network TCP
-        self._lean = _LeanConnection.open(loop, self._host, self._fast_port, context,
+        self._lean = _LeanConnection.open(loop, self._host, self._followed.port, context,
                                           self._auth_token, self._timeout_s,
                                           self._max_message_bytes, local_sock)
         return self._lean

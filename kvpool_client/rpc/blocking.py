@@ -61,10 +61,8 @@ class BlockingMasterRpc(MasterCalls):
         self._idle: list[BlockingLeanConnection] = []
         self._channel: grpc.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
-        self._followed = NO_LEAN  # the session's lean endpoints these fields follow
-        self._fast_port = 0
-        self._fast_socket = ""
-        self._master_pid = 0
+        self._followed = NO_LEAN  # the session's lean endpoints this stub uses
+        self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._lean_retry_at = 0.0
         self._closed = False
 
@@ -81,9 +79,7 @@ class BlockingMasterRpc(MasterCalls):
             self._followed = lean
             if (lean.port, lean.socket) == (followed.port, followed.socket):
                 return
-            self._fast_port = lean.port
             self._fast_socket = lean.socket
-            self._master_pid = lean.master_pid
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
@@ -122,7 +118,7 @@ class BlockingMasterRpc(MasterCalls):
             raise KVPoolError(Status.RPC_FAILED, "the stub is closed")
         if self.session.lean is not self._followed:
             self._follow_lean()
-        if self._use_fast_path and self._fast_port and time.monotonic() >= self._lean_retry_at:
+        if self._use_fast_path and self._followed.port and time.monotonic() >= self._lean_retry_at:
             conn = self._checkout(deadline - time.monotonic())
             try:
                 answer = conn.call(method.method_id, payload, deadline - time.monotonic())
@@ -153,15 +149,16 @@ class BlockingMasterRpc(MasterCalls):
         conn.close()
 
     def _open(self, timeout_s: float) -> BlockingLeanConnection:
-        sock = connect_local(self._fast_socket, self._master_pid) if self._fast_socket else None
+        lean = self._followed
+        sock = connect_local(self._fast_socket, lean.master_pid) if self._fast_socket else None
         if sock is None:
             try:
-                sock = socket.create_connection((self._host, self._fast_port),
+                sock = socket.create_connection((self._host, lean.port),
                                                 timeout=max(timeout_s, 0.001))
             except OSError as exc:
                 self._lean_retry_at = time.monotonic() + LEAN_RETRY_AFTER_S  # gRPC meanwhile
                 raise NotSent(Status.RPC_FAILED, f"cannot reach master lean port "
-                                                 f"{self._host}:{self._fast_port}: {exc}") from None
+                                                 f"{self._host}:{lean.port}: {exc}") from None
         conn = BlockingLeanConnection(sock, self._max_message_bytes, self._busy_poll_us)
         if self._auth_token:
             answer = conn.call(METHOD_AUTH, pb.AuthRequest(token=self._auth_token)
