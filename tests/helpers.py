@@ -1,11 +1,12 @@
-"""Helpers the integration tests share: the client worker module, pip into a directory, and
-Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it."""
+"""Helpers the integration tests share: the client worker module, a master's metric, pip into a
+directory, and Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,19 @@ def client_worker() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def metric_value(metrics_url: str, sample: str) -> float | None:
+    """The value of one sample of a master's /metrics, named as the exposition writes it
+    (``kvpool_restore_seconds``, ``kvpool_rpc_requests_total{method="Heartbeat",...}``); None
+    when it is not there."""
+    with urllib.request.urlopen(metrics_url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return None
 
 
 def pip_install(*args: str) -> subprocess.CompletedProcess[str]:

@@ -11,12 +11,12 @@ import os
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import metric_value
 
 from kvpool_client.cli_status import fetch_stats
 from kvpool_client.client import KVPoolClient
@@ -172,10 +172,8 @@ def test_master_killed_and_restarted_clients_recover(start_master: Any) -> None:
 
 def _served(metrics_url: str, method: str, transport: str) -> float:
     """Calls of ``method`` the master served over ``transport`` (0 when none)."""
-    with urllib.request.urlopen(metrics_url + "/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    sample = f'kvpool_rpc_requests_total{{method="{method}",transport="{transport}"}} '
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample))
+    return metric_value(metrics_url, f'kvpool_rpc_requests_total{{method="{method}",'
+                                     f'transport="{transport}"}}') or 0.0
 
 
 def test_clients_come_back_soon_after_a_long_master_outage(start_master: Any,

@@ -4,11 +4,11 @@ on resume it expires none of them and every object stays readable."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-import urllib.request
 from typing import Any
+
+from helpers import metric_value
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -18,11 +18,9 @@ STALL_S = 2.5 * CLIENT_TTL_S
 
 
 def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert found, name
-    return float(found.group(1))
+    value = metric_value(url, name)
+    assert value is not None, name
+    return value
 
 
 def test_master_stall_expires_no_real_client(start_master: Any) -> None:
