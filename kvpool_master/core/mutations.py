@@ -94,7 +94,7 @@ class Mutations:
     _events: list[Event]
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
-    _pass_capped = False  # the last eviction pass stopped at MAX_VICTIMS
+    _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
     # ---- two-phase put -------------------------------------------------------------------
