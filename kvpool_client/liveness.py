@@ -16,7 +16,9 @@ Rules of this file:
 - ``UNKNOWN_CLIENT`` (master restarted, or this client was expired after a pause) re-registers,
   installs the new capability key in the data server *before* remounting (so capabilities
   signed for the old incarnation are refused from then on), remounts every segment and bumps
-  ``epoch``: writes started in an older epoch are abandoned and revoked.
+  ``epoch``: writes started in an older epoch are abandoned and revoked. Until the segments
+  are mounted again the master may answer a put NO_SPACE (after a restart it knows no segment
+  yet): ``remounting`` lets such a put wait for the remount and ask again.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class Liveness:
         self.alive_until = registered_at + registration.client_ttl_s
         self._suspended = False  # data server refusing everything while liveness is unproven
         self._needs_mount = False
+        self._reregistering = False  # from sending RegisterClient until every segment is mounted
         self._waiters: list[concurrent.futures.Future[int]] = []
         self._thread: LoopThread | None = None
         self._wake: asyncio.Event | None = None
@@ -172,6 +175,17 @@ class Liveness:
             if self._stopping:
                 future.set_exception(KVPoolError(Status.UNAVAILABLE, "the client is closed"))
                 return future
+            self._waiters.append(future)
+        self._poke()
+        return future
+
+    def remounting(self) -> concurrent.futures.Future[int] | None:
+        """While a re-registration is under way (this client's segments may not all be mounted
+        again yet), a future of its end, as ``request_reregister``; None otherwise."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if not self._reregistering or self._stopping:
+                return None
             self._waiters.append(future)
         self._poke()
         return future
@@ -245,7 +259,9 @@ class Liveness:
 
     async def _beat(self, rpc: MasterRpc) -> bool:
         """One heartbeat (or re-registration); True when the master answered as hoped."""
-        if self._waiters or self._needs_mount:
+        if self._waiters or self._needs_mount or self._reregistering:
+            # A re-registration whose answer was lost may have registered this client anew
+            # (a new key): finish it (registering is idempotent) rather than trust a heartbeat.
             return await self._reregister(rpc)
         sent = time.monotonic()
         try:
@@ -268,6 +284,8 @@ class Liveness:
 
     async def _reregister(self, rpc: MasterRpc) -> bool:
         sent = time.monotonic()
+        with self._lock:
+            self._reregistering = True
         if not self._needs_mount:
             try:
                 registration = await rpc.register_client(self._client_id, self._host_id,
@@ -303,6 +321,7 @@ class Liveness:
         self._needs_mount = False
         self._mark_alive(sent, self._registration.client_ttl_s)
         with self._lock:
+            self._reregistering = False
             waiters, self._waiters = self._waiters, []
         for future in waiters:
             future.set_result(self._epoch)

@@ -187,6 +187,7 @@ class Member:
             parts, rpc, TcpTransport(timeout_s=config.transfer_timeout_s),
             reregistered=partial(_reregistered, rpc, liveness, client_id, host_id, hostname,
                                  timeout_s),
+            remounted=partial(_remounted, liveness, timeout_s),
             commits=writer if config.commit_nowait else None)
         undo.push_async_callback(datapath.tcp.close)
         liveness.start()
@@ -357,6 +358,19 @@ async def _refresh_stub(rpc: MasterRpc, liveness: Liveness, client_id: str, host
         return
     if registration.capability_key != liveness.registration.capability_key:
         liveness.request_reregister()
+
+
+async def _remounted(liveness: Liveness, timeout_s: float) -> bool:
+    """Wait for a re-registration under way to mount this client's segments again; False when
+    none was under way (or it did not end in time)."""
+    remount = liveness.remounting()
+    if remount is None:
+        return False
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(remount), timeout_s)
+    except (TimeoutError, KVPoolError):
+        return False
+    return True
 
 
 async def _reregistered(rpc: MasterRpc, liveness: Liveness, client_id: str, host_id: str,

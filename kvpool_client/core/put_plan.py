@@ -32,12 +32,34 @@ WRITE_MARGIN_S = 0.05
 _OK = (Status.OK, Status.ALREADY_EXISTS)
 
 
-def check_answers(call: str, answers: Sequence[object], keys: Sequence[bytes]) -> None:
+def check_answers(call: str, answers: Sequence[object], keys: Sequence[object]) -> None:
     """A batch answer must have one item per key: a short one would leave keys unanswered,
     and an unanswered key must never pass for a success. Raises INTERNAL_ERROR."""
     if len(answers) != len(keys):
         raise KVPoolError(Status.INTERNAL_ERROR,
                           f"{call} answered {len(answers)} items for {len(keys)} keys")
+
+
+def space_refused(answers: Sequence[tuple[Status, Sequence[Placement]]]) -> list[int]:
+    """The indices of the keys ``PutStart`` refused for want of space."""
+    return [index for index, (status, _) in enumerate(answers) if status == Status.NO_SPACE]
+
+
+def granted_any(answers: Sequence[tuple[Status, Sequence[Placement]]]) -> bool:
+    """Whether ``PutStart`` granted placements to any key."""
+    return any(status == Status.OK for status, _ in answers)
+
+
+def answered_again(answers: Sequence[tuple[Status, Sequence[Placement]]], indices: Sequence[int],
+                   again: Sequence[tuple[Status, Sequence[Placement]]],
+                   ) -> list[tuple[Status, Sequence[Placement]]]:
+    """``answers`` with the answer of each key of ``indices`` replaced by its answer in
+    ``again`` (a second ``PutStart`` of those keys). Raises INTERNAL_ERROR for a short answer."""
+    check_answers("PutStart", again, indices)
+    merged = list(answers)
+    for index, answer in zip(indices, again, strict=True):
+        merged[index] = answer
+    return merged
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from kvpool_client.core.put_plan import PutPlan
+from kvpool_client.core.put_plan import PutPlan, answered_again, granted_any, space_refused
 from kvpool_client.core.read_plan import DstFor, KeyReplicas, ReadItem, ReadPlan
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
@@ -47,11 +47,14 @@ class AsyncDataPath:
 
     def __init__(self, parts: Parts, rpc: MasterRpc, tcp: TcpTransport,
                  reregistered: Callable[[], Awaitable[None]],
+                 remounted: Callable[[], Awaitable[bool]],
                  commits: CommitWatcher | None) -> None:
         self.parts = parts
         self.rpc = rpc
         self.tcp = tcp
         self._reregistered = reregistered
+        #: waits for a re-registration under way to mount the segments again (False: none)
+        self._remounted = remounted
         #: commits are sent without waiting and reported here (None: each write waits)
         self._commits = commits
 
@@ -143,6 +146,14 @@ class AsyncDataPath:
             await self._reregistered()
             epoch = parts.epoch
             answers = await rpc.put_start(parts.client_id, plan.keys, plan.sizes, options)
+        refused = space_refused(answers)
+        if refused and await self._remounted():
+            # Asked while this client's segments were being mounted again: ask once more.
+            if not granted_any(answers):
+                epoch = parts.epoch
+            again = await rpc.put_start(parts.client_id, [plan.keys[i] for i in refused],
+                                        [plan.sizes[i] for i in refused], options)
+            answers = answered_again(answers, refused, again)
         plan.started(answers)
         return epoch
 

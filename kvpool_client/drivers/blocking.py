@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpool_client.core.put_plan import PutPlan
+from kvpool_client.core.put_plan import PutPlan, answered_again, granted_any, space_refused
 from kvpool_client.core.read_plan import DstFor, KeyReplicas, ReadItem, ReadPlan
 from kvpool_client.core.regions import Regions
 from kvpool_client.drivers.parts import Consumer, Done, Filler, Parts
@@ -38,6 +38,8 @@ class Membership(Protocol):
     def registration(self) -> Registration: ...
 
     def request_reregister(self) -> concurrent.futures.Future[int]: ...
+
+    def remounting(self) -> concurrent.futures.Future[int] | None: ...
 
 
 class BlockingDataPath:
@@ -151,8 +153,28 @@ class BlockingDataPath:
             self.wait_reregistered()
             epoch = parts.epoch
             answers = rpc.put_start(parts.client_id, plan.keys, plan.sizes, options)
+        refused = space_refused(answers)
+        if refused and self._remounted():
+            # Asked while this client's segments were being mounted again: ask once more.
+            if not granted_any(answers):
+                epoch = parts.epoch
+            again = rpc.put_start(parts.client_id, [plan.keys[i] for i in refused],
+                                  [plan.sizes[i] for i in refused], options)
+            answers = answered_again(answers, refused, again)
         plan.started(answers)
         return epoch
+
+    def _remounted(self) -> bool:
+        """Wait for a re-registration under way to mount this client's segments again; False
+        when none was under way (or it did not end in time)."""
+        remount = self._membership.remounting()
+        if remount is None:
+            return False
+        try:
+            remount.result(self._reregister_timeout_s)
+        except (concurrent.futures.TimeoutError, KVPoolError):
+            return False
+        return True
 
     def wait_reregistered(self) -> None:
         """Wait for liveness to re-register this client (a call answered UNKNOWN_CLIENT)."""

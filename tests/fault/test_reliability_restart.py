@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -103,3 +104,36 @@ def test_restart_without_state_dir_clients_recover(start_master: Any) -> None:
               f"{a.get('before') is None}")
         assert all(readable)
         assert a.get("before") is None
+
+
+def test_a_put_while_the_segments_are_mounted_again_waits_for_them(start_master: Any) -> None:
+    # After a restart without --state-dir the master knows no segment until the clients
+    # mount theirs again. The remount is slowed here (1 s between RegisterClient and the
+    # MountSegment calls) so that puts land in that window for certain: they must wait for
+    # the remount and get their space, not NO_SPACE.
+    flags = {"host": "127.0.0.1", "port": free_port(), "fast_port": 0, "metrics_port": 0,
+             "client_ttl": 2}
+    master = start_master(default_ports=False, **flags)
+    with KVPoolClient(config(master.address)) as client:
+        liveness = client.async_client.member.liveness
+        assert liveness is not None
+        segments, registered = liveness._segments, threading.Event()
+
+        def slow_segments() -> Any:
+            registered.set()  # registered again; no segment mounted yet
+            time.sleep(1.0)
+            return segments()
+
+        liveness._segments = slow_segments
+        puts = {"blocking": lambda key, value: client.put(key, value),
+                "async": lambda key, value: client._thread.run(
+                    client.async_client.put(key, value))}
+        for driver, put in puts.items():
+            registered.clear()
+            master.kill()
+            master = start_master(default_ports=False, **flags)
+            assert registered.wait(timeout=10)
+            started = time.monotonic()
+            put(f"during-remount-{driver}", driver.encode() * 1000)
+            print(f"{driver} put in the remount window took {time.monotonic() - started:.2f} s")
+            assert client.get(f"during-remount-{driver}") == driver.encode() * 1000

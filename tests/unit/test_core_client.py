@@ -6,7 +6,13 @@ import pytest
 
 from kvpool_client.buffers import to_key
 from kvpool_client.core.keys import KeyBatch
-from kvpool_client.core.put_plan import PutPlan, WriteWindow
+from kvpool_client.core.put_plan import (
+    PutPlan,
+    WriteWindow,
+    answered_again,
+    granted_any,
+    space_refused,
+)
 from kvpool_client.core.read_plan import ReadPlan, lease_deadline
 from kvpool_client.core.regions import checksum
 from kvpool_wire.status import KVPoolError, Status
@@ -64,6 +70,21 @@ def test_short_answers_never_pass_for_success() -> None:
     plan.copied(plan.writable(INFOS, OPEN), [Status.OK])
     plan.committed([0], [])  # a short PutEnd answer fails the keys it left out
     assert plan.statuses == [Status.INTERNAL_ERROR]
+
+
+def test_keys_refused_for_space_are_asked_again_alone() -> None:
+    first = [(Status.OK, [place("a")]), (Status.NO_SPACE, []), (Status.ALREADY_EXISTS, []),
+             (Status.NO_SPACE, [])]
+    refused = space_refused(first)
+    assert refused == [1, 3]
+    assert granted_any(first) and not granted_any([first[1], first[2]])
+    merged = answered_again(first, refused, [(Status.OK, [place("a", 8)]), (Status.NO_SPACE, [])])
+    assert [status for status, _ in merged] == [Status.OK, Status.OK, Status.ALREADY_EXISTS,
+                                                Status.NO_SPACE]
+    assert merged[0] == first[0] and merged[1][1] == [place("a", 8)]
+    with pytest.raises(KVPoolError) as short:
+        answered_again(first, refused, [(Status.OK, [place("a", 8)])])
+    assert short.value.status == Status.INTERNAL_ERROR
 
 
 def test_a_read_moves_to_the_next_replica_and_judges_by_lease_and_checksum() -> None:
