@@ -5,6 +5,7 @@ It is the module ``mooncake.store`` of both drop-ins: ``kvpool-mooncake`` (the w
 ``kvpool-mooncake-store`` (beside Mooncake's wheel) loads it under that name.
 """
 
+from kvpool_client.compat.buffer_pool import BufferLease, BufferPool
 from kvpool_client.compat.mooncake import (
     BufferHandle,
     MooncakeDistributedStore,
@@ -13,9 +14,7 @@ from kvpool_client.compat.mooncake import (
 )
 from kvpool_client.compat.store_types import ENUM_MEMBERS as _ENUM_MEMBERS
 from kvpool_client.compat.store_types import (
-    BufferLease,
     BufferLeaseView,
-    BufferPool,
     Descriptor,
     DiskDescriptor,
     EngramStore,
@@ -27,9 +26,6 @@ from kvpool_client.compat.store_types import (
     ParallelAxis,
     QueryTaskResponse,
     ReadTarget,
-    RegisteredBufferLease,
-    RegisteredBufferLeaseView,
-    RegisteredBufferPool,
     ReplicaDescriptor,
     ReplicaStatus,
     TaskStatus,
@@ -39,6 +35,13 @@ from kvpool_client.compat.store_types import (
     get_alloc_func_addr,
     get_free_func_addr,
 )
+from kvpool_client.compat.tensor_calls import deserialize_tensor as _deserialize_tensor
+from kvpool_client.compat.tensor_calls import serialize_tensor as _serialize_tensor
+from kvpool_client.compat.tensor_calls import tensor_metadata_size as _tensor_metadata_size
+
+# Mooncake's aliases: its pool leases registered memory, as this one does
+RegisteredBufferPool, RegisteredBufferLease = BufferPool, BufferLease
+RegisteredBufferLeaseView = BufferLeaseView
 
 globals().update(_ENUM_MEMBERS)  # Mooncake exports every enum member by name too
 
@@ -50,6 +53,8 @@ __all__ = [
     "RegisteredBufferLeaseView", "RegisteredBufferPool", "ReplicaDescriptor", "ReplicaStatus",
     "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism",
     "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr", *_ENUM_MEMBERS,
+    # the tensor codec of Mooncake's wheel modules (structured_object_store)
+    "_deserialize_tensor", "_serialize_tensor", "_tensor_metadata_size",
 ]
 
 BACKEND = "kvpool"

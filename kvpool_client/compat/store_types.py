@@ -227,13 +227,7 @@ class ReplicaDescriptor:
 
 
 DiskDescriptor = _no_constructor("DiskDescriptor")
-BufferLease = _no_constructor("BufferLease")
-BufferLeaseView = _no_constructor("BufferLeaseView")
-RegisteredBufferLease = _no_constructor("RegisteredBufferLease")
-RegisteredBufferLeaseView = _no_constructor("RegisteredBufferLeaseView")
-BufferPool = _not_in_kvpool("BufferPool", "a pool of registered staging buffers")
-RegisteredBufferPool = _not_in_kvpool("RegisteredBufferPool",
-                                      "a pool of registered staging buffers")
+BufferLeaseView = _no_constructor("BufferLeaseView")   # buffer_pool.BufferLease.buffer's
 EngramStore = _not_in_kvpool("EngramStore", "the Engram embedding store")
 MooncakeDistributedNoFRegister = _not_in_kvpool("MooncakeDistributedNoFRegister",
                                                 "NVMe-oF segment registration")

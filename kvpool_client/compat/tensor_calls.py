@@ -93,6 +93,36 @@ def _tensor_over(view: memoryview | bytearray, header: TensorHeader) -> Any:
     return flat.view(dtype).reshape(header.shape)
 
 
+def serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
+    """``mooncake.store._serialize_tensor``: the header of ``tensor``'s object, the address
+    and length of its bytes, and the tensor that owns them (keep it alive while the address is
+    used). A non-contiguous tensor is made contiguous (a copy); a device tensor stays on its
+    device, so the address is a device address, as in Mooncake. Raises ValueError for what a
+    tensor object cannot hold."""
+    torch = _torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected a torch tensor, got {type(tensor).__name__}")
+    owner = tensor.detach().contiguous()
+    shape = tuple(owner.shape)
+    header = encode(TensorHeader(str(owner.dtype).removeprefix("torch."), shape, shape))
+    return header, owner.data_ptr(), owner.numel() * owner.element_size(), owner
+
+
+def tensor_metadata_size() -> int:
+    """``mooncake.store._tensor_metadata_size``: the bytes of a tensor object's header."""
+    return HEADER_BYTES
+
+
+def deserialize_tensor(payload: bytes | bytearray | memoryview) -> Any:
+    """``mooncake.store._deserialize_tensor``: the tensor of a whole tensor object (header,
+    then bytes), in host memory of its own. Raises ValueError when ``payload`` is not one."""
+    data = bytearray(payload)
+    header = decode(data, len(data))
+    if header is None:
+        raise ValueError("invalid serialized Mooncake tensor payload")
+    return _tensor_over(data, header)
+
+
 class StoreTensors:
     """Mixed into ``MooncakeDistributedStore`` (which provides ``_write_objects``,
     ``_put_ranges``, ``batch_get_buffer``, ``batch_get_into``, ``_replacing`` and

@@ -1,0 +1,147 @@
+"""Mooncake's ``BufferPool`` and tensor codec on kvpool's ``mooncake.store``, against a real
+master: leases of registered memory that the store's pointer calls take, Mooncake's limits and
+errors, and tensor payloads in the very layout the store's tensor objects have."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool_client.compat import store_surface as mooncake_store
+from kvpool_client.compat.mooncake import MooncakeDistributedStore
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def store(start_master: Any) -> Iterator[MooncakeDistributedStore]:
+    master = start_master()
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 16 * MiB, "tcp", "",
+                   master.address) == 0
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_lease_is_registered_memory_the_pointer_calls_take(
+        store: MooncakeDistributedStore) -> None:
+    pool = mooncake_store.BufferPool(store, max_regions=2)
+    assert pool.max_bytes == 32 * MiB  # twice the local buffer
+    payload = bytes(range(256)) * 64
+    with pool.acquire(len(payload)) as lease, pool.acquire(len(payload)) as into:
+        assert lease.size == len(payload) and lease.ptr % (8 * MiB) == 0
+        view = lease.buffer
+        view[:] = payload
+        del view
+        assert store.put_from("leased", lease.ptr, len(payload)) == 0
+        assert store.get_into("leased", into.ptr, len(payload)) == len(payload)
+        assert ctypes.string_at(into.ptr, len(payload)) == payload
+        released_ptr = lease.ptr
+    with pytest.raises(RuntimeError, match="buffer lease is closed"):
+        _ = lease.ptr
+    # after release the memory is neither registered nor mapped: the store refuses it
+    assert store.put_from("after-release", released_ptr, len(payload)) == -600
+    assert store.is_exist("after-release") == 0
+    assert mooncake_store.RegisteredBufferPool is mooncake_store.BufferPool
+    pool.close()
+
+
+def test_the_pool_waits_refuses_and_times_out_as_mooncake(
+        store: MooncakeDistributedStore) -> None:
+    pool = mooncake_store.BufferPool(store, max_bytes=32 * MiB, max_regions=1,
+                                     alignment=4096)
+    held = pool.acquire(MiB)
+    with pytest.raises(RuntimeError, match="buffer pool is exhausted"):
+        pool.acquire(MiB, block=False)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out waiting for buffer"):
+        pool.acquire(MiB, timeout=0.2)
+    assert time.monotonic() - started >= 0.2
+    with pytest.raises(RuntimeError, match="exceeds pool capacity"):
+        pool.acquire(33 * MiB)
+    with pytest.raises(RuntimeError, match="timeout must be non-negative"):
+        pool.acquire(MiB, timeout=-1)
+
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(MiB, timeout=10)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # still waiting for the held lease
+    held.release()
+    waiter.join(timeout=10)
+    assert len(got) == 1 and got[0].size == MiB
+    with pytest.raises(RuntimeError, match="active leases"):
+        pool.close()
+    dropped = got.pop()
+    del dropped  # a lease dropped without release gives its share back
+    gc.collect()
+    pool.acquire(MiB, block=False).release()
+    pool.close()
+    with pytest.raises(RuntimeError, match="buffer pool is closed"):
+        pool.acquire(MiB)
+
+
+def test_a_lease_with_a_live_view_is_not_released(store: MooncakeDistributedStore) -> None:
+    pool = mooncake_store.BufferPool(store)
+    lease = pool.acquire(4096)
+    view = lease.buffer
+    with pytest.raises(RuntimeError, match="exported views exist"):
+        lease.release()
+    view[:5] = b"still"   # the bytes are still mapped, and still registered
+    assert store.put_from("viewed", lease.ptr, 5) == 0
+    assert store.get("viewed") == b"still"
+    del view
+    lease.release()
+    lease.release()  # idempotent
+    pool.close()
+
+
+def test_a_pool_needs_a_set_up_store_with_a_local_buffer(start_master: Any) -> None:
+    with pytest.raises(RuntimeError, match="not initialized"):
+        mooncake_store.BufferPool(MooncakeDistributedStore())
+    master = start_master()
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 0, "tcp", "", master.address) == 0
+    try:
+        with pytest.raises(RuntimeError, match="local buffer"):
+            mooncake_store.BufferPool(s)
+    finally:
+        s.close()
+
+
+def test_bad_pool_arguments_are_refused(store: MooncakeDistributedStore) -> None:
+    with pytest.raises(RuntimeError, match="power of two"):
+        mooncake_store.BufferPool(store, alignment=3)
+    with pytest.raises(RuntimeError, match="must be positive"):
+        mooncake_store.BufferPool(store, min_size_class=0)
+
+
+def test_the_tensor_codec_speaks_the_store_tensor_layout(
+        store: MooncakeDistributedStore) -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)[:, 1:3]  # not contiguous
+    metadata, data_ptr, nbytes, owner = mooncake_store._serialize_tensor(tensor)
+    assert len(metadata) == mooncake_store._tensor_metadata_size() == 304
+    assert nbytes == tensor.numel() * 4 and owner.is_contiguous()
+    payload = metadata + ctypes.string_at(data_ptr, nbytes)
+    # the same bytes as the object put_tensor stores
+    assert store.put_tensor("as-object", tensor) == 0
+    assert store.get("as-object") == payload
+    back = mooncake_store._deserialize_tensor(payload)
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    assert torch.equal(mooncake_store._deserialize_tensor(store.get("as-object")), tensor)
+    for bad in (b"", payload[:-1], b"\0" * len(payload)):
+        with pytest.raises(ValueError, match="invalid serialized Mooncake tensor"):
+            mooncake_store._deserialize_tensor(bad)
+    with pytest.raises(ValueError):
+        mooncake_store._serialize_tensor([1, 2, 3])
+    with pytest.raises(ValueError):
+        mooncake_store._serialize_tensor(torch.zeros(2, dtype=torch.complex64))
