@@ -5,7 +5,7 @@ It is the module ``mooncake.store`` of both drop-ins: ``kvpool-mooncake`` (the w
 ``kvpool-mooncake-store`` (beside Mooncake's wheel) loads it under that name.
 """
 
-from kvpool_client.compat.buffer_pool import BufferLease, BufferPool
+from kvpool_client.compat.host_memory import BufferLease, BufferPool, MooncakeHostMemAllocator
 from kvpool_client.compat.mooncake import (
     BufferHandle,
     MooncakeDistributedStore,
@@ -21,7 +21,6 @@ from kvpool_client.compat.store_types import (
     EngramStoreConfig,
     MemoryDescriptor,
     MooncakeDistributedNoFRegister,
-    MooncakeHostMemAllocator,
     ObjectDataType,
     ParallelAxis,
     QueryTaskResponse,

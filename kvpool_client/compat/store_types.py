@@ -8,10 +8,10 @@ Rules of this file:
   ``QueryTaskResponse``, ``EngramStoreConfig``) have Mooncake's fields and defaults; a field of
   the wrong type raises ``TypeError`` and an unknown attribute ``AttributeError``, as the
   binding does.
-- Types of features kvpool does not have (buffer pools, Engram stores, NoF registration, a
-  host-memory allocator for torch) exist and refuse construction with ``NotImplementedError``
-  naming the feature. Descriptors are handed out by ``get_replica_desc`` and have no public
-  constructor, as in Mooncake.
+- Types of features kvpool does not have (Engram stores, NoF registration) exist and refuse
+  construction with ``NotImplementedError`` naming the feature (the buffer pool and the host
+  allocator are in ``host_memory.py``). Descriptors are handed out by ``get_replica_desc``
+  and have no public constructor, as in Mooncake.
 - ``bind_to_numa_node(node)`` pins the calling thread to that node's CPUs;
   ``get_alloc_func_addr`` / ``get_free_func_addr`` (function addresses for torch's pluggable
   allocator) raise ``NotImplementedError``: no address would be safe to hand out.
@@ -231,8 +231,6 @@ BufferLeaseView = _no_constructor("BufferLeaseView")   # buffer_pool.BufferLease
 EngramStore = _not_in_kvpool("EngramStore", "the Engram embedding store")
 MooncakeDistributedNoFRegister = _not_in_kvpool("MooncakeDistributedNoFRegister",
                                                 "NVMe-oF segment registration")
-MooncakeHostMemAllocator = _not_in_kvpool("MooncakeHostMemAllocator",
-                                          "a host-memory allocator for torch")
 
 
 def bind_to_numa_node(node: int) -> None:
@@ -251,13 +249,15 @@ def bind_to_numa_node(node: int) -> None:
 
 
 def get_alloc_func_addr() -> int:
-    """Mooncake's host allocator for torch (``MooncakeHostMemAllocator``): not in kvpool."""
+    """The address of Mooncake's C allocation function for torch's pluggable allocator: not
+    in kvpool."""
     raise NotImplementedError("mooncake.store.get_alloc_func_addr: a host-memory allocator for "
                               "torch is not supported by kvpool")
 
 
 def get_free_func_addr() -> int:
-    """Mooncake's host allocator for torch (``MooncakeHostMemAllocator``): not in kvpool."""
+    """The address of Mooncake's C free function for torch's pluggable allocator: not in
+    kvpool."""
     raise NotImplementedError("mooncake.store.get_free_func_addr: a host-memory allocator for "
                               "torch is not supported by kvpool")
 

@@ -1,6 +1,8 @@
-"""Mooncake's ``BufferPool`` and tensor codec on kvpool's ``mooncake.store``, against a real
-master: leases of registered memory that the store's pointer calls take, Mooncake's limits and
-errors, and tensor payloads in the very layout the store's tensor objects have."""
+"""Mooncake's host memory (``BufferPool``, ``MooncakeHostMemAllocator``) and tensor codec on
+kvpool's ``mooncake.store``, against a real master: leases of registered memory that the
+store's pointer calls take, with Mooncake's limits and errors; a host KV pool allocated and
+registered the way SGLang HiCache does it; tensor payloads in the very layout the store's
+tensor objects have."""
 
 from __future__ import annotations
 
@@ -145,3 +147,30 @@ def test_the_tensor_codec_speaks_the_store_tensor_layout(
         mooncake_store._serialize_tensor([1, 2, 3])
     with pytest.raises(ValueError):
         mooncake_store._serialize_tensor(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_a_host_kv_pool_from_the_allocator_serves_zero_copy_calls(
+        store: MooncakeDistributedStore) -> None:
+    torch = pytest.importorskip("torch")
+    allocator = mooncake_store.MooncakeHostMemAllocator()
+    size = 4 * MiB
+    ptr = allocator.alloc(size)
+    # as SGLang's MooncakeHostTensorAllocator wraps it, then registers the pool with the store
+    pool = torch.frombuffer((ctypes.c_byte * size).from_address(ptr), dtype=torch.uint8,
+                            count=size).view(torch.bfloat16)
+    pool[: 1 << 20] = torch.arange(1 << 20, dtype=torch.float32).to(torch.bfloat16)
+    assert store.register_buffer(ptr, size) == 0
+    page = 64 * 1024
+    keys = [f"page-{i}" for i in range(4)]
+    assert store.batch_put_from(keys, [ptr + i * page for i in range(4)], [page] * 4) == [0] * 4
+    expected = ctypes.string_at(ptr, 4 * page)
+    ctypes.memset(ptr, 0, 4 * page)
+    assert store.batch_get_into(keys, [ptr + i * page for i in range(4)],
+                                [page] * 4) == [page] * 4
+    assert ctypes.string_at(ptr, 4 * page) == expected
+    assert store.unregister_buffer(ptr) == 0
+    del pool
+    assert mooncake_store.MooncakeHostMemAllocator().free(ptr) == 0  # any allocator frees it
+    assert allocator.free(ptr) == -1  # freed already
+    with pytest.raises(RuntimeError, match="map shared memory"):
+        allocator.alloc(0)

@@ -1,13 +1,15 @@
-"""Mooncake's ``BufferPool``: leases of registered host memory for callers that stage their
-transfers (TransferQueue, Mooncake's structured object store).
+"""Host memory that Mooncake's module hands its callers: leases of registered staging buffers
+(``BufferPool``: TransferQueue, Mooncake's structured object store) and plain allocations
+(``MooncakeHostMemAllocator``: SGLang HiCache's host KV pool when its storage backend is
+``mooncake``).
 
 Rules of this file:
-- The contract is Mooncake's (``mooncake.store.BufferPool``, 0.3.12 on): a pool bounded by
-  ``max_bytes`` (0: twice the store's ``local_buffer_size``; never less than it) and by
-  ``max_regions`` leases at once. ``acquire`` waits while the pool is full (unless
-  ``block=False``, and at most ``timeout`` seconds) and raises RuntimeError when it cannot
-  lease, with Mooncake's messages. A lease's bytes stay registered with the store while it is
-  held, so the store's ``*_into`` and ``*_from`` calls take them.
+- The contracts are Mooncake's (0.3.12 on). ``BufferPool``: a pool bounded by ``max_bytes``
+  (0: twice the store's ``local_buffer_size``; never less than it) and by ``max_regions``
+  leases at once. ``acquire`` waits while the pool is full (unless ``block=False``, and at
+  most ``timeout`` seconds) and raises RuntimeError when it cannot lease, with Mooncake's
+  messages. A lease's bytes stay registered with the store while it is held, so the store's
+  ``*_into`` and ``*_from`` calls take them.
 - Each lease is an anonymous mapping of its own, aligned to ``alignment``, registered on
   acquire and unregistered and unmapped on release. Mooncake leases slices of its
   pre-registered local buffer to spare RDMA registrations; kvpool's transports copy from any
@@ -16,17 +18,24 @@ Rules of this file:
 - ``release`` refuses while a view from ``buffer`` is alive (the bytes would be unmapped under
   it), and changes nothing then. A lease dropped without ``release`` gives its share of the
   pool back; its mapping goes with its last view.
+- ``MooncakeHostMemAllocator.alloc(size)`` maps ``size`` bytes of shared memory, faulted in
+  (as Mooncake's), and returns the address; ``free(address)`` unmaps it: 0, or -1 for an
+  address ``alloc`` did not return (logged). The allocations belong to the process, not to
+  the allocator object, as in Mooncake. The caller registers them with the store itself.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 import time
 from typing import Any
 
 from kvpool_client.compat import codes
+
+logger = logging.getLogger(__name__)
 
 _PAGE_BYTES = mmap.PAGESIZE
 
@@ -174,9 +183,7 @@ class BufferPool:
     def _lease(self, size: int) -> BufferLease:
         spare = self._alignment if self._alignment > _PAGE_BYTES else 0
         mapping = mmap.mmap(-1, size + spare)
-        anchor = ctypes.c_char.from_buffer(mapping)
-        base = ctypes.addressof(anchor)
-        del anchor  # its export would keep the mapping from closing
+        base = _address(mapping)
         offset = -base % self._alignment if spare else 0
         if self._store.register_buffer(base + offset, size) != codes.OK:
             mapping.close()
@@ -206,3 +213,44 @@ class BufferPool:
             self._held -= 1
             self._cond.notify_all()
 
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's host-memory allocator; see the module docstring."""
+
+    def alloc(self, size: int) -> int:
+        """Map ``size`` bytes of shared memory (faulted in) and return their address. Raises
+        RuntimeError when it cannot."""
+        try:
+            mapping = mmap.mmap(-1, int(size), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except (OSError, ValueError, OverflowError) as exc:
+            raise RuntimeError(f"Failed to map shared memory: {exc}") from None
+        address = _address(mapping)
+        with _ALLOCATED_LOCK:
+            _ALLOCATED[address] = mapping
+        return address
+
+    def free(self, ptr: int) -> int:
+        """Unmap the memory ``alloc`` returned at ``ptr``: 0, or -1 (logged) for an address
+        it did not return."""
+        with _ALLOCATED_LOCK:
+            mapping = _ALLOCATED.pop(int(ptr), None)
+        if mapping is None:
+            logger.error("Attempted to free unknown shared memory address: 0x%x", int(ptr))
+            return -1
+        mapping.close()
+        return 0
+
+
+#: address -> mapping of every live ``MooncakeHostMemAllocator`` allocation of the process
+_ALLOCATED: dict[int, mmap.mmap] = {}
+_ALLOCATED_LOCK = threading.Lock()
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """The address of ``mapping``'s first byte (leaving no export behind that would keep it
+    from closing)."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address
