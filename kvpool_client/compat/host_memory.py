@@ -22,6 +22,10 @@ Rules of this file:
   (as Mooncake's), and returns the address; ``free(address)`` unmaps it: 0, or -1 for an
   address ``alloc`` did not return (logged). The allocations belong to the process, not to
   the allocator object, as in Mooncake. The caller registers them with the store itself.
+- ``get_alloc_func_addr()`` / ``get_free_func_addr()`` are the addresses of C functions
+  ``void *alloc(size_t)`` and ``void free(void *)``, for callers that allocate through ctypes
+  (LMCache's Mooncake allocators): the C library's ``valloc`` (page-aligned) and ``free``,
+  where Mooncake hands out its huge-page allocator's.
 """
 
 from __future__ import annotations
@@ -253,4 +257,24 @@ def _address(mapping: mmap.mmap) -> int:
     anchor = ctypes.c_char.from_buffer(mapping)
     address = ctypes.addressof(anchor)
     del anchor
+    return address
+
+
+def get_alloc_func_addr() -> int:
+    """The address of ``void *alloc(size_t size)``: page-aligned host memory (``valloc``);
+    ``get_free_func_addr`` frees it."""
+    return _function_address(_LIBC.valloc)
+
+
+def get_free_func_addr() -> int:
+    """The address of ``void free(void *ptr)``, for memory from ``get_alloc_func_addr``'s."""
+    return _function_address(_LIBC.free)
+
+
+_LIBC = ctypes.CDLL(None)   # the C library this process runs on
+
+
+def _function_address(function: Any) -> int:
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    assert address
     return address

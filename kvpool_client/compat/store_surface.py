@@ -5,7 +5,13 @@ It is the module ``mooncake.store`` of both drop-ins: ``kvpool-mooncake`` (the w
 ``kvpool-mooncake-store`` (beside Mooncake's wheel) loads it under that name.
 """
 
-from kvpool_client.compat.host_memory import BufferLease, BufferPool, MooncakeHostMemAllocator
+from kvpool_client.compat.host_memory import (
+    BufferLease,
+    BufferPool,
+    MooncakeHostMemAllocator,
+    get_alloc_func_addr,
+    get_free_func_addr,
+)
 from kvpool_client.compat.mooncake import (
     BufferHandle,
     MooncakeDistributedStore,
@@ -31,8 +37,6 @@ from kvpool_client.compat.store_types import (
     TaskType,
     TensorParallelism,
     bind_to_numa_node,
-    get_alloc_func_addr,
-    get_free_func_addr,
 )
 from kvpool_client.compat.tensor_calls import deserialize_tensor as _deserialize_tensor
 from kvpool_client.compat.tensor_calls import serialize_tensor as _serialize_tensor

@@ -12,9 +12,7 @@ Rules of this file:
   construction with ``NotImplementedError`` naming the feature (the buffer pool and the host
   allocator are in ``host_memory.py``). Descriptors are handed out by ``get_replica_desc``
   and have no public constructor, as in Mooncake.
-- ``bind_to_numa_node(node)`` pins the calling thread to that node's CPUs;
-  ``get_alloc_func_addr`` / ``get_free_func_addr`` (function addresses for torch's pluggable
-  allocator) raise ``NotImplementedError``: no address would be safe to hand out.
+- ``bind_to_numa_node(node)`` pins the calling thread to that node's CPUs.
 """
 
 from __future__ import annotations
@@ -246,20 +244,6 @@ def bind_to_numa_node(node: int) -> None:
         low, _, high = part.partition("-")
         cpus.update(range(int(low), int(high or low) + 1))
     os.sched_setaffinity(0, cpus)
-
-
-def get_alloc_func_addr() -> int:
-    """The address of Mooncake's C allocation function for torch's pluggable allocator: not
-    in kvpool."""
-    raise NotImplementedError("mooncake.store.get_alloc_func_addr: a host-memory allocator for "
-                              "torch is not supported by kvpool")
-
-
-def get_free_func_addr() -> int:
-    """The address of Mooncake's C free function for torch's pluggable allocator: not in
-    kvpool."""
-    raise NotImplementedError("mooncake.store.get_free_func_addr: a host-memory allocator for "
-                              "torch is not supported by kvpool")
 
 
 #: Every enum member is also a module-level name in ``mooncake.store``.

@@ -174,3 +174,24 @@ def test_a_host_kv_pool_from_the_allocator_serves_zero_copy_calls(
     assert allocator.free(ptr) == -1  # freed already
     with pytest.raises(RuntimeError, match="map shared memory"):
         allocator.alloc(0)
+
+
+def test_the_c_allocator_addresses_allocate_memory_the_store_takes(
+        store: MooncakeDistributedStore) -> None:
+    # as LMCache's Mooncake allocators call them: through ctypes function pointers
+    alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(
+        mooncake_store.get_alloc_func_addr())
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(mooncake_store.get_free_func_addr())
+    size = MiB
+    ptr = alloc(size)
+    assert ptr and ptr % 4096 == 0
+    try:
+        ctypes.memmove(ptr, b"c-allocated" * 100, 1100)
+        assert store.register_buffer(ptr, size) == 0
+        assert store.put_from("c-alloc", ptr, 1100) == 0
+        ctypes.memset(ptr, 0, 1100)
+        assert store.get_into("c-alloc", ptr, 1100) == 1100
+        assert ctypes.string_at(ptr, 1100) == b"c-allocated" * 100
+        assert store.unregister_buffer(ptr) == 0
+    finally:
+        free(ptr)
