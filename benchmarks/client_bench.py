@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""kvpool client benchmark: the same shape as shared/peer/mooncake_bench.py.
+"""kvpool client benchmark, in the shape of Mooncake Store's peer benchmark (run both side
+by side).
 
 Starts its own ``kvpool-master`` on 127.0.0.1 (free ports) and one or two client processes
 (``KVPoolClient``), and measures

@@ -1,10 +1,10 @@
 """``MooncakeDistributedStore`` over kvpool: Mooncake Store's Python surface and return codes.
 
 Rules of this file:
-- Every call engines make (the table in INTEGRATIONS.md) is here, with Mooncake's argument
-  forms and integer results: 0 / negative code per key, bytes read per key, ``b""`` for a
-  missing ``get``, 1/0/<0 for existence. Nothing raises for an expected failure; the reason is
-  logged and the code returned, as Mooncake's binding does.
+- Every call engines make (MindIE, vLLM, vllm-ascend, SGLang, LMCache) is here, with
+  Mooncake's argument forms and integer results: 0 / negative code per key, bytes read per
+  key, ``b""`` for a missing ``get``, 1/0/<0 for existence. Nothing raises for an expected
+  failure; the reason is logged and the code returned, as Mooncake's binding does.
 - A put of an existing key returns 0 and keeps the first value (kvpool's put is write-once).
 - Raw pointers must lie inside a registered region (``register_buffer`` here or
   ``register_memory`` on the TransferEngine whose handle was given to ``setup``); anything else

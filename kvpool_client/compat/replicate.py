@@ -2,9 +2,10 @@
 :class:`PutOptions`.
 
 Engines build it with no arguments and set attributes (MindIE: ``preferred_segment`` = its own
-segment name, ``prefer_alloc_in_same_node = True``); the keyword form in INTEGRATIONS.md works
-too. The fields are those Mooncake 0.3.13 binds; unknown attributes raise ``AttributeError``,
-as the binding does, so a typo is not silently ignored.
+segment name, ``prefer_alloc_in_same_node = True``); the keyword form
+(``ReplicateConfig(replica_num=2)``) works too. The fields are those Mooncake 0.3.13 binds;
+unknown attributes raise ``AttributeError``, as the binding does, so a typo is not silently
+ignored.
 
 - ``soft_pin_action``: ENABLE soft-pins the object, DISABLE and PRESERVE (the default) do not
   (kvpool objects are write-once: there is no earlier pin to preserve). ``with_soft_pin`` (the

@@ -1,7 +1,7 @@
 """A MindIE-shaped worker or scheduler process, driven by JSON lines on stdin.
 
-``--mode compat`` makes exactly the calls MindIE's Mooncake mempool makes (INTEGRATIONS.md,
-call by call) on the ``mooncake`` package found first on ``sys.path`` (the test puts kvpool's
+``--mode compat`` makes exactly the calls MindIE's Mooncake mempool makes (call by
+call) on the ``mooncake`` package found first on ``sys.path`` (the test puts kvpool's
 drop-in there); ``--mode native`` uses ``kvpool_client.connectors.mindie.KVPoolMempool``.
 
 A worker owns per-layer K and V cache tensors ``[num_blocks, block_size, heads, head_dim]``

@@ -1,10 +1,11 @@
 """Conformance of ``kvpool_client.compat.mooncake`` with Mooncake Store 0.3.13's return codes.
 
 The call sequence lives in ``mooncake_sequence.py`` and runs in its own process against a real
-kvpool master. Its results must equal ``EXPECTED`` (the codes of the table in INTEGRATIONS.md,
-as observed on Mooncake 0.3.13.post1). With marker ``oracle``, the same sequence also runs
-against the real Mooncake wheel (``/tmp/peer-venv``, built by ``shared/peer/setup.sh``) and its
-own ``mooncake_master``, and the two results must match.
+kvpool master. Its results must equal ``EXPECTED`` (the codes of the calls engines make, as
+observed on Mooncake 0.3.13.post1). With marker ``oracle``, the same sequence also runs
+against the real Mooncake wheel (a virtualenv at ``$PEER_VENV``, default ``/tmp/peer-venv``,
+with ``mooncake-transfer-engine-non-cuda==0.3.13.post1``) and its own ``mooncake_master``,
+and the two results must match.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def mooncake_master(tmp_path: Path) -> Any:
 def test_same_results_as_the_real_mooncake_wheel(master: Any, tmp_path: Path) -> None:
     if not _peer_has_mooncake():
         pytest.skip(f"the real Mooncake wheel is not importable by {PEER_PYTHON} "
-                    "(run shared/peer/setup.sh)")
+                    "(pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 there)")
     with mooncake_master(tmp_path) as address:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "MOONCAKE_"))}
         real = run_sequence(str(PEER_PYTHON), "mooncake.store", "mooncake.engine", address,
