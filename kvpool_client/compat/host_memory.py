@@ -47,15 +47,16 @@ _PAGE_BYTES = mmap.PAGESIZE
 class BufferLease:
     """Registered host memory leased from a ``BufferPool`` (``with`` releases it)."""
 
-    __slots__ = ("_pool", "_map", "_offset", "_ptr", "_size")
+    __slots__ = ("_pool", "_map", "_offset", "_ptr", "_size", "_held_bytes")
 
     def __init__(self, pool: BufferPool, mapping: mmap.mmap, offset: int, ptr: int,
-                 size: int) -> None:
+                 size: int, held_bytes: int) -> None:
         self._pool: BufferPool | None = pool
         self._map = mapping
         self._offset = offset
         self._ptr = ptr
         self._size = size
+        self._held_bytes = held_bytes   # of the pool, registered (at least 1)
 
     @property
     def ptr(self) -> int:
@@ -135,7 +136,10 @@ class BufferPool:
         timeout_s = self._default_timeout_s if timeout is None else float(timeout)
         if timeout_s is not None and timeout_s < 0:
             raise RuntimeError("timeout must be non-negative")
-        size = max(int(size), 1)
+        requested = int(size)
+        if requested < 0:
+            raise TypeError(f"acquire: size must be a non-negative int, got {size!r}")
+        size = max(requested, 1)   # what it takes of the pool (Mooncake's rule)
         if size > self.max_bytes:
             raise RuntimeError("requested buffer size exceeds pool capacity")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -153,7 +157,7 @@ class BufferPool:
                     raise RuntimeError("timed out waiting for buffer")
                 self._cond.wait(left_s)
         try:
-            return self._lease(size)
+            return self._lease(size, requested)
         except BaseException:
             self._give_back(size)
             raise
@@ -184,7 +188,7 @@ class BufferPool:
         if self._closed:
             raise RuntimeError("buffer pool is closed")
 
-    def _lease(self, size: int) -> BufferLease:
+    def _lease(self, size: int, requested: int) -> BufferLease:
         spare = self._alignment if self._alignment > _PAGE_BYTES else 0
         mapping = mmap.mmap(-1, size + spare)
         base = _address(mapping)
@@ -192,7 +196,7 @@ class BufferPool:
         if self._store.register_buffer(base + offset, size) != codes.OK:
             mapping.close()
             raise RuntimeError("overflow buffer registration failed")
-        return BufferLease(self, mapping, offset, base + offset, size)
+        return BufferLease(self, mapping, offset, base + offset, requested, size)
 
     def _release(self, lease: BufferLease, *, check_views: bool) -> None:
         with self._cond:
@@ -205,11 +209,11 @@ class BufferPool:
         except BufferError:
             if check_views:
                 # Nothing changes: the lease stays held and its bytes registered.
-                self._store.register_buffer(lease._ptr, lease._size)
+                self._store.register_buffer(lease._ptr, lease._held_bytes)
                 lease._pool = self
                 raise RuntimeError("cannot release buffer while exported views exist") from None
             # dropped with a view alive: the view keeps the mapping until it goes
-        self._give_back(lease._size)
+        self._give_back(lease._held_bytes)
 
     def _give_back(self, size: int) -> None:
         with self._cond:

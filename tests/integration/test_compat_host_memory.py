@@ -49,6 +49,8 @@ def test_a_lease_is_registered_memory_the_pointer_calls_take(
         released_ptr = lease.ptr
     with pytest.raises(RuntimeError, match="buffer lease is closed"):
         _ = lease.ptr
+    with pool.acquire(0, block=False) as empty:   # takes a byte of the pool, views none
+        assert empty.size == 0 and len(empty.buffer) == 0
     # after release the memory is neither registered nor mapped: the store refuses it
     assert store.put_from("after-release", released_ptr, len(payload)) == -600
     assert store.is_exist("after-release") == 0
@@ -71,6 +73,8 @@ def test_the_pool_waits_refuses_and_times_out_as_mooncake(
         pool.acquire(33 * MiB)
     with pytest.raises(RuntimeError, match="timeout must be non-negative"):
         pool.acquire(MiB, timeout=-1)
+    with pytest.raises(TypeError):
+        pool.acquire(-1)
 
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(pool.acquire(MiB, timeout=10)))
