@@ -149,6 +149,10 @@ class MasterMetrics:
         document["settings"] = self._settings
         return document
 
+    def mounted_segment_ids(self) -> list[str]:
+        """The ids of the segments mounted now (Mooncake's ``/get_all_segments``)."""
+        return [s.segment_id for s in self._core.stats().segments if s.mounted]
+
     def status_json(self) -> str:
         """The /status document as JSON text."""
         return json.dumps(self.status(), sort_keys=True)
@@ -471,7 +475,10 @@ _REQUEST_TIMEOUT_S = 5.0
 
 
 class HttpEndpoint:
-    """Minimal HTTP/1.1 GET server for /metrics, /healthz and /status on the event loop."""
+    """Minimal HTTP/1.1 GET server on the event loop: /metrics, /healthz and /status, and the
+    two read-only paths of Mooncake's master that tools poll (SGLang's ``check_server`` waits
+    on ``/get_all_segments``): ``/health`` (JSON, always 200, ``service_ready`` false while
+    /healthz would answer 503) and ``/get_all_segments`` (mounted segment ids, one a line)."""
 
     def __init__(self, metrics: MasterMetrics) -> None:
         self._metrics = metrics
@@ -502,7 +509,15 @@ class HttpEndpoint:
         if path == "/status":
             body = json.dumps(self._metrics.status(), indent=2, sort_keys=True) + "\n"
             return 200, "application/json", body.encode()
-        return 404, "text/plain; charset=utf-8", b"not found: try /metrics, /healthz, /status\n"
+        if path == "/health":
+            ready = not self._metrics.unhealthy_reason()
+            body = json.dumps({"status": "ok", "role": "leader", "service_ready": ready})
+            return 200, "application/json", body.encode()
+        if path == "/get_all_segments":
+            names = "".join(f"{name}\n" for name in self._metrics.mounted_segment_ids())
+            return 200, "text/plain; charset=utf-8", names.encode()
+        return 404, "text/plain; charset=utf-8", (b"not found: try /metrics, /healthz, /status, "
+                                                  b"/health, /get_all_segments\n")
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

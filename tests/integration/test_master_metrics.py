@@ -85,6 +85,27 @@ async def test_metrics_follow_traffic(master) -> None:
                       ) >= 0
 
 
+async def test_mooncake_admin_paths_list_the_mounted_segments(master) -> None:
+    def listed() -> str:
+        with urllib.request.urlopen(master.metrics_url + "/get_all_segments",
+                                    timeout=10) as reply:
+            assert reply.status == 200
+            return str(reply.read().decode())
+
+    rpc = MasterRpc(master.address)
+    try:
+        await rpc.register_client("n", "h", "")
+        assert listed() == ""
+        for name in ("n/0", "n/1"):
+            segment = SegmentInfo(SegmentId(name), ClientId("n"), SEGMENT_BYTES)
+            assert await rpc.mount_segment("n", segment) == Status.OK
+        assert sorted(listed().splitlines()) == ["n/0", "n/1"]
+        assert await rpc.unmount_segment("n", "n/0") == Status.OK
+        assert listed() == "n/1\n"
+    finally:
+        await rpc.close()
+
+
 async def test_promtool_accepts_the_exposition(master) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
