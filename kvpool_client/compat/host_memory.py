@@ -10,14 +10,17 @@ Rules of this file:
   most ``timeout`` seconds) and raises RuntimeError when it cannot lease, with Mooncake's
   messages. A lease's bytes stay registered with the store while it is held, so the store's
   ``*_into`` and ``*_from`` calls take them.
-- Each lease is an anonymous mapping of its own, aligned to ``alignment``, registered on
-  acquire and unregistered and unmapped on release. Mooncake leases slices of its
-  pre-registered local buffer to spare RDMA registrations; kvpool's transports copy from any
-  host memory, so a pinned pool would only hold memory. ``prewarm`` does nothing, as in
-  Mooncake.
-- ``release`` refuses while a view from ``buffer`` is alive (the bytes would be unmapped under
-  it), and changes nothing then. A lease dropped without ``release`` gives its share of the
-  pool back; its mapping goes with its last view.
+- Leases are regions: anonymous mappings aligned to ``alignment``, registered with the store
+  once, when made. A released region stays mapped and registered, idle, and the next lease
+  that fits it (less than twice its size) takes it again: no page faults, no registration
+  (with a transfer engine that is an RDMA registration), as Mooncake's pool spares them by
+  leasing from its pre-registered local buffer. Idle regions count against ``max_bytes`` and
+  are unregistered and unmapped, oldest first, when a new lease needs the room, and all of
+  them on ``close``. ``prewarm`` does nothing, as in Mooncake.
+- ``release`` refuses while a view from ``buffer`` is alive, and changes nothing then. A lease
+  dropped without ``release`` gives its share of the pool back, but its region is never leased
+  again while a view of it is alive (the view would see the next lease's bytes): it is
+  unregistered, and unmapped once its last view goes.
 - ``MooncakeHostMemAllocator.alloc(size)`` maps ``size`` bytes of shared memory, faulted in
   (as Mooncake's), and returns the address; ``free(address)`` unmaps it: 0, or -1 for an
   address ``alloc`` did not return (logged). The allocations belong to the process, not to
@@ -30,11 +33,13 @@ Rules of this file:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool_client.compat import codes
@@ -44,25 +49,42 @@ logger = logging.getLogger(__name__)
 _PAGE_BYTES = mmap.PAGESIZE
 
 
+@dataclass(slots=True)
+class _Region:
+    """One registered mapping of a pool: ``capacity`` bytes at ``ptr`` (``offset`` into
+    ``mapping``, for alignment)."""
+
+    mapping: mmap.mmap
+    offset: int
+    ptr: int
+    capacity: int
+
+    def has_views(self) -> bool:
+        """Whether a view of the mapping is alive (resizing to its own size changes nothing
+        and is refused exactly then)."""
+        try:
+            self.mapping.resize(len(self.mapping))
+        except BufferError:
+            return True
+        return False
+
+
 class BufferLease:
     """Registered host memory leased from a ``BufferPool`` (``with`` releases it)."""
 
-    __slots__ = ("_pool", "_map", "_offset", "_ptr", "_size", "_held_bytes")
+    __slots__ = ("_pool", "_region", "_size", "_held_bytes")
 
-    def __init__(self, pool: BufferPool, mapping: mmap.mmap, offset: int, ptr: int,
-                 size: int, held_bytes: int) -> None:
+    def __init__(self, pool: BufferPool, region: _Region, size: int, held_bytes: int) -> None:
         self._pool: BufferPool | None = pool
-        self._map = mapping
-        self._offset = offset
-        self._ptr = ptr
+        self._region = region
         self._size = size
-        self._held_bytes = held_bytes   # of the pool, registered (at least 1)
+        self._held_bytes = held_bytes   # of the pool's capacity (at least 1)
 
     @property
     def ptr(self) -> int:
         """The address of the leased bytes."""
         self._check_open()
-        return self._ptr
+        return self._region.ptr
 
     @property
     def size(self) -> int:
@@ -73,7 +95,8 @@ class BufferLease:
     def buffer(self) -> memoryview:
         """A writable view of the leased bytes (release refuses while one is alive)."""
         self._check_open()
-        return memoryview(self._map)[self._offset:self._offset + self._size]
+        region = self._region
+        return memoryview(region.mapping)[region.offset:region.offset + self._size]
 
     def release(self) -> None:
         """Give the bytes back to the pool (nothing when released already)."""
@@ -119,13 +142,16 @@ class BufferPool:
         self._store = store
         self.max_bytes = 2 * local_bytes if max_bytes == 0 else max(int(max_bytes), local_bytes)
         self.max_size_class = self.max_bytes if max_size_class is None else int(max_size_class)
+        self._min_region_bytes = int(min_size_class)
         self._alignment = alignment
         self._block = bool(block_on_exhaustion)
         self._default_timeout_s = None if default_timeout is None else float(default_timeout)
         self._max_regions = None if max_regions is None else int(max_regions)
         self._cond = threading.Condition()
-        self._held_bytes = 0   # leased or being set up
+        self._held_bytes = 0   # of leases held or being set up (their sizes, as Mooncake counts)
         self._held = 0
+        self._idle: list[_Region] = []   # released, still registered, oldest first
+        self._idle_bytes = 0
         self._closed = False
 
     def acquire(self, size: int, block: bool | None = None,
@@ -143,10 +169,17 @@ class BufferPool:
         if size > self.max_bytes:
             raise RuntimeError("requested buffer size exceeds pool capacity")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        dropped: list[_Region] = []
         with self._cond:
             while True:
                 self._raise_if_closed()
-                if self._fits(size):
+                if self._held_bytes + size <= self.max_bytes and (
+                        self._max_regions is None or self._held < self._max_regions):
+                    region = self._reusable(size)
+                    # idle regions give way to this lease, oldest first
+                    while region is None and self._idle and \
+                            self._held_bytes + self._idle_bytes + size > self.max_bytes:
+                        dropped.append(self._take_idle(0))
                     self._held_bytes += size
                     self._held += 1
                     break
@@ -156,11 +189,14 @@ class BufferPool:
                 if left_s is not None and left_s <= 0:
                     raise RuntimeError("timed out waiting for buffer")
                 self._cond.wait(left_s)
+        self._drop(dropped)
         try:
-            return self._lease(size, requested)
+            if region is None:
+                region = self._new_region(size)
         except BaseException:
             self._give_back(size)
             raise
+        return BufferLease(self, region, requested, size)
 
     def buffer(self, size: int, block: bool | None = None,
                timeout: float | None = None) -> BufferLease:
@@ -171,49 +207,69 @@ class BufferPool:
         """Nothing (as in Mooncake)."""
 
     def close(self) -> None:
-        """Refuse further leases (idempotent); RuntimeError while leases are held."""
+        """Refuse further leases and free the idle memory (idempotent); RuntimeError while
+        leases are held."""
         with self._cond:
-            if self._closed:
-                return
             if self._held:
                 raise RuntimeError("cannot close buffer pool with active leases")
             self._closed = True
+            idle, self._idle, self._idle_bytes = self._idle, [], 0
             self._cond.notify_all()
+        self._drop(idle)
 
-    def _fits(self, size: int) -> bool:
-        return self._held_bytes + size <= self.max_bytes and (
-            self._max_regions is None or self._held < self._max_regions)
+    def __del__(self) -> None:
+        idle, self._idle = getattr(self, "_idle", []), []
+        self._drop(idle)
 
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise RuntimeError("buffer pool is closed")
 
-    def _lease(self, size: int, requested: int) -> BufferLease:
+    def _reusable(self, size: int) -> _Region | None:
+        """Take the smallest idle region that holds ``size`` bytes and is less than twice
+        their size (None when there is none); under the lock."""
+        best = -1
+        for index, region in enumerate(self._idle):
+            if size <= region.capacity <= max(2 * size, self._min_region_bytes) and (
+                    best < 0 or region.capacity < self._idle[best].capacity):
+                best = index
+        return None if best < 0 else self._take_idle(best)
+
+    def _take_idle(self, index: int) -> _Region:
+        region = self._idle.pop(index)
+        self._idle_bytes -= region.capacity
+        return region
+
+    def _new_region(self, size: int) -> _Region:
+        capacity = -(-size // _PAGE_BYTES) * _PAGE_BYTES
         spare = self._alignment if self._alignment > _PAGE_BYTES else 0
-        mapping = mmap.mmap(-1, size + spare)
+        mapping = mmap.mmap(-1, capacity + spare)
         base = _address(mapping)
         offset = -base % self._alignment if spare else 0
-        if self._store.register_buffer(base + offset, size) != codes.OK:
+        if self._store.register_buffer(base + offset, capacity) != codes.OK:
             mapping.close()
             raise RuntimeError("overflow buffer registration failed")
-        return BufferLease(self, mapping, offset, base + offset, requested, size)
+        return _Region(mapping, offset, base + offset, capacity)
 
     def _release(self, lease: BufferLease, *, check_views: bool) -> None:
+        region = lease._region
+        views = region.has_views()
+        if views and check_views:
+            raise RuntimeError("cannot release buffer while exported views exist")
         with self._cond:
             if lease._pool is None:
                 return
             lease._pool = None   # one release wins
-        self._store.unregister_buffer(lease._ptr)
-        try:
-            lease._map.close()
-        except BufferError:
-            if check_views:
-                # Nothing changes: the lease stays held and its bytes registered.
-                self._store.register_buffer(lease._ptr, lease._held_bytes)
-                lease._pool = self
-                raise RuntimeError("cannot release buffer while exported views exist") from None
-            # dropped with a view alive: the view keeps the mapping until it goes
-        self._give_back(lease._held_bytes)
+            self._held_bytes -= lease._held_bytes
+            self._held -= 1
+            # A region with a view alive (a lease dropped with one) is never leased again.
+            keep = not views and not self._closed
+            if keep:
+                self._idle.append(region)
+                self._idle_bytes += region.capacity
+            self._cond.notify_all()
+        if not keep:
+            self._drop([region], unmap=not views)
 
     def _give_back(self, size: int) -> None:
         with self._cond:
@@ -221,6 +277,14 @@ class BufferPool:
             self._held -= 1
             self._cond.notify_all()
 
+    def _drop(self, regions: list[_Region], *, unmap: bool = True) -> None:
+        """Unregister ``regions`` and unmap them (a view still alive keeps its mapping until
+        it goes)."""
+        for region in regions:
+            self._store.unregister_buffer(region.ptr)
+            if unmap:
+                with contextlib.suppress(BufferError):
+                    region.mapping.close()
 
 
 class MooncakeHostMemAllocator:

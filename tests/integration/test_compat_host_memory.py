@@ -46,16 +46,19 @@ def test_a_lease_is_registered_memory_the_pointer_calls_take(
         assert store.put_from("leased", lease.ptr, len(payload)) == 0
         assert store.get_into("leased", into.ptr, len(payload)) == len(payload)
         assert ctypes.string_at(into.ptr, len(payload)) == payload
-        released_ptr = lease.ptr
+        released_ptr, into_ptr = lease.ptr, into.ptr
     with pytest.raises(RuntimeError, match="buffer lease is closed"):
         _ = lease.ptr
     with pool.acquire(0, block=False) as empty:   # takes a byte of the pool, views none
         assert empty.size == 0 and len(empty.buffer) == 0
-    # after release the memory is neither registered nor mapped: the store refuses it
-    assert store.put_from("after-release", released_ptr, len(payload)) == -600
-    assert store.is_exist("after-release") == 0
+    # a released lease's memory stays registered for the next lease of a like size ...
+    with pool.acquire(len(payload) - 100) as again:
+        assert again.ptr in (released_ptr, into_ptr)
     assert mooncake_store.RegisteredBufferPool is mooncake_store.BufferPool
     pool.close()
+    # ... until the pool closes: then it is neither registered nor mapped, and refused
+    assert store.put_from("after-close", released_ptr, len(payload)) == -600
+    assert store.is_exist("after-close") == 0
 
 
 def test_the_pool_waits_refuses_and_times_out_as_mooncake(
@@ -107,6 +110,31 @@ def test_a_lease_with_a_live_view_is_not_released(store: MooncakeDistributedStor
     del view
     lease.release()
     lease.release()  # idempotent
+    pool.close()
+
+
+def test_a_pool_reuses_released_memory_but_never_memory_a_view_still_sees(
+        store: MooncakeDistributedStore) -> None:
+    pool = mooncake_store.BufferPool(store, max_bytes=32 * MiB)
+    first = pool.acquire(MiB)
+    ptr = first.ptr
+    first.release()
+    second = pool.acquire(MiB)
+    assert second.ptr == ptr          # the same registered mapping, leased again
+    view = second.buffer
+    view[:4] = b"kept"
+    del second                        # dropped while its view is alive
+    gc.collect()
+    third = pool.acquire(MiB)
+    third_ptr = third.ptr
+    assert third_ptr != ptr and bytes(view[:4]) == b"kept"
+    third.release()
+    del view
+    # a pool at capacity frees idle memory for a lease of another size
+    big = pool.acquire(32 * MiB, block=False)
+    assert big.size == 32 * MiB
+    assert store.put_from("idle-freed", third_ptr, 16) == -600   # unregistered, unmapped
+    big.release()
     pool.close()
 
 
