@@ -105,6 +105,10 @@ class ClientConfig:
     # and one IP address holds at most this many connections
     data_idle_timeout_s: float = 120.0
     data_max_connections_per_peer: int = 32
+    # the port it listens on, as (lowest, highest): (0, 0) any free port; (N, N) exactly N; a
+    # range: a free port in it (for firewalls; Mooncake's transfer engines use 12300-14300).
+    # In a file: 0, N or "A-B".
+    data_port: tuple[int, int] = (0, 0)
     # xxh3_64 of each object, committed with it and checked by every read: True for every
     # object, False for none, "auto" for objects up to CHECKSUM_AUTO_MAX_BYTES (where hashing
     # costs little beside the call; larger shared-memory copies would slow by a quarter or more)
@@ -361,6 +365,19 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+def _port_range(raw: Any) -> tuple[int, int]:
+    if isinstance(raw, list | tuple) and len(raw) == 2:
+        low, high = (_int_range(0, 65535)(part) for part in raw)
+    elif isinstance(raw, str) and "-" in raw.strip().lstrip("-"):
+        first, _, last = raw.strip().partition("-")
+        low, high = _int_range(1, 65535)(first), _int_range(1, 65535)(last)
+    else:
+        low = high = _int_range(0, 65535)(raw)
+    if low > high or (low == 0) != (high == 0):
+        raise ValueError(f"expected 0, a port or \"low-high\" with low <= high, got {raw!r}")
+    return low, high
+
+
 def _address(raw: Any) -> str:
     text = _nonempty_str(raw)
     host, sep, port = text.rpartition(":")
@@ -405,6 +422,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "transfer_timeout_s": _seconds(allow_zero=False),
     "data_idle_timeout_s": _seconds(allow_zero=False),
     "data_max_connections_per_peer": _int_range(1, 1 << 16),
+    "data_port": _port_range,
     "checksum": _checksum,
     "metrics_port": _int_range(-1, 65535),
     "metrics_host": _nonempty_str,

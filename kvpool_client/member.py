@@ -323,8 +323,16 @@ def _serve(config: ClientConfig, segments: dict[str, LocalSegment | SsdSegment],
                         frame_timeout_s=config.transfer_timeout_s,
                         clock=lambda: session.clock,
                         idle_timeout_s=config.data_idle_timeout_s,
-                        max_connections_per_peer=config.data_max_connections_per_peer)
-    server.start()
+                        max_connections_per_peer=config.data_max_connections_per_peer,
+                        port=config.data_port)
+    try:
+        server.start()
+    except OSError as exc:
+        low, high = config.data_port
+        ports = "any port" if not low else f"port {low}" if low == high else f"ports {low}-{high}"
+        raise KVPoolError(Status.INVALID_ARGUMENT, f"this client's data server cannot listen on "
+                          f"{config.data_host}, {ports} (data_port): {exc.strerror or exc}"
+                          ) from None
     undo.push_async_callback(off_loop, server.close)
     metrics.watch_refusals(lambda: {
         "refused": server.refused_total, "bad_frame": server.bad_frames_total,

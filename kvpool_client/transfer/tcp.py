@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
+import random
 import socket
 import threading
 import time
@@ -93,7 +95,8 @@ class DataServer:
     """
 
     def __init__(self, segments: Mapping[str, LocalSegment | SsdSegment], capability_key: bytes,
-                 host: str = "127.0.0.1", port: int = 0, *, max_connections: int = 64,
+                 host: str = "127.0.0.1", port: int | tuple[int, int] = 0, *,
+                 max_connections: int = 64,
                  max_connections_per_peer: int = 32, frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = 120.0, first_request_timeout_s: float = 5.0,
                  clock_ms: Callable[[], int] = _wall_ms,
@@ -133,8 +136,7 @@ class DataServer:
         """Bind, listen and start serving; return the port. Raises OSError when binding fails."""
         if self._listener is not None:
             return self.port
-        listener = socket.create_server((self.host, self._requested_port), backlog=128,
-                                        reuse_port=False)
+        listener = _listen(self.host, self._requested_port)
         self._listener = listener
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kvpool-data-accept-{self.port}")
@@ -419,6 +421,24 @@ class _SsdRead:
     segment: SsdSegment
     offset: int
     length: int
+
+
+def _listen(host: str, port: int | tuple[int, int]) -> socket.socket:
+    """A listening socket on ``port`` (0: any free port), or on a free port of the range
+    ``(low, high)``, tried in random order. Raises OSError (EADDRINUSE when the whole range is
+    taken)."""
+    low, high = (port, port) if isinstance(port, int) else port
+    if low == high:
+        return socket.create_server((host, low), backlog=128, reuse_port=False)
+    candidates = list(range(low, high + 1))
+    random.shuffle(candidates)
+    for candidate in candidates:
+        try:
+            return socket.create_server((host, candidate), backlog=128, reuse_port=False)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"every port of {low}-{high} on {host} is in use")
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -116,6 +116,11 @@ def test_known_mooncake_keys_are_ignored_silently() -> None:
         ({"tls_key": __file__}, "'tls_cert' and 'tls_key' must be given together"),
         ({"protocol": "ascend_no_transport", "global_segment_size": 1},
          "must be 0 with protocol 'ascend_no_transport'"),
+        ({"data_port": "14300-12300"}, "key 'data_port': expected 0, a port or \"low-high\""),
+        ({"data_port": "0-5"}, "key 'data_port': must be between 1 and 65535"),
+        ({"data_port": 70000}, "key 'data_port': must be between 0 and 65535"),
+        ({"data_port": "twelve"}, "key 'data_port': expected an integer"),
+        ({"data_port": True}, "key 'data_port': expected an integer"),
     ],
 )
 def test_bad_values_name_the_key_and_the_problem(values: dict[str, object], fragment: str) -> None:
@@ -199,6 +204,15 @@ def test_replace_validates() -> None:
     assert (config.transport, config.global_segment_size) == ("tcp", 2 * 2**20)
     with pytest.raises(ConfigError, match="'transport'"):
         ClientConfig().replace(transport="pigeon")
+
+
+def test_data_port_forms() -> None:
+    assert ClientConfig().data_port == (0, 0)   # any free port
+    for raw, parsed in ((0, (0, 0)), (13000, (13000, 13000)), ("13000", (13000, 13000)),
+                        ("12300-14300", (12300, 14300)), (" 5-5 ", (5, 5)), ([7, 9], (7, 9))):
+        config = ClientConfig.from_dict({"data_port": raw})
+        assert config.data_port == parsed
+        assert config.replace().data_port == parsed   # survives a round trip
 
 
 def test_data_host_forms() -> None:
