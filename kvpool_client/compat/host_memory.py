@@ -113,7 +113,8 @@ class BufferLease:
     def __del__(self) -> None:
         pool = self._pool
         if pool is not None:
-            pool._release(self, check_views=False)
+            with contextlib.suppress(Exception):  # at interpreter exit, as the rest goes
+                pool._release(self, check_views=False)
 
     def _check_open(self) -> None:
         if self._pool is None:
@@ -219,7 +220,8 @@ class BufferPool:
 
     def __del__(self) -> None:
         idle, self._idle = getattr(self, "_idle", []), []
-        self._drop(idle)
+        with contextlib.suppress(Exception):  # at interpreter exit, as the rest goes
+            self._drop(idle)
 
     def _raise_if_closed(self) -> None:
         if self._closed:
