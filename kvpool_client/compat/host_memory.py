@@ -72,13 +72,12 @@ class _Region:
 class BufferLease:
     """Registered host memory leased from a ``BufferPool`` (``with`` releases it)."""
 
-    __slots__ = ("_pool", "_region", "_size", "_held_bytes")
+    __slots__ = ("_pool", "_region", "_size")
 
-    def __init__(self, pool: BufferPool, region: _Region, size: int, held_bytes: int) -> None:
+    def __init__(self, pool: BufferPool, region: _Region, size: int) -> None:
         self._pool: BufferPool | None = pool
         self._region = region
         self._size = size
-        self._held_bytes = held_bytes   # of the pool's capacity (at least 1)
 
     @property
     def ptr(self) -> int:
@@ -123,7 +122,8 @@ class BufferLease:
 
 class BufferPool:
     """Mooncake's pool of registered staging buffers over a set-up store; see the module
-    docstring."""
+    docstring. ``max_size_class``, ``prewarm_size`` and ``prewarm_count`` are taken and
+    unused, as Mooncake uses them only for its counters and its no-op ``prewarm``."""
 
     def __init__(self, store: Any, max_bytes: int = 0, min_size_class: int = 64 * 1024,
                  max_size_class: int | None = None, alignment: int = 8 * 1024 * 1024,
@@ -142,7 +142,6 @@ class BufferPool:
             raise RuntimeError("BufferPool requires a store configured with a local buffer")
         self._store = store
         self.max_bytes = 2 * local_bytes if max_bytes == 0 else max(int(max_bytes), local_bytes)
-        self.max_size_class = self.max_bytes if max_size_class is None else int(max_size_class)
         self._min_region_bytes = int(min_size_class)
         self._alignment = alignment
         self._block = bool(block_on_exhaustion)
@@ -166,7 +165,7 @@ class BufferPool:
         requested = int(size)
         if requested < 0:
             raise TypeError(f"acquire: size must be a non-negative int, got {size!r}")
-        size = max(requested, 1)   # what it takes of the pool (Mooncake's rule)
+        size = _pool_bytes(requested)
         if size > self.max_bytes:
             raise RuntimeError("requested buffer size exceeds pool capacity")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -197,7 +196,7 @@ class BufferPool:
         except BaseException:
             self._give_back(size)
             raise
-        return BufferLease(self, region, requested, size)
+        return BufferLease(self, region, requested)
 
     def buffer(self, size: int, block: bool | None = None,
                timeout: float | None = None) -> BufferLease:
@@ -262,7 +261,7 @@ class BufferPool:
             if lease._pool is None:
                 return
             lease._pool = None   # one release wins
-            self._held_bytes -= lease._held_bytes
+            self._held_bytes -= _pool_bytes(lease._size)
             self._held -= 1
             # A region with a view alive (a lease dropped with one) is never leased again.
             keep = not views and not self._closed
@@ -319,6 +318,11 @@ class MooncakeHostMemAllocator:
 #: address -> mapping of every live ``MooncakeHostMemAllocator`` allocation of the process
 _ALLOCATED: dict[int, mmap.mmap] = {}
 _ALLOCATED_LOCK = threading.Lock()
+
+
+def _pool_bytes(size: int) -> int:
+    """What a lease of ``size`` bytes takes of its pool: at least 1 (Mooncake's rule)."""
+    return max(size, 1)
 
 
 def _address(mapping: mmap.mmap) -> int:

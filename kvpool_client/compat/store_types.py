@@ -225,7 +225,7 @@ class ReplicaDescriptor:
 
 
 DiskDescriptor = _no_constructor("DiskDescriptor")
-BufferLeaseView = _no_constructor("BufferLeaseView")   # buffer_pool.BufferLease.buffer's
+BufferLeaseView = _no_constructor("BufferLeaseView")   # host_memory.BufferLease.buffer's
 EngramStore = _not_in_kvpool("EngramStore", "the Engram embedding store")
 MooncakeDistributedNoFRegister = _not_in_kvpool("MooncakeDistributedNoFRegister",
                                                 "NVMe-oF segment registration")
