@@ -59,11 +59,17 @@ def _object(tensor: Any, shard: Shard | None = None,
     """The regions of ``tensor``'s object. Raises ValueError for what cannot be stored."""
     torch = _torch()
     host = _host_contiguous(tensor)
-    shape = tuple(host.shape)
-    header = TensorHeader(str(host.dtype).removeprefix("torch."), shape,
-                          global_shape if global_shape is not None else shape, shard)
     data = host.reshape(-1).view(torch.uint8).numpy()
-    return [memoryview(encode(header)), memoryview(data).cast("B")]
+    return [memoryview(_header(host, shard, global_shape)), memoryview(data).cast("B")]
+
+
+def _header(tensor: Any, shard: Shard | None = None,
+            global_shape: tuple[int, ...] | None = None) -> bytes:
+    """The header of ``tensor``'s object (a shard of a tensor of ``global_shape``). Raises
+    ValueError for a dtype or a rank a tensor object cannot hold."""
+    shape = tuple(tensor.shape)
+    return encode(TensorHeader(str(tensor.dtype).removeprefix("torch."), shape,
+                               global_shape if global_shape is not None else shape, shard))
 
 
 def _shards(tensor: Any, tp_size: int, split_dim: int) -> list[list[memoryview]]:
@@ -103,9 +109,7 @@ def serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"expected a torch tensor, got {type(tensor).__name__}")
     owner = tensor.detach().contiguous()
-    shape = tuple(owner.shape)
-    header = encode(TensorHeader(str(owner.dtype).removeprefix("torch."), shape, shape))
-    return header, owner.data_ptr(), owner.numel() * owner.element_size(), owner
+    return _header(owner), owner.data_ptr(), owner.numel() * owner.element_size(), owner
 
 
 def tensor_metadata_size() -> int:
