@@ -259,7 +259,7 @@ class Liveness:
 
     async def _beat(self, rpc: MasterRpc) -> bool:
         """One heartbeat (or re-registration); True when the master answered as hoped."""
-        if self._waiters or self._needs_mount or self._reregistering:
+        if self._waiters or self._reregistering:   # (a pending remount is part of one)
             # A re-registration whose answer was lost may have registered this client anew
             # (a new key): finish it (registering is idempotent) rather than trust a heartbeat.
             return await self._reregister(rpc)
