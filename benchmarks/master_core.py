@@ -349,6 +349,7 @@ def bench_churn_steps(num_objects: int) -> None:
     batches (each evicting about as much as it puts, LRU victims scattered by 100-key reads
     of recent keys), for one and a half times the table. This is where whole-table steps
     show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long.
+    Also prints the rate of the puts and commits, in the first turnover and after it.
     The cyclic collector is off meanwhile: the server bounds its pauses on its own (see
     ``bench_gc_pauses``), and one of Python's own full collections would hide the rest."""
     from kvpool_master.core import mutations
@@ -380,6 +381,7 @@ def bench_churn_steps(num_objects: int) -> None:
     gc.disable()
     rng = random.Random(3)
     longest = {"put_start": 0.0, "put_end": 0.0, "get_replicas": 0.0}
+    putting_s = [0.0, 0.0]  # puts and commits: the first turnover of the pool, then the rest
     now = 2.0
     try:
         for start in range(num_objects, num_objects + num_objects * 3 // 2, 100):
@@ -394,6 +396,7 @@ def bench_churn_steps(num_objects: int) -> None:
             end_s = time.perf_counter()
             core.get_replicas(reads, now)
             get_s = time.perf_counter()
+            putting_s[start >= 2 * num_objects] += end_s - started
             for name, elapsed in (("put_start", put_s - started), ("put_end", end_s - put_s),
                                   ("get_replicas", get_s - end_s)):
                 longest[name] = max(longest[name], elapsed)
@@ -408,6 +411,9 @@ def bench_churn_steps(num_objects: int) -> None:
           f"{longest['get_replicas'] * 1e3:.1f} ms; {len(passes):,} eviction passes, p50 / p99 "
           f"/ longest {passes[len(passes) // 2] * 1e3:.1f} / "
           f"{passes[int(len(passes) * 0.99)] * 1e3:.1f} / {passes[-1] * 1e3:.1f} ms")
+    print(f"  puts and commits (evictions included): {num_objects / putting_s[0] / 1e3:.0f} k "
+          f"keys/s while the pool turns over once, {num_objects // 2 / putting_s[1] / 1e3:.0f} "
+          f"k keys/s after (LRU victims left its free space in one-block holes)")
 
 
 def restore_alone(state_dir: str) -> None:

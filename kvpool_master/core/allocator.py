@@ -5,9 +5,11 @@ Rules of this file:
   a segment start aligned; callers pass their exact size and get the rounded extent back.
 - Free space is a set of maximal extents: a free always coalesces with both neighbours, so two
   free extents never touch and allocation never overlaps (pinned by a property test).
-- Every operation is O(log n) in the number of free extents: ``_by_size`` is a sorted list of
-  ``size << OFFSET_BITS | offset`` (one int compares faster than a tuple and costs less memory),
-  and two dicts find the neighbours of a freed extent in O(1).
+- Every operation is O(log n) in the number of free extents (a run of k holes, O(k log n)):
+  ``_by_size`` is a sorted list of ``size << OFFSET_BITS | offset`` (one int compares faster
+  than a tuple and costs less memory), searched by value, never by position (a positional
+  lookup rebuilds the list's position index after a change), and two dicts find the
+  neighbours of a freed extent in O(1).
 - Best fit (smallest extent that fits, lowest offset among equals) keeps holes of a uniform
   block size reusable exactly, which is the common case for KV blocks.
 """
@@ -121,24 +123,41 @@ class Allocator:
 
         ``size_bytes`` must be positive (the caller validates input).
         """
-        return self.allocate_run(size_bytes, 1)[0]
+        size = aligned(size_bytes)
+        fitting: int | None = next(self._by_size.irange(size << OFFSET_BITS), None)
+        if fitting is None:
+            return -1
+        self._carve(fitting, size, 1)
+        return fitting & _OFFSET_MASK
 
-    def allocate_run(self, size_bytes: int, count: int) -> tuple[int, int]:
-        """Carve up to ``count`` (>= 1) back-to-back extents of ``aligned(size_bytes)`` bytes
-        out of one free extent: the smallest that holds them all, else the largest. Return
-        (offset of the first, how many), or (-1, 0) if not even one fits. Each is an extent of
-        its own, freed on its own later, as ``allocate`` gives them.
+    def allocate_run(self, size_bytes: int, count: int) -> list[int]:
+        """Return the offsets of up to ``count`` (>= 1) fresh extents of ``aligned(size_bytes)``
+        bytes, in order: back to back out of the smallest free extent that holds them all;
+        where none does, out of the smallest free extents that hold one or more, in turn (after
+        an LRU pool has turned over, free space is mostly holes of one block each). Empty if
+        not even one fits. Each is an extent of its own, freed on its own later, as
+        ``allocate`` gives them.
         """
         size = aligned(size_bytes)
         by_size = self._by_size
-        index = by_size.bisect_left(size * count << OFFSET_BITS)
-        if index == len(by_size):
-            if not by_size or by_size[-1] >> OFFSET_BITS < size:
-                return -1, 0
-            index -= 1
-        packed: int = by_size.pop(index)
+        whole = next(by_size.irange(size * count << OFFSET_BITS), None)
+        chosen = [whole] if whole is not None else \
+            list(itertools.islice(by_size.irange(size << OFFSET_BITS), count))
+        offsets: list[int] = []
+        for packed in chosen:
+            offset = packed & _OFFSET_MASK
+            got = self._carve(packed, size, count - len(offsets))
+            offsets += range(offset, offset + got * size, size)
+            if len(offsets) == count:
+                break
+        return offsets
+
+    def _carve(self, packed: int, size: int, count: int) -> int:
+        """Allocate up to ``count`` extents of ``size`` (aligned) from the start of the free
+        extent ``packed`` (at least one fits); return how many."""
         extent_size = packed >> OFFSET_BITS
         offset = packed & _OFFSET_MASK
+        self._by_size.remove(packed)
         del self._start_to_size[offset]
         del self._end_to_start[offset + extent_size]
         got = min(count, extent_size // size)
@@ -147,7 +166,7 @@ class Allocator:
             self._add_free(offset + taken, extent_size - taken)
         self.used_bytes += taken
         self.num_extents += got
-        return offset, got
+        return got
 
     def free(self, offset: int, size_bytes: int) -> None:
         """Return the extent ``allocate`` gave at ``offset`` for ``size_bytes`` to free space.

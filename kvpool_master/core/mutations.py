@@ -385,9 +385,9 @@ class Mutations:
         for) and account for the keys it noted."""
         if run.left:
             self._segments.tier_to_used_bytes[Tier.DRAM] += run.left * run.step_bytes
-            self._segments.free([Extent(run.state.info.segment_id,
-                                           run.offset + k * run.step_bytes, run.size_bytes)
-                                 for k in range(run.left)], seq=-1)
+            segment_id = run.state.info.segment_id
+            self._segments.free([Extent(segment_id, offset, run.size_bytes)
+                                 for offset in run.offsets[-run.left:]], seq=-1)
             run.left = 0
         if run.noted:
             self._noted(run.state, run.noted)
@@ -446,9 +446,9 @@ class Mutations:
             state.compact_read, state.compact_write = read, write
 
     def _carve_run(self, size_bytes: int, count: int) -> _Run | None:
-        """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved
-        back to back from the emptiest DRAM segment at once (one allocator and one index
-        update instead of one per key); None when a run is not worth it (``count`` 1) or
+        """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved at
+        once from the emptiest DRAM segment (back to back where it can: one allocator and one
+        index update instead of one per key); None when a run is not worth it (``count`` 1) or
         that segment has no room (the caller then allocates one key the usual way, evicting
         if it must). Its tier counts an extent as used once ``_take`` hands it out."""
         if count < 2:
@@ -456,11 +456,11 @@ class Mutations:
         carved = self._segments.allocate_run(size_bytes, count)
         if carved is None:
             return None
-        state, offset, got = carved
-        run = _Run(state, offset, size_bytes, got)
+        state, offsets = carved
+        run = _Run(state, offsets, size_bytes)
         # the tier counts each extent as it is handed out, so watermark passes run exactly
         # where they would for puts placed one at a time
-        self._segments.tier_to_used_bytes[Tier.DRAM] -= got * run.step_bytes
+        self._segments.tier_to_used_bytes[Tier.DRAM] -= len(offsets) * run.step_bytes
         return run
 
     def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Extent:
@@ -470,8 +470,7 @@ class Mutations:
         step = run.step_bytes
         used = self._segments.tier_to_used_bytes
         used[Tier.DRAM] += step
-        placement = Extent(run.state.info.segment_id, run.offset, run.size_bytes)
-        run.offset += step
+        placement = Extent(run.state.info.segment_id, run.offsets[-run.left], run.size_bytes)
         run.left -= 1
         run.state.keys.append(key)
         run.noted += 1
@@ -615,18 +614,18 @@ RUN_MAX_KEYS = 64
 
 
 class _Run:
-    """Extents carved back to back for the plain puts of one batch, handed out in order by
-    ``Mutations._take``; the keys they went to are appended to the segment's key list as
-    they go (``noted``)."""
+    """Extents carved at once for the plain puts of one batch (``offsets``, back to back
+    where the segment had room for it), handed out in order by ``Mutations._take``; the keys
+    they went to are appended to the segment's key list as they go (``noted``)."""
 
-    __slots__ = ("state", "offset", "size_bytes", "step_bytes", "left", "noted", "quiet")
+    __slots__ = ("state", "offsets", "size_bytes", "step_bytes", "left", "noted", "quiet")
 
-    def __init__(self, state: SegmentState, offset: int, size_bytes: int, count: int) -> None:
+    def __init__(self, state: SegmentState, offsets: list[int], size_bytes: int) -> None:
         self.state = state
-        self.offset = offset
+        self.offsets = offsets
         self.size_bytes = size_bytes
         self.step_bytes = aligned(size_bytes)
-        self.left = count
+        self.left = len(offsets)  # not handed out yet: the last ``left`` offsets
         self.noted = 0
         self.quiet = 0  # extents to hand out before the watermark is checked again
 

@@ -246,19 +246,19 @@ class SegmentTable:
             self._index(state)
         return placement
 
-    def allocate_run(self, size_bytes: int, count: int) -> tuple[SegmentState, int, int] | None:
-        """Up to ``count`` back-to-back extents of ``size_bytes`` on the DRAM segment with the
-        most free bytes (``Allocator.allocate_run``): (segment, offset of the first, how
-        many), or None when that segment cannot hold one."""
+    def allocate_run(self, size_bytes: int, count: int) -> tuple[SegmentState, list[int]] | None:
+        """Up to ``count`` extents of ``size_bytes`` on the DRAM segment with the most free
+        bytes (``Allocator.allocate_run``): (segment, their offsets), or None when that
+        segment cannot hold one."""
         state = self._best()
         if state is None:
             return None
-        offset, got = state.allocator.allocate_run(size_bytes, count)
-        if not got:
+        offsets = state.allocator.allocate_run(size_bytes, count)
+        if not offsets:
             return None
-        self._taken(state, aligned(size_bytes) * got)
+        self._taken(state, aligned(size_bytes) * len(offsets))
         self._index(state)
-        return state, offset, got
+        return state, offsets
 
     def _best(self) -> SegmentState | None:
         """The DRAM segment at the top of the index, its entry there current (superseded

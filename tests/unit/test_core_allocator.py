@@ -57,16 +57,21 @@ def test_allocator_matches_a_model(operations: list[tuple[str, int, int]]) -> No
             step = aligned(size)
             free_before = dict(allocator.free_extents())
             holding = [s for s in free_before.values() if s >= step * count]
-            offset, got = allocator.allocate_run(size, count)
-            if holding:   # the smallest extent that holds all of them
-                assert got == count and free_before.get(offset) == min(holding)
-            elif max(free_before.values(), default=0) >= step:   # else the largest
-                assert free_before.get(offset) == max(free_before.values())
-                assert got == free_before[offset] // step < count
-            else:
-                assert (offset, got) == (-1, 0)
-            for k in range(got):   # each an extent of its own
-                live[offset + k * step] = size
+            offsets = allocator.allocate_run(size, count)
+            if holding:   # back to back from the smallest extent that holds all of them
+                assert offsets == [offsets[0] + k * step for k in range(count)]
+                assert free_before.get(offsets[0]) == min(holding)
+            else:   # else from the smallest extents that hold one or more, in turn
+                fitting = sorted((s, o) for o, s in free_before.items() if s >= step)
+                expected: list[int] = []
+                for extent_size, start in fitting:
+                    got = min(count - len(expected), extent_size // step)
+                    expected += [start + k * step for k in range(got)]
+                    if len(expected) == count:
+                        break
+                assert offsets == expected
+            for offset in offsets:   # each an extent of its own
+                live[offset] = size
         elif op == "free" and live:
             offset = sorted(live)[pick % len(live)]
             allocator.free(offset, live.pop(offset))
@@ -196,3 +201,23 @@ def test_uniform_blocks_pack_perfectly() -> None:
         assert offset >= 0
         live.append(offset)
     assert allocator.free_bytes == 0
+
+
+def test_a_run_in_a_turned_over_segment_takes_its_holes_in_one_call() -> None:
+    """After LRU eviction freed every other block, no free extent holds two blocks: a run
+    takes the holes, smallest first, then the larger free tail; each is its own extent."""
+    block = 4096
+    allocator = Allocator(40 * block)
+    assert allocator.allocate_run(block, 32) == [k * block for k in range(32)]
+    for k in range(0, 32, 2):
+        allocator.free(k * block, block)
+    assert allocator.num_free_extents == 17
+    holes = allocator.allocate_run(block, 20)
+    assert holes == [k * block for k in range(0, 32, 2)] + [32 * block + k * block
+                                                            for k in range(4)]
+    assert allocator.free_extents() == [(36 * block, 4 * block)]
+    assert allocator.allocate_run(block, 8) == [36 * block + k * block for k in range(4)]
+    assert allocator.allocate_run(block, 8) == [] and allocator.free_bytes == 0
+    for offset in holes:
+        allocator.free(offset, block)
+    assert allocator.num_extents == 40 - len(holes)
