@@ -344,12 +344,13 @@ def bench_table_churn(num_objects: int) -> None:
           f"rebuild), object table {table_s * 1e3:.2f} ms")
 
 
-def bench_churn_steps(num_objects: int) -> None:
+def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
     """The longest single call while a full pool of ``num_objects`` churns: 100-key put
     batches (each evicting about as much as it puts, LRU victims scattered by 100-key reads
-    of recent keys), for one and a half times the table. This is where whole-table steps
+    of recent keys), for ``turnovers`` times the table. This is where whole-table steps
     show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long.
-    Also prints the rate of the puts and commits, in the first turnover and after it.
+    Also prints the rate of the puts and commits in each turnover of the pool: LRU victims
+    leave its free space in one-block holes, and the entries touched lie ever more scattered.
     The cyclic collector is off meanwhile: the server bounds its pauses on its own (see
     ``bench_gc_pauses``), and one of Python's own full collections would hide the rest."""
     from kvpool_master.core import mutations
@@ -381,10 +382,11 @@ def bench_churn_steps(num_objects: int) -> None:
     gc.disable()
     rng = random.Random(3)
     longest = {"put_start": 0.0, "put_end": 0.0, "get_replicas": 0.0}
-    putting_s = [0.0, 0.0]  # puts and commits: the first turnover of the pool, then the rest
+    num_puts = int(num_objects * turnovers) // 100 * 100
+    putting_s = [0.0] * -(-num_puts // num_objects)  # puts and commits, per turnover
     now = 2.0
     try:
-        for start in range(num_objects, num_objects + num_objects * 3 // 2, 100):
+        for start in range(num_objects, num_objects + num_puts, 100):
             now += 0.001
             chunk = keys_of(start, 100)
             reads = [ObjectKey(b"%064x" % rng.randrange(start - num_objects // 40, start))
@@ -396,7 +398,7 @@ def bench_churn_steps(num_objects: int) -> None:
             end_s = time.perf_counter()
             core.get_replicas(reads, now)
             get_s = time.perf_counter()
-            putting_s[start >= 2 * num_objects] += end_s - started
+            putting_s[(start - num_objects) // num_objects] += end_s - started
             for name, elapsed in (("put_start", put_s - started), ("put_end", end_s - put_s),
                                   ("get_replicas", get_s - end_s)):
                 longest[name] = max(longest[name], elapsed)
@@ -405,15 +407,16 @@ def bench_churn_steps(num_objects: int) -> None:
         gc.enable()
         mutations.Mutations._evict_pass = evict_pass  # type: ignore[method-assign]
     passes.sort()
-    print(f"\nchurn of a full pool of {num_objects:,} objects ({num_objects * 3 // 2:,} puts in "
+    print(f"\nchurn of a full pool of {num_objects:,} objects ({num_puts:,} puts in "
           f"100-key batches): longest put_start {longest['put_start'] * 1e3:.1f} ms, "
           f"put_end {longest['put_end'] * 1e3:.1f} ms, get_replicas "
           f"{longest['get_replicas'] * 1e3:.1f} ms; {len(passes):,} eviction passes, p50 / p99 "
           f"/ longest {passes[len(passes) // 2] * 1e3:.1f} / "
           f"{passes[int(len(passes) * 0.99)] * 1e3:.1f} / {passes[-1] * 1e3:.1f} ms")
-    print(f"  puts and commits (evictions included): {num_objects / putting_s[0] / 1e3:.0f} k "
-          f"keys/s while the pool turns over once, {num_objects // 2 / putting_s[1] / 1e3:.0f} "
-          f"k keys/s after (LRU victims left its free space in one-block holes)")
+    rates = [min(num_objects, num_puts - k * num_objects) / elapsed_s / 1e3
+             for k, elapsed_s in enumerate(putting_s)]
+    print("  puts and commits (evictions included) per turnover of the pool: "
+          + ", ".join(f"{rate:.0f}" for rate in rates) + " k keys/s")
 
 
 def restore_alone(state_dir: str) -> None:
@@ -440,13 +443,15 @@ def main() -> None:
                              "about 5 minutes and 9 GiB of memory)")
     parser.add_argument("--churn-objects", type=int, default=0, metavar="N",
                         help="only the churn of a full pool of N objects")
+    parser.add_argument("--churn-turnovers", type=float, default=1.5, metavar="T",
+                        help="how many times the churn turns the pool over (--churn-objects)")
     parser.add_argument("--_restore", metavar="STATE_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._restore:
         restore_alone(args._restore)
         return
     if args.churn_objects:
-        bench_churn_steps(args.churn_objects)
+        bench_churn_steps(args.churn_objects, args.churn_turnovers)
         return
     if args.memory_objects:
         bench_memory_and_eviction(args.memory_objects)
