@@ -36,10 +36,13 @@ DEFAULT_MASTER = "127.0.0.1:50051"
 _POSITIONAL = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
                "protocol", "rdma_devices", "master_server_addr", "engine")
 #: accepted, and harmless to ignore (Mooncake features kvpool has no counterpart for)
-_IGNORED = {"ipc_socket_path": "", "tenant_id": "default", "enable_client_http_server": False,
-            "client_http_port": 9300}
+_IGNORED = {"ipc_socket_path": "", "enable_client_http_server": False, "client_http_port": 9300}
+#: Mooncake's tenants are key spaces of their own; a kvpool pool has one
+_TENANT = "tenant_id"
+_DEFAULT_TENANT = "default"
 #: Mooncake's SSD offload arguments, kvpool's SSD tier (README, "SSD tier")
 _SSD = ("enable_ssd_offload", "ssd_offload_path")
+_ACCEPTED = {*_POSITIONAL, *_IGNORED, *_SSD, _TENANT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,11 @@ def parse_setup(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     else:
         values = _from_arguments(args, kwargs)
     ssd = {key: values.pop(key) for key in _SSD if key in values}
+    tenant = values.pop(_TENANT, _DEFAULT_TENANT)
+    if tenant != _DEFAULT_TENANT:
+        raise ConfigError(f"setup: tenant_id {tenant!r} is not supported: a kvpool pool has one "
+                          "key space, where tenants would read each other's objects under the "
+                          "same keys; give each tenant a master of its own")
     for key, default in _IGNORED.items():
         value = values.pop(key, default)
         if value != default:
@@ -115,7 +123,7 @@ def _from_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[st
     for key, value in kwargs.items():
         if key in values:
             raise ConfigError(f"setup: argument {key!r} given twice")
-        if key not in _POSITIONAL and key not in _IGNORED and key not in _SSD:
+        if key not in _ACCEPTED:
             raise ConfigError(f"setup: unknown argument {key!r}")
         values[key] = value
     for key in ("local_hostname", "metadata_server"):
@@ -129,7 +137,7 @@ def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
     aliases = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
     for key, value in config.items():
         name = aliases.get(key, key)
-        if name not in _POSITIONAL and name not in _IGNORED and name not in _SSD:
+        if name not in _ACCEPTED:
             raise ConfigError(f"setup: unknown key {key!r} in the config dict")
         values[name] = value
     if "local_hostname" not in values or "metadata_server" not in values:

@@ -61,6 +61,13 @@ def test_mooncake_huge_page_switch_is_read_from_the_environment() -> None:
         parse_setup(args, {}, {"MC_STORE_USE_HUGEPAGE": "please"})
 
 
+def test_the_default_tenant_is_accepted_in_either_form() -> None:
+    for args, kwargs in ((("h", "P2PHANDSHAKE"), {"tenant_id": "default"}),
+                         (({"local_hostname": "h", "metadata_server": "P",
+                            "tenant_id": "default"},), {})):
+        assert parse_setup(args, kwargs, NO_ENV).config.local_hostname == "h"
+
+
 def test_dict_form_accepts_both_master_spellings() -> None:
     for key in ("master_server_addr", "master_server_address"):
         setup = parse_setup(({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
@@ -84,6 +91,9 @@ def test_dict_form_accepts_both_master_spellings() -> None:
     (({"local_hostname": "h", "metadata_server": "P", "what": 1},), {}, "what"),
     ((7, "P2PHANDSHAKE"), {}, "local_hostname"),
     (("h", "P2PHANDSHAKE", 1, 1, "ascend_no_transport"), {}, "ascend_no_transport"),
+    # one key space: another tenant's objects would answer under the same keys
+    (("h", "P2PHANDSHAKE"), {"tenant_id": "team-a"}, "tenant_id 'team-a'"),
+    (({"local_hostname": "h", "metadata_server": "P", "tenant_id": "b"},), {}, "tenant_id 'b'"),
 ])
 def test_bad_setup_arguments_name_the_problem(args: tuple, kwargs: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
