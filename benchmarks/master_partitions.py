@@ -7,7 +7,7 @@ routing: P processes each run an in-process core (``master_core.py``'s) on their
 it into a fresh core, again at the same time. Aggregate rates are total keys over the wall time
 of the slowest process, against the same work done by one process in the same run.
 
-    .venv/bin/python benchmarks/master_partitions.py [--objects 1000000] [--partitions 2]
+    .venv/bin/python benchmarks/master_partitions.py [--objects 1000000] [--partitions 2 [4 ...]]
 
 Keys are 64-byte hex strings in chains of 32 (parent keys, checksums), as ``master_core.py``.
 On a machine with fewer free cores than partitions the gain is capped by the cores.
@@ -77,15 +77,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objects", type=int, default=1_000_000)
-    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--partitions", type=int, nargs="+", default=[2],
+                    help="numbers of processes to compare with one (each a run of its own)")
     args = ap.parse_args()
     print(f"{args.objects:,} objects; {os.cpu_count()} CPUs")
     base_fill_s, base_restore_s = run(args.objects, 1)
-    fill_s, restore_s = run(args.objects, args.partitions)
     print(f"  {'processes':<10} {'put+commit keys/s':>18} {'restore s':>10}")
-    print(f"  {1:<10} {args.objects / base_fill_s / 1e6:>16.3f} M {base_restore_s:>10.2f}")
-    print(f"  {args.partitions:<10} {args.objects / fill_s / 1e6:>16.3f} M {restore_s:>10.2f}")
-    print(f"  gain: puts x{base_fill_s / fill_s:.2f}, restore x{base_restore_s / restore_s:.2f}")
+    print(f"  {1:<10} {args.objects / base_fill_s / 1e6:>16.3f} M {base_restore_s:>10.2f}",
+          flush=True)
+    for partitions in args.partitions:
+        fill_s, restore_s = run(args.objects, partitions)
+        print(f"  {partitions:<10} {args.objects / fill_s / 1e6:>16.3f} M {restore_s:>10.2f}"
+              f"   gain: puts x{base_fill_s / fill_s:.2f}, "
+              f"restore x{base_restore_s / restore_s:.2f}", flush=True)
     return 0
 
 
