@@ -1,14 +1,18 @@
 """Helpers the integration tests share: the client worker module, a master's metric, pip into a
-directory, and Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it."""
+directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, and a set-up
+Mooncake drop-in store."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 INTEGRATION = Path(__file__).parent / "integration"
 #: the real Mooncake wheel the tests run beside kvpool (PyPI, no CUDA)
@@ -58,3 +62,22 @@ def install_mooncake_beside_kvpool(site: Path) -> None:
     hook = pip_install("--no-build-isolation", "--no-index", "--target", str(site),
                        str(STORE_HOOK))
     assert hook.returncode == 0, hook.stdout + hook.stderr
+
+
+@contextlib.contextmanager
+def drop_in_store(address: str, segment_bytes: int, buffer_bytes: int, *,
+                   remove_all: bool = False) -> Iterator[Any]:
+    """A ``MooncakeDistributedStore`` set up over TCP on the master at ``address``, with a
+    segment of ``segment_bytes`` and a local buffer of ``buffer_bytes``; closed on exit (after
+    removing every object in the pool, with ``remove_all``)."""
+    from kvpool_client.compat.mooncake import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, buffer_bytes, "tcp", "",
+                       address) == 0
+    try:
+        yield store
+    finally:
+        if remove_all:
+            store.remove_all(True)
+        store.close()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import drop_in_store
 
 from kvpool_client.compat.extras import UNSUPPORTED_CALLS
 from kvpool_client.compat.mooncake import (
@@ -28,13 +29,8 @@ LEASE_S = 2.0
 @pytest.fixture
 def store(start_master: Any) -> Iterator[MooncakeDistributedStore]:
     master = start_master(default_kv_lease_ttl=int(LEASE_S * 1000))
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 1 * MiB, "tcp", "",
-                   master.address) == 0
-    try:
+    with drop_in_store(master.address, 32 * MiB, 1 * MiB) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_replicate_config_has_mooncakes_fields_and_checks_them() -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import drop_in_store
 
 from kvpool_client.compat import store_surface as mooncake_store
 from kvpool_client.compat.mooncake import MooncakeDistributedStore
@@ -23,14 +24,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def store(start_master: Any) -> Iterator[MooncakeDistributedStore]:
-    master = start_master()
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 16 * MiB, "tcp", "",
-                   master.address) == 0
-    try:
+    with drop_in_store(start_master().address, 64 * MiB, 16 * MiB) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_a_lease_is_registered_memory_the_pointer_calls_take(

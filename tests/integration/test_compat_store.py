@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import drop_in_store
 
 from kvpool_client.compat.mooncake import (
     MooncakeDistributedStore,
@@ -25,14 +26,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def store(master: Any) -> Iterator[MooncakeDistributedStore]:
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 16 * MiB, "tcp", "",
-                   master.address) == 0
-    try:
+    with drop_in_store(master.address, 32 * MiB, 16 * MiB, remove_all=True) as s:
         yield s
-    finally:
-        s.remove_all(True)
-        s.close()
 
 
 def test_pointers_outside_registered_memory_fail_cleanly(store: MooncakeDistributedStore) -> None:

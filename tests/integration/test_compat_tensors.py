@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import drop_in_store
 
 torch = pytest.importorskip("torch")
 
@@ -34,13 +35,8 @@ MiB = 1 << 20
 @pytest.fixture
 def store(start_master: Any) -> Iterator[MooncakeDistributedStore]:
     master = start_master(default_kv_lease_ttl=500)
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 64 * MiB, 16 * MiB, "tcp", "",
-                   master.address) == 0
-    try:
+    with drop_in_store(master.address, 64 * MiB, 16 * MiB) as s:
         yield s
-    finally:
-        s.close()
 
 
 def _same(expected: Any, got: Any) -> bool:
