@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import drop_in_store
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
@@ -147,7 +148,6 @@ def test_a_pinned_host_kv_pool_from_the_allocator_moves_device_blocks(master: An
     import ctypes
 
     from kvpool_client.compat import store_surface as mooncake_store
-    from kvpool_client.compat.mooncake import MooncakeDistributedStore
 
     pages, page_elems = 8, 64 * 1024  # 8 pages of 128 KiB of bf16
     size = 2 * pages * page_elems * 2
@@ -158,27 +158,24 @@ def test_a_pinned_host_kv_pool_from_the_allocator_moves_device_blocks(master: An
     host = torch.frombuffer((ctypes.c_byte * size).from_address(ptr), dtype=torch.uint8,
                             count=size).view(torch.bfloat16).view(2, pages, page_elems)
     device = torch.randn(pages, page_elems, device="cuda", dtype=torch.bfloat16)
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", master.address) == 0
     try:
-        assert host.is_pinned()
-        host[0].copy_(device, non_blocking=True)
-        torch.cuda.synchronize()
-        assert store.register_buffer(ptr, size) == 0
-        page_bytes = page_elems * 2
-        keys = [f"hicache-{p}" for p in range(pages)]
-        assert store.batch_put_from(keys, [host[0, p].data_ptr() for p in range(pages)],
-                                    [page_bytes] * pages) == [0] * pages
-        assert store.batch_get_into(keys, [host[1, p].data_ptr() for p in range(pages)],
-                                    [page_bytes] * pages) == [page_bytes] * pages
-        back = torch.empty_like(device)
-        back.copy_(host[1], non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(back, device)
-        assert store.unregister_buffer(ptr) == 0
+        with drop_in_store(master.address, 32 << 20, 0, remove_all=True) as store:
+            assert host.is_pinned()
+            host[0].copy_(device, non_blocking=True)
+            torch.cuda.synchronize()
+            assert store.register_buffer(ptr, size) == 0
+            page_bytes = page_elems * 2
+            keys = [f"hicache-{p}" for p in range(pages)]
+            assert store.batch_put_from(keys, [host[0, p].data_ptr() for p in range(pages)],
+                                        [page_bytes] * pages) == [0] * pages
+            assert store.batch_get_into(keys, [host[1, p].data_ptr() for p in range(pages)],
+                                        [page_bytes] * pages) == [page_bytes] * pages
+            back = torch.empty_like(device)
+            back.copy_(host[1], non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(back, device)
+            assert store.unregister_buffer(ptr) == 0
     finally:
-        store.remove_all(True)
-        store.close()
         del host
         assert int(cudart.cudaHostUnregister(ptr)) == 0
         assert allocator.free(ptr) == 0
