@@ -50,8 +50,9 @@ snapshots in the caller.
 Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp`` (records and replay:
 ``statefile.py``). Both are sequences of records
 ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``. The first record of each
-is a header ``{"format": ..., "version": 1, "generation": G}``. The snapshot holds clients,
-segments and READY objects (chunks of rows, see ``core/snapshot.py``) and an end record; the
+is a header ``{"format": ..., "version": V, "generation": G}`` (a log's V is 1; a snapshot's
+is 2, and 1 still restores). The snapshot holds clients, segments and READY objects (chunks of
+rows, or of columns for objects with one replica, see ``statefile.py``) and an end record; the
 log holds one record per ``append`` call (a list of event rows). The log applies on top of
 the snapshot of the same generation only. The snapshot and log a compaction replaced stay as
 ``snapshot.kvp.old`` and ``log.kvp.old`` until a thread unlinks them (freeing a big file's
@@ -126,9 +127,12 @@ from kvpool_master.core import events as ev
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.snapshot import Snapshot
 from kvpool_master.statefile import (
+    SNAPSHOT_VERSION,
     VERSION,
     Corrupt,
     Overlay,
+    chunk_frame,
+    chunk_len,
     event_row,
     frame,
     next_record,
@@ -566,13 +570,13 @@ class StateStore:
     def _advance(self, core: MasterCore, stepped: _Stepped) -> float:
         file = stepped.file
         if stepped.tail_offset < 0:
-            rows = core.snapshot_step(_OBJECTS_PER_CHUNK)
-            if rows is None:
+            chunks = core.snapshot_step(_OBJECTS_PER_CHUNK)
+            if chunks is None:
                 file.write(frame({"end": True, "num_objects": stepped.num_objects}))
                 stepped.tail_offset = file.tell()
-            elif rows:
-                file.write(frame(rows))
-                stepped.num_objects += len(rows)
+            else:
+                file.write(b"".join(map(chunk_frame, chunks)))
+                stepped.num_objects += sum(map(chunk_len, chunks))
             return 0.0
         if stepped.sync is not None and stepped.sync.is_alive():
             return _SYNC_POLL_S
@@ -697,16 +701,9 @@ class StateStore:
         with path.open("wb") as f:
             self._write_head(f, generation, snapshot)
             num_objects = 0
-            chunk: list[Sequence[Any]] = []
-            for row in snapshot.objects:
-                chunk.append(row)
-                if len(chunk) == _OBJECTS_PER_CHUNK:
-                    f.write(frame(chunk))
-                    num_objects += len(chunk)
-                    chunk = []
-            if chunk:
-                f.write(frame(chunk))
-                num_objects += len(chunk)
+            for chunk in core.snapshot_chunks(_OBJECTS_PER_CHUNK):
+                f.write(chunk_frame(chunk))
+                num_objects += chunk_len(chunk)
             f.write(frame({"end": True, "num_objects": num_objects}))
             f.flush()
             os.fsync(f.fileno())
@@ -714,7 +711,7 @@ class StateStore:
 
     @staticmethod
     def _write_head(f: BinaryIO, generation: int, snapshot: Snapshot) -> None:
-        f.write(frame({"format": "kvpool-snapshot", "version": VERSION,
+        f.write(frame({"format": "kvpool-snapshot", "version": SNAPSHOT_VERSION,
                         "generation": generation}))
         f.write(frame([list(c) for c in snapshot.clients]))
         f.write(frame([list(s) for s in snapshot.segments]))

@@ -5,6 +5,10 @@ Rules of this file:
 - A record is ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``; a torn or
   corrupt one is reported (``next_record``) or raised as ``Corrupt`` (``read_frame``), never
   half-used.
+- A snapshot's objects come in chunks, each either a list of rows (``core/snapshot.py``) or,
+  for objects with one replica each (snapshot version 2), a map ``{"columns": [...]}`` of
+  ``ObjectColumns`` whose number columns are little-endian machine words (``chunk_frame``):
+  restore reads them without making an object per row and field.
 - Only events that change durable state become log rows (``event_row``); ``Overlay`` applies
   rows on top of a snapshot and streams the restored object rows in LRU order.
 - A snapshot written in the background (``persist.py``, a step at a time) may show each
@@ -17,7 +21,9 @@ Rules of this file:
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, BinaryIO
@@ -25,9 +31,12 @@ from typing import Any, BinaryIO
 import msgpack
 
 from kvpool_master.core import events as ev
-from kvpool_master.core.snapshot import object_row, segment_row
+from kvpool_master.core.snapshot import Chunk, ObjectColumns, object_row, segment_row
 
 VERSION = 1
+#: Snapshots read: 1 (chunks of rows only) and 2 (columns too); written: 2.
+SNAPSHOT_VERSION = 2
+_SNAPSHOT_VERSIONS = (1, 2)
 _FRAME = struct.Struct("<II")
 _MAX_RECORD_BYTES = 1 << 30
 
@@ -91,7 +100,8 @@ def read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
                                               dict[str, Sequence[Any]]]:
     header = read_frame(f)
     if (not isinstance(header, dict) or header.get("format") != "kvpool-snapshot"
-            or header.get("version") != VERSION or type(header.get("generation")) is not int):
+            or header.get("version") not in _SNAPSHOT_VERSIONS
+            or type(header.get("generation")) is not int):
         raise Corrupt("not a kvpool snapshot")
     clients, segments = read_frame(f), read_frame(f)
     if not isinstance(clients, list) or not isinstance(segments, list):
@@ -99,6 +109,64 @@ def read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
     return (header["generation"],
             {row[0]: row for row in clients if isinstance(row, list) and row},
             {row[0]: row for row in segments if isinstance(row, list) and row})
+
+
+def chunk_frame(chunk: Chunk) -> bytes:
+    """The record of a snapshot chunk: rows as they are, columns as a map of them."""
+    if type(chunk) is not ObjectColumns:
+        return frame(chunk)
+    return frame({"columns": [
+        chunk.keys, _words(chunk.sizes), chunk.segment_ids, _words(chunk.segment_index),
+        _words(chunk.offsets), _words(chunk.checksums), chunk.pins, _words(chunk.parents),
+        chunk.parent_keys]})
+
+
+def chunk_len(chunk: Chunk) -> int:
+    """How many objects ``chunk`` holds."""
+    return len(chunk.keys) if type(chunk) is ObjectColumns else len(chunk)
+
+
+def _words(column: array[int]) -> bytes:
+    if sys.byteorder == "big":
+        column = array(column.typecode, column)
+        column.byteswap()
+    return column.tobytes()
+
+
+def _column(typecode: str, data: Any, num_rows: int) -> array[int]:
+    if type(data) is not bytes:
+        raise ValueError("a number column is not bytes")
+    column = array(typecode)
+    if len(data) != num_rows * column.itemsize:
+        raise ValueError("a column's length differs from the keys'")
+    column.frombytes(data)
+    if sys.byteorder == "big":
+        column.byteswap()
+    return column
+
+
+def _object_columns(record: dict[Any, Any]) -> ObjectColumns:
+    """The columns of a snapshot chunk; ``ValueError`` when it is not one (restore checks
+    the values)."""
+    fields = record.get("columns")
+    if not isinstance(fields, list) or len(fields) != 9:
+        raise ValueError("not a chunk of columns")
+    keys, sizes, segment_ids, index, offsets, checksums, pins, parents, parent_keys = fields
+    if (not isinstance(keys, list) or not isinstance(segment_ids, list)
+            or not isinstance(parent_keys, list) or type(pins) is not bytes
+            or len(pins) != len(keys) or not _BYTES.issuperset(map(type, keys))
+            or not _STRS.issuperset(map(type, segment_ids))):
+        raise ValueError("malformed chunk of columns")
+    num_rows = len(keys)
+    return ObjectColumns(keys, _column("Q", sizes, num_rows), segment_ids,
+                         _column("I", index, num_rows), _column("Q", offsets, num_rows),
+                         _column("Q", checksums, num_rows), pins,
+                         _column("i", parents, num_rows), parent_keys)
+
+
+_BYTES = frozenset({bytes})
+_STRS = frozenset({str})
+assert (array("Q").itemsize, array("I").itemsize, array("i").itemsize) == (8, 4, 4)
 
 
 def whole_records_bytes(data: bytes) -> int:
@@ -159,9 +227,10 @@ def read_snapshot_tail(f: BinaryIO, warnings: list[str]) -> list[list[Any]]:
 
 def read_snapshot_objects(f: BinaryIO, warnings: list[str],
                           on_rows: Callable[[int], None] | None = None
-                          ) -> Iterator[Sequence[Any]]:
-    """The object rows of the snapshot open in ``f``, a record at a time; ``on_rows(n)``
-    (when given) as each record of ``n`` rows is read."""
+                          ) -> Iterator[Sequence[Any] | ObjectColumns]:
+    """The object rows of the snapshot open in ``f``, a record at a time: each chunk of
+    columns whole, as ``ObjectColumns``; ``on_rows(n)`` (when given) as each record of ``n``
+    rows is read."""
     while True:
         try:
             record = read_frame(f)
@@ -170,6 +239,16 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str],
             return
         if isinstance(record, dict) and record.get("end"):
             return
+        if isinstance(record, dict):
+            try:
+                columns = _object_columns(record)
+            except ValueError as exc:
+                warnings.append(f"snapshot: {exc}; objects after it are lost")
+                return
+            if on_rows is not None:
+                on_rows(len(columns.keys))
+            yield columns
+            continue
         if not isinstance(record, list):
             warnings.append("snapshot: malformed object chunk; objects after it are lost")
             return
@@ -237,17 +316,22 @@ class Overlay:
                 self.segments.pop(row[1], None)
                 self.unmounted_at[row[1]] = self._applied
 
-    def objects(self, snapshot_rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any]]:
-        """Return the restored object rows: the snapshot's, then the log's, in LRU order."""
+    def objects(self, snapshot_rows: Iterator[Sequence[Any] | ObjectColumns]
+                ) -> Iterator[Sequence[Any] | ObjectColumns]:
+        """Return the restored object rows (and chunks of columns): the snapshot's, then the
+        log's, in LRU order."""
         touched = self.key_to_row
         unmounted_at = self.unmounted_at
         unmounted = set(unmounted_at)   # every unmount of the log follows the snapshot
         if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
             return snapshot_rows
 
-        def from_snapshot() -> Iterator[Sequence[Any]]:
-            for row in snapshot_rows:
-                if not isinstance(row, list) or len(row) != 6:
+        def from_snapshot() -> Iterator[Sequence[Any] | ObjectColumns]:
+            for row in _rows_where_unmounted(snapshot_rows, unmounted):
+                if type(row) is ObjectColumns:
+                    gone = list(map(touched.__contains__, row.keys))
+                    yield row.without(gone) if any(gone) else row
+                elif not isinstance(row, list) or len(row) != 6:
                     yield row   # the core counts it as dropped
                 elif row[0] not in touched:
                     kept = _without_segments(row, unmounted) if unmounted else row
@@ -264,6 +348,17 @@ class Overlay:
                 if row is not None:
                     yield row
         return chain(from_snapshot(), from_log())
+
+
+def _rows_where_unmounted(items: Iterator[Sequence[Any] | ObjectColumns], unmounted: set[str]
+                          ) -> Iterator[Sequence[Any] | ObjectColumns]:
+    """``items`` with each chunk of columns that has objects on ``unmounted`` segments as its
+    rows (the rows lose those replicas)."""
+    for item in items:
+        if type(item) is ObjectColumns and not unmounted.isdisjoint(item.segment_ids):
+            yield from item.rows()
+        else:
+            yield item
 
 
 def _segment_ids(row: Sequence[Any]) -> list[Any]:

@@ -89,9 +89,9 @@ class Allocator:
                        or any(map(operator.lt, itertools.islice(offsets, 1, None), ends))):
             raise ValueError("extents overlap or lie outside the segment")
         ends.insert(0, 0)  # now the end of what comes before each extent, and one more
-        for start, offset in zip(ends, offsets, strict=False):  # the free gap before each
-            if offset > start:
-                allocator._add_free(start, offset - start)
+        gaps = zip(ends, offsets, strict=False)   # the free gap before each extent, if any
+        for start, offset in itertools.compress(gaps, map(operator.lt, ends, offsets)):
+            allocator._add_free(start, offset - start)
         allocator.used_bytes = sum(sizes)
         allocator.num_extents = len(packed)
         if ends[-1] < allocator.size_bytes:

@@ -17,7 +17,7 @@ Rules of this file:
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvpool_master.core import leases
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
@@ -32,13 +32,14 @@ from kvpool_master.core.events import (
 from kvpool_master.core.objects import SHARD_MASK, ObjectTable
 from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import (
-    ObjectRow,
+    Chunk,
     RestoreCounts,
     Snapshot,
+    all_chunks,
     restore_into,
     snapshot_head,
     take_snapshot,
-    walk_rows,
+    walk_chunks,
 )
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
 from kvpool_master.core.sweeps import RemoveJob
@@ -374,10 +375,17 @@ class MasterCore(Tiering):
         self._objects.recency.start_walk()
         return snapshot_head(self._clients, self._segments)
 
-    def snapshot_step(self, max_objects: int) -> list[ObjectRow] | None:
-        """The rows of the next objects (up to ``max_objects`` looked at) of the snapshot
-        started by ``start_snapshot``; None once it is complete (or was ended)."""
-        return walk_rows(self._objects, max_objects)
+    def snapshot_step(self, max_objects: int) -> list[Chunk] | None:
+        """The next objects (up to ``max_objects`` looked at) of the snapshot started by
+        ``start_snapshot``, as chunks (``core/snapshot.py``); None once it is complete (or
+        was ended)."""
+        return walk_chunks(self._objects, max_objects)
+
+    def snapshot_chunks(self, max_objects: int) -> Iterator[Chunk]:
+        """Every READY object in LRU order, as chunks of ``max_objects`` at most: the objects
+        of ``snapshot``, as a snapshot file holds them. Consume it before the next call into
+        the core."""
+        return all_chunks(self._objects, max_objects)
 
     def end_snapshot(self) -> None:
         """Abandon the snapshot started by ``start_snapshot`` (``settle`` still has to run)."""

@@ -29,6 +29,7 @@ Rules of this file:
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -101,6 +102,9 @@ class ObjectEntry:
         """True when a replica is on ``segment_id``."""
         return self.segment_id == segment_id or any(p.segment_id == segment_id
                                                     for p in self.more)
+
+
+_SIZE_OF = operator.attrgetter("size_bytes")
 
 
 class _Link:
@@ -356,28 +360,30 @@ class ObjectTable:
         """Insert a READY object at the most recent end (tests)."""
         self.add_ready_all([entry])
 
-    def add_ready_all(self, entries: list[ObjectEntry]) -> list[ObjectEntry]:
+    def add_ready_all(self, entries: list[ObjectEntry],
+                      share_parents: bool = True) -> list[ObjectEntry]:
         """Insert READY objects at the most recent end, in order (restore, a chunk at a time);
         an entry whose key is present already (in the table, or earlier in ``entries``) is
-        left out. A parent key present in the table by then is shared (``shared_key``).
-        Returns the entries added."""
+        left out. A parent key present in the table by then is shared (``shared_key``) unless
+        ``share_parents`` is False (the caller shared them). Returns the entries added."""
         shards = self.shards
         counts = self.child_counts
         added: list[ObjectEntry] = []
-        num_bytes = 0
+        append = added.append
         for entry in entries:
-            shard = shards[hash(entry.key) & SHARD_MASK]
-            if entry.key in shard:
-                continue
-            shard[entry.key] = entry
-            added.append(entry)
-            num_bytes += entry.size_bytes
-            if entry.parent_key is not None:
-                entry.parent_key = self.shared_key(entry.parent_key)
-                if counts is not None:
-                    self._count_child(entry.parent_key, 1)
+            key = entry.key
+            if shards[hash(key) & SHARD_MASK].setdefault(key, entry) is entry:
+                append(entry)
+        if share_parents or counts is not None:
+            for entry in added:
+                parent = entry.parent_key
+                if parent is not None:
+                    if share_parents:
+                        entry.parent_key = parent = self.shared_key(parent)
+                    if counts is not None:
+                        self._count_child(parent, 1)
         self.recency.append_all(added)  # type: ignore[arg-type]
-        self.ready_bytes += num_bytes
+        self.ready_bytes += sum(map(_SIZE_OF, added))
         return added
 
     def pop(self, key: ObjectKey) -> ObjectEntry:

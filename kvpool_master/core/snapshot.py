@@ -20,9 +20,11 @@ Rules of this file:
 from __future__ import annotations
 
 import heapq
+import operator
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, compress, groupby, islice, repeat
 from typing import Any
 
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
@@ -41,12 +43,103 @@ ObjectRow = tuple[bytes, int, list[Any], int, int, bytes | None]
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectColumns:
+    """Object rows with one replica each, as columns: how a snapshot stores them (``persist.py``
+    packs the number columns as machine words), so that restore makes no per-row objects and
+    checks a column at a time.
+
+    ``segment_index`` indexes ``segment_ids``; ``parents`` indexes ``keys + parent_keys`` (a
+    parent in the same chunk is named by its position, others are in ``parent_keys``), -1
+    for none. Nothing here is trusted: restore checks every column (``_column_entries``) and
+    takes the rows one at a time (``rows``) when any check fails.
+    """
+
+    keys: list[Any]
+    sizes: array[int]            # "Q"
+    segment_ids: list[Any]
+    segment_index: array[int]    # "I"
+    offsets: array[int]          # "Q"
+    checksums: array[int]        # "Q"
+    pins: bytes
+    parents: array[int]          # "i"
+    parent_keys: list[Any]
+
+    @classmethod
+    def of_entries(cls, entries: list[ObjectEntry]) -> ObjectColumns:
+        """The columns of READY ``entries`` with one replica each (``more`` empty)."""
+        keys = list(map(_KEY, entries))
+        ids = list(map(_SEGMENT_ID, entries))
+        segment_ids = list(dict.fromkeys(ids))
+        position = {s: i for i, s in enumerate(segment_ids)}
+        key_position: dict[Any, int] = dict(zip(keys, range(len(keys)), strict=True))
+        key_position[None] = -1
+        parents = list(map(_PARENT_KEY, entries))
+        parent_index: list[Any] = list(map(key_position.get, parents))   # None: not here
+        parent_keys: list[Any] = []
+        if None in parent_index:   # parents outside these entries: named by key
+            for i, index in enumerate(parent_index):
+                if index is None:
+                    parent_index[i] = len(keys) + len(parent_keys)
+                    parent_keys.append(parents[i])
+        return cls(keys, array("Q", map(_SIZE, entries)), segment_ids,
+                   array("I", map(position.__getitem__, ids)),
+                   array("Q", map(_OFFSET, entries)), array("Q", map(_CHECKSUM, entries)),
+                   bytes(map(_PIN, entries)), array("i", parent_index), parent_keys)
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[Sequence[Any]]) -> ObjectColumns:
+        """The columns of well-formed ``rows`` with one replica each (tests)."""
+        return cls.of_entries([ObjectEntry(key, size, flat[0], flat[1], None, pin, parent,
+                                           checksum)
+                               for key, size, flat, checksum, pin, parent in rows])
+
+    def rows(self) -> list[list[Any]]:
+        """The rows these columns hold (a chunk that fails a check is restored row by row);
+        an index out of range gives an invalid row, which restore drops."""
+        names = self.keys + self.parent_keys
+        ids = self.segment_ids
+        return [[key, size, [ids[s] if 0 <= s < len(ids) else None, offset, size], checksum,
+                 pin, names[parent] if -1 < parent < len(names) else None if parent == -1
+                 else b""]
+                for key, size, s, offset, checksum, pin, parent in zip(
+                    self.keys, self.sizes, self.segment_index, self.offsets, self.checksums,
+                    self.pins, self.parents, strict=False)]
+
+    def without(self, gone: list[bool]) -> ObjectColumns:
+        """These columns less the rows marked in ``gone`` (one flag per row): a parent among
+        them is named by its key from then on."""
+        keep = [not g for g in gone]
+        num_keys = len(self.keys)
+        position = list(accumulate(keep, initial=-1))[1:]   # of each kept row, from 0
+        kept_keys = list(compress(self.keys, keep))
+        parent_keys = list(self.parent_keys)
+        parents = array("i")
+        for parent in compress(self.parents, keep):
+            if parent < num_keys:
+                if parent < 0 or keep[parent]:
+                    parents.append(parent if parent < 0 else position[parent])
+                else:
+                    parents.append(len(kept_keys) + len(parent_keys))
+                    parent_keys.append(self.keys[parent])
+            elif parent < num_keys + len(self.parent_keys):
+                parents.append(parent - num_keys + len(kept_keys))
+            else:
+                parents.append(-2)   # out of range: stays invalid
+        return ObjectColumns(kept_keys, array("Q", compress(self.sizes, keep)),
+                             self.segment_ids, array("I", compress(self.segment_index, keep)),
+                             array("Q", compress(self.offsets, keep)),
+                             array("Q", compress(self.checksums, keep)),
+                             bytes(compress(self.pins, keep)), parents, parent_keys)
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The durable state; ``objects`` may be a one-shot iterator (consume it at once)."""
+    """The durable state; ``objects`` (rows, or chunks of them as ``ObjectColumns``) may be a
+    one-shot iterator (consume it at once)."""
 
     clients: Sequence[Sequence[Any]]
     segments: Sequence[Sequence[Any]]
-    objects: Iterable[Sequence[Any]]
+    objects: Iterable[Sequence[Any] | ObjectColumns]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +203,42 @@ def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
             yield _entry_row(entry)
 
 
-def walk_rows(objects: ObjectTable, max_objects: int) -> list[ObjectRow] | None:
-    """The rows of the READY objects among the next ``max_objects`` of the table's stepped
-    walk (``Recency.start_walk``); None once it visited them all."""
+#: A snapshot's objects as written: columns of a run with one replica each, or rows.
+Chunk = ObjectColumns | list[ObjectRow]
+
+
+def walk_chunks(objects: ObjectTable, max_objects: int) -> list[Chunk] | None:
+    """The READY objects among the next ``max_objects`` of the table's stepped walk
+    (``Recency.start_walk``), as chunks (``entry_chunks``); None once it visited them all."""
     entries = objects.recency.walk(max_objects)
     if entries is None:
         return None
-    return [_entry_row(entry) for entry in entries if entry.writer_id is None]
+    return entry_chunks([entry for entry in entries if entry.writer_id is None])
+
+
+def all_chunks(objects: ObjectTable, max_objects: int) -> Iterator[Chunk]:
+    """Every READY object, least recently used first, as chunks of ``max_objects`` at most
+    (the table must not change meanwhile)."""
+    entries = objects.entries()
+    while batch := list(islice(entries, max_objects)):
+        yield from entry_chunks([entry for entry in batch if entry.writer_id is None])
+
+
+def entry_chunks(entries: list[ObjectEntry]) -> list[Chunk]:
+    """``entries`` in order: each run with one replica as ``ObjectColumns``, the others as
+    rows."""
+    return [ObjectColumns.of_entries(run) if one_replica else [_entry_row(e) for e in run]
+            for one_replica, run in ((one, list(run))
+                                     for one, run in groupby(entries, _one_replica))]
+
+
+def _one_replica(entry: ObjectEntry) -> bool:
+    return not entry.more
+
+
+_KEY, _SIZE, _SEGMENT_ID, _OFFSET, _CHECKSUM, _PIN, _PARENT_KEY = (
+    operator.attrgetter(name) for name in ("key", "size_bytes", "segment_id", "offset",
+                                           "checksum", "pin", "parent_key"))
 
 
 def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
@@ -154,10 +276,8 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
     mask = _ALIGN_MASK
 
-    def add(chunk: list[ObjectEntry]) -> int:
-        """Add ``chunk`` to the table and note its extents; return how many were left out
-        (keys seen before)."""
-        added = objects.add_ready_all(chunk)
+    def note_extents(added: list[ObjectEntry]) -> None:
+        """Note the extents of ``added`` (in the table now) on their segments."""
         for entry in added:
             key = entry.key
             extent_bytes = (entry.size_bytes + mask) & ~mask
@@ -168,20 +288,59 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
                 segment_to_offsets[p.segment_id].append(p.offset)
                 segment_to_sizes[p.segment_id].append(extent_bytes)
                 segment_to_keys[p.segment_id].append(key)
-        return len(chunk) - len(added)
 
-    chunk: list[ObjectEntry] = []
+    def add_rows(rows: Sequence[Sequence[Any]]) -> int:
+        """Add the objects of ``rows``; return how many were dropped (malformed, or keys seen
+        before)."""
+        chunk = []
+        for row in rows:
+            entry = _object_entry(row, infos, usable, max_key_bytes, size_to_int)
+            if entry is not None:
+                chunk.append(entry)
+        added = objects.add_ready_all(chunk)
+        note_extents(added)
+        return len(rows) - len(added)
+
+    def add_columns(columns: ObjectColumns) -> int:
+        """``add_rows`` for a chunk of columns: a column at a time when every check passes."""
+        checked = _column_entries(columns, infos, usable, max_key_bytes, size_to_int, objects)
+        if checked is None:
+            rows = columns.rows()   # (a ragged chunk's extra values count as dropped rows)
+            return add_rows(rows) + len(columns.keys) - len(rows)
+        chunk, segment_ids, extents_bytes = checked
+        added = objects.add_ready_all(chunk, share_parents=False)
+        if len(added) < len(chunk):   # keys seen before
+            note_extents(added)
+            return len(chunk) - len(added)
+        groups: Iterable[tuple[SegmentId, Iterable[int]]]
+        if segment_ids.count(segment_ids[0]) == len(segment_ids):
+            groups = [(segment_ids[0], range(len(chunk)))]
+        else:   # a segment at a time
+            groups = groupby(sorted(range(len(chunk)), key=segment_ids.__getitem__),
+                             segment_ids.__getitem__)
+        keys, offsets = columns.keys, columns.offsets
+        for segment_id, group in groups:
+            indexes = list(group)
+            segment_to_offsets[segment_id].extend(map(offsets.__getitem__, indexes))
+            segment_to_sizes[segment_id].extend(map(extents_bytes.__getitem__, indexes))
+            segment_to_keys[segment_id].extend(map(keys.__getitem__, indexes))
+        return 0
+
     size_to_int = objects.size_to_int
-    for row in snapshot.objects:
-        entry = _object_entry(row, infos, usable, max_key_bytes, size_to_int)
-        if entry is None:
-            dropped += 1
+    rows: list[Sequence[Any]] = []
+    for item in snapshot.objects:
+        if type(item) is not ObjectColumns:
+            rows.append(item)   # type: ignore[arg-type]
+            if len(rows) == RESTORE_CHUNK:
+                dropped += add_rows(rows)
+                rows = []
             continue
-        chunk.append(entry)
-        if len(chunk) == RESTORE_CHUNK:
-            dropped += add(chunk)
-            chunk = []
-    dropped += add(chunk)
+        if rows:
+            dropped += add_rows(rows)
+            rows = []
+        if item.keys:
+            dropped += add_columns(item)
+    dropped += add_rows(rows)
     try:
         allocators: dict[SegmentId, Allocator] = {}
         for s in infos:   # one segment's packed extents alive at a time
@@ -251,6 +410,54 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
                                                                           engine, file_path)):
         return None
     return info
+
+
+def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
+                    usable: dict[SegmentId, int], max_key_bytes: int,
+                    size_to_int: dict[int, int], objects: ObjectTable
+                    ) -> tuple[list[ObjectEntry], list[SegmentId], list[int]] | None:
+    """The entries of ``columns`` with their segment ids and aligned sizes, or None when any
+    row would fail ``_object_entry``'s checks (the caller then takes the rows one at a time).
+
+    The checks are ``_object_entry``'s, made a column at a time through C-level ``map``s and
+    set operations; the number columns are machine words (non-negative ints below 2**64 by
+    construction). A parent named by position is the chunk's own key object, so only parents
+    from ``parent_keys`` are shared with the table here.
+    """
+    keys, names = columns.keys, columns.keys + columns.parent_keys
+    sizes, offsets = columns.sizes, columns.offsets
+    number_columns = (sizes, columns.segment_index, offsets, columns.checksums, columns.parents)
+    if (tuple(type(c) is array and c.typecode for c in number_columns) != _TYPECODES
+            or type(columns.pins) is not bytes or type(names) is not list
+            or {len(c) for c in (*number_columns, columns.pins)} != {len(keys)}):
+        return None
+    try:
+        if not (_BYTES.issuperset(map(type, names))
+                and min(map(len, names)) > 0 and max(map(len, names)) <= max_key_bytes
+                and min(sizes) > 0 and max(columns.pins) < _NUM_PINS
+                and min(columns.parents) >= -1 and max(columns.parents) < len(names)
+                and not any(map(operator.and_, offsets, repeat(_ALIGN_MASK)))):
+            return None
+        ids = [infos[s].segment_id for s in columns.segment_ids]   # KeyError: unknown
+        segment_ids = list(map(ids.__getitem__, columns.segment_index))   # IndexError
+        extents_bytes = list(map(operator.and_, map(operator.add, sizes, repeat(_ALIGN_MASK)),
+                                 repeat(~_ALIGN_MASK)))
+        if not all(map(operator.le, map(operator.add, offsets, extents_bytes),
+                       map(usable.__getitem__, segment_ids))):
+            return None
+    except (TypeError, KeyError, IndexError, ValueError):   # unhashable, unknown, empty
+        return None
+    names[len(keys):] = map(objects.shared_key, columns.parent_keys)
+    names.append(None)   # parent -1: none
+    entries = list(map(ObjectEntry, keys, map(size_to_int.setdefault, sizes, sizes),
+                       segment_ids, offsets, repeat(None), map(_PINS.__getitem__, columns.pins),
+                       map(names.__getitem__, columns.parents), columns.checksums))
+    return entries, segment_ids, extents_bytes
+
+
+_BYTES = frozenset({bytes})
+#: The machine words of ``ObjectColumns``: sizes, segment index, offsets, checksums, parents.
+_TYPECODES = ("Q", "I", "Q", "Q", "i")
 
 
 def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],

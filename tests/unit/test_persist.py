@@ -12,9 +12,10 @@ import pytest
 
 from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.snapshot import ObjectColumns
 from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
 from kvpool_master.server import _RestoreProgress
-from kvpool_master.statefile import Overlay, event_row
+from kvpool_master.statefile import SNAPSHOT_VERSION, Overlay, event_row, frame, next_record
 from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
@@ -753,3 +754,71 @@ def test_a_master_killed_at_any_step_of_a_background_compaction_restores_what_it
             pass
     assert phases == {"rows", "tail", "synced", "none"}
     store.close()
+
+
+def _records(path: Path) -> list[Any]:
+    data, offset, records = path.read_bytes(), 0, []
+    while True:
+        record, offset, problem = next_record(data, offset)
+        if problem:
+            return records
+        records.append(record)
+
+
+def test_a_snapshot_holds_objects_with_one_replica_as_columns_and_the_rest_as_rows(
+        tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)   # "chain-1" has two replicas, between runs of one-replica objects
+    expected = readable(core, 2.0)   # reads every object, "chain-1" last
+    core.get_replicas([ObjectKey(b"obj-3")], 2.0)
+    store.compact(core)
+    store.close()
+    records = _records(tmp_path / SNAPSHOT_NAME)
+    assert records[0]["version"] == SNAPSHOT_VERSION == 2
+    chunks = records[3:-1]
+    assert [("columns" in c) if isinstance(c, dict) else len(c) for c in chunks] == [
+        True, 1, True]
+    assert chunks[1][0][0] == b"chain-1"
+    assert chunks[0]["columns"][0][:2] == [b"obj-0", b"obj-1"]
+    assert chunks[2]["columns"][0] == [b"obj-3"]   # read last: the most recent
+    _restores(tmp_path, expected, 1, SEG_A, SEG_B)
+
+
+def test_a_version_1_snapshot_of_rows_still_restores(tmp_path: Path) -> None:
+    store, core = fresh_store(tmp_path)
+    populate(store, core)
+    expected = readable(core, 2.0)
+    snapshot = core.snapshot()
+    store.close()
+    with (tmp_path / SNAPSHOT_NAME).open("wb") as f:   # as a master before columns wrote it
+        f.write(frame({"format": "kvpool-snapshot", "version": 1, "generation": 1}))
+        f.write(frame([list(c) for c in snapshot.clients]))
+        f.write(frame([list(s) for s in snapshot.segments]))
+        rows = [list(r) for r in snapshot.objects]
+        f.write(frame(rows[:7]) + frame(rows[7:]))
+        f.write(frame({"end": True, "num_objects": len(rows)}))
+    (tmp_path / LOG_NAME).unlink()
+    _restores(tmp_path, expected, 1, SEG_A, SEG_B)
+
+
+def test_a_log_over_a_chunk_of_columns_drops_what_it_touched_and_keeps_parents() -> None:
+    """The log's changes apply to a chunk of columns without taking it row by row, unless a
+    segment of the chunk was unmounted: a removed or recommitted object leaves the chunk, and
+    a child of a removed object names its parent by key from then on."""
+    rows: list[list[Any]] = [[b"p", 64, ["s", 0, 64], 1, 0, None],
+                             [b"c", 64, ["s", 4096, 64], 2, 0, b"p"],
+                             [b"again", 64, ["s", 8192, 64], 3, 0, b"c"],
+                             [b"other", 64, ["t", 0, 64], 4, 0, None]]
+    seg_t = SegmentInfo(SegmentId("t"), A, 1 << 20)
+    overlay = Overlay({}, {})
+    overlay.apply([[6, b"p"],
+                   event_row(ObjectCommitted(ObjectKey(b"again"), 64,
+                                             (Placement(SegmentId("s"), 12288, 64),), 5,
+                                             Pin.NONE, None))])
+    [kept, again] = list(overlay.objects(iter([ObjectColumns.of_rows(rows)])))
+    assert isinstance(kept, ObjectColumns)
+    assert kept.rows() == [rows[1], rows[3]]
+    assert again == [b"again", 64, ["s", 12288, 64], 5, 0, None]
+    overlay.apply([event_row(SegmentUnmounted(SegmentId("t"), A)),
+                   event_row(SegmentMounted(seg_t))])
+    assert list(overlay.objects(iter([ObjectColumns.of_rows(rows)]))) == [rows[1], again]
