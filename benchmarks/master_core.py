@@ -10,6 +10,8 @@ the longest single step of a table under churn, and of a full pool under put/get
     .venv/bin/python benchmarks/master_core.py            # about 1 min: 200k objects
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000   # memory, restore
+    .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --keep-state DIR
+    .venv/bin/python benchmarks/master_core.py --restore DIR   # restore DIR alone, again
     .venv/bin/python benchmarks/master_core.py --churn-objects 1000000     # a full pool churns
 
 Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica. Reads are
@@ -138,7 +140,7 @@ def bench_ops(num_objects: int) -> None:
     rate("exist (absent keys)", 1000, lambda c: core.exist(c, 4.0), misses)
 
 
-def bench_memory_and_eviction(num_objects: int) -> None:
+def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
     print(f"memory, eviction, persistence ({num_objects:,} objects in chains of 32 blocks, "
           f"each with its parent key and a 64-bit checksum)")
     gc.collect()
@@ -162,7 +164,8 @@ def bench_memory_and_eviction(num_objects: int) -> None:
     print(f"  one full gc.collect() with this table alive: "
           f"{(time.perf_counter() - started) * 1e3:.0f} ms (a pause the server can avoid with "
           f"gc.freeze() after start-up)")
-    with tempfile.TemporaryDirectory() as state_dir:
+    with tempfile.TemporaryDirectory() as scratch:
+        state_dir = keep_state or scratch
         store = StateStore(state_dir, fsync="never")
         store.load(MasterCore(CoreConfig()), 0.0)
         started = time.perf_counter()
@@ -172,7 +175,7 @@ def bench_memory_and_eviction(num_objects: int) -> None:
         store.close()
         print(f"  snapshot (compaction): {elapsed:.2f} s, {size / 2**20:.0f} MiB on disk")
         # in a process of its own, as a master restarts (and its memory is its own)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--_restore", state_dir],
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--restore", state_dir],
                        check=True)
     # Read a tenth of them so the LRU order is not insertion order, then let leases lapse.
     rng = random.Random(2)
@@ -445,16 +448,21 @@ def main() -> None:
                         help="only the churn of a full pool of N objects")
     parser.add_argument("--churn-turnovers", type=float, default=1.5, metavar="T",
                         help="how many times the churn turns the pool over (--churn-objects)")
-    parser.add_argument("--_restore", metavar="STATE_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--keep-state", metavar="DIR", default="",
+                        help="with --memory-objects: write the snapshot into DIR (empty or "
+                             "new) and keep it, to restore it again with --restore")
+    parser.add_argument("--restore", metavar="DIR",
+                        help="only restore the state directory DIR in this process, and print "
+                             "the time and memory it took")
     args = parser.parse_args()
-    if args._restore:
-        restore_alone(args._restore)
+    if args.restore:
+        restore_alone(args.restore)
         return
     if args.churn_objects:
         bench_churn_steps(args.churn_objects, args.churn_turnovers)
         return
     if args.memory_objects:
-        bench_memory_and_eviction(args.memory_objects)
+        bench_memory_and_eviction(args.memory_objects, args.keep_state)
         return
     if args.segments_only:
         bench_many_segments()
