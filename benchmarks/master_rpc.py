@@ -74,10 +74,11 @@ async def populate(address: str, keys: list[bytes]) -> MasterRpc:
     return rpc
 
 
-async def heartbeat_forever(rpc: MasterRpc) -> None:
+async def heartbeat_forever(rpc: MasterRpc, client_id: str) -> None:
+    """Keep ``client_id`` alive through measurements longer than the master's client TTL."""
     while True:
         await asyncio.sleep(1.0)
-        assert await rpc.heartbeat("bench") == Status.OK
+        assert await rpc.heartbeat(client_id) == Status.OK
 
 async def single_latency(rpc: MasterRpc, key: bytes, seconds: float) -> dict[str, float]:
     for _ in range(200):  # warm up connection, caches
@@ -179,7 +180,7 @@ def answer_forms() -> dict[str, float]:
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
     owner = await populate(address, keys)
-    beating = asyncio.get_running_loop().create_task(heartbeat_forever(owner))
+    beating = asyncio.get_running_loop().create_task(heartbeat_forever(owner, "bench"))
     results: dict[str, Any] = {}
     for transport, fast in (("grpc", False), ("lean", True)):
         rpc = MasterRpc(address, use_fast_path=fast, timeout_s=30)
@@ -187,11 +188,14 @@ async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
         name = "bench-reader-" + transport
         segment = SegmentInfo(SegmentId(name + "-seg"), ClientId(name), 1 << 30)
         assert await rpc.mount_segment(name, segment) == Status.OK
+        reader_beating = asyncio.get_running_loop().create_task(heartbeat_forever(rpc, name))
         results[transport] = {
             "single_exist": await single_latency(rpc, keys[0], seconds),
             "batched_exist": [await batched_throughput(rpc, keys, seconds, n) for n in (1, 4)],
             "batched_reads_and_puts": await batched_reads_and_puts(rpc, name, keys, seconds),
         }
+        reader_beating.cancel()
+        assert await rpc.unregister_client(name) == Status.OK
         await rpc.close()
     beating.cancel()
     await owner.close()
@@ -229,6 +233,8 @@ def main() -> int:
     parser.add_argument("--address", default="", help="use a running master instead")
     parser.add_argument("--json", default="", help="also write the figures here")
     args = parser.parse_args()
+    if not 0 < args.seconds <= 600:
+        parser.error("--seconds must be in (0, 600]")
     forms = answer_forms()   # in process, before any master runs
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
