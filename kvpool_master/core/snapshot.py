@@ -44,9 +44,9 @@ ObjectRow = tuple[bytes, int, list[Any], int, int, bytes | None]
 
 @dataclass(frozen=True, slots=True)
 class ObjectColumns:
-    """Object rows with one replica each, as columns: how a snapshot stores them (``persist.py``
-    packs the number columns as machine words), so that restore makes no per-row objects and
-    checks a column at a time.
+    """Object rows with one replica each, as columns: how a snapshot stores them
+    (``statefile.py`` packs the number columns as machine words), so that restore makes no
+    per-row objects and checks a column at a time.
 
     ``segment_index`` indexes ``segment_ids``; ``parents`` indexes ``keys + parent_keys`` (a
     parent in the same chunk is named by its position, others are in ``parent_keys``), -1
