@@ -575,8 +575,9 @@ class StateStore:
                 file.write(frame({"end": True, "num_objects": stepped.num_objects}))
                 stepped.tail_offset = file.tell()
             else:
-                file.write(b"".join(map(chunk_frame, chunks)))
-                stepped.num_objects += sum(map(chunk_len, chunks))
+                for chunk in chunks:
+                    file.write(chunk_frame(chunk))
+                    stepped.num_objects += chunk_len(chunk)
             return 0.0
         if stepped.sync is not None and stepped.sync.is_alive():
             return _SYNC_POLL_S

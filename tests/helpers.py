@@ -1,6 +1,6 @@
-"""Helpers the integration tests share: the client worker module, a master's metric, pip into a
-directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, and a set-up
-Mooncake drop-in store."""
+"""Helpers the tests share: the client worker module, a master's metric, pip into a
+directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, a set-up
+Mooncake drop-in store, and snapshot rows as the columns a snapshot file holds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import importlib.util
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -81,3 +81,14 @@ def drop_in_store(address: str, segment_bytes: int, buffer_bytes: int, *,
         if remove_all:
             store.remove_all(True)
         store.close()
+
+
+def columns_of_rows(rows: Sequence[Sequence[Any]]) -> Any:
+    """The ``ObjectColumns`` a snapshot would write for well-formed ``rows`` with one replica
+    each (built from the table entries they describe, as the writer does)."""
+    from kvpool_master.core.objects import ObjectEntry
+    from kvpool_master.core.snapshot import ObjectColumns
+
+    return ObjectColumns.of_entries([ObjectEntry(key, size, flat[0], flat[1], None, pin, parent,
+                                                 checksum)
+                                     for key, size, flat, checksum, pin, parent in rows])

@@ -86,13 +86,6 @@ class ObjectColumns:
                    array("Q", map(_OFFSET, entries)), array("Q", map(_CHECKSUM, entries)),
                    bytes(map(_PIN, entries)), array("i", parent_index), parent_keys)
 
-    @classmethod
-    def of_rows(cls, rows: Sequence[Sequence[Any]]) -> ObjectColumns:
-        """The columns of well-formed ``rows`` with one replica each (tests)."""
-        return cls.of_entries([ObjectEntry(key, size, flat[0], flat[1], None, pin, parent,
-                                           checksum)
-                               for key, size, flat, checksum, pin, parent in rows])
-
     def rows(self) -> list[list[Any]]:
         """The rows these columns hold (a chunk that fails a check is restored row by row);
         an index out of range gives an invalid row, which restore drops."""
@@ -312,14 +305,9 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         if len(added) < len(chunk):   # keys seen before
             note_extents(added)
             return len(chunk) - len(added)
-        groups: Iterable[tuple[SegmentId, Iterable[int]]]
-        if segment_ids.count(segment_ids[0]) == len(segment_ids):
-            groups = [(segment_ids[0], range(len(chunk)))]
-        else:   # a segment at a time
-            groups = groupby(sorted(range(len(chunk)), key=segment_ids.__getitem__),
-                             segment_ids.__getitem__)
         keys, offsets = columns.keys, columns.offsets
-        for segment_id, group in groups:
+        for segment_id, group in groupby(sorted(range(len(chunk)), key=segment_ids.__getitem__),
+                                         segment_ids.__getitem__):   # a segment at a time
             indexes = list(group)
             segment_to_offsets[segment_id].extend(map(offsets.__getitem__, indexes))
             segment_to_sizes[segment_id].extend(map(extents_bytes.__getitem__, indexes))

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
+from helpers import columns_of_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,7 +231,7 @@ def test_a_chunk_of_columns_restores_as_its_rows_do(
 ) -> None:
     """Restore checks columns a column at a time and takes a chunk row by row when any check
     fails: either way it keeps exactly the objects, fields and order its rows give."""
-    written = ObjectColumns.of_rows(GOOD_ROWS)
+    written = columns_of_rows(GOOD_ROWS)
     columns = mutate(written)
     by_rows, counts_by_rows = restore_two(columns.rows())
     if columns is written:
@@ -246,7 +247,7 @@ def test_a_chunk_of_columns_restores_as_its_rows_do(
 
 
 def test_a_clean_chunk_of_columns_restores_every_field_and_shares_parent_keys() -> None:
-    columns = ObjectColumns.of_rows(GOOD_ROWS)
+    columns = columns_of_rows(GOOD_ROWS)
     assert columns.parent_keys == [b"elsewhere"]
     parent = [b"elsewhere", 64, ["t", 4096, 64], 0, 0, None]
     core, counts = restore_two([parent, columns, [b"x", 64, ["t", 8192, 64], 0, 0, b"k4"]])
@@ -262,7 +263,7 @@ def test_a_clean_chunk_of_columns_restores_every_field_and_shares_parent_keys() 
 
 
 def test_columns_without_some_rows_name_their_removed_parents_by_key() -> None:
-    columns = ObjectColumns.of_rows(GOOD_ROWS)
+    columns = columns_of_rows(GOOD_ROWS)
     kept = columns.without([False, True, False, False, True])   # k1 (a parent) and k4
     assert kept.rows() == [[r[0], r[1], r[2], r[3], r[4], r[5]]
                            for r in (GOOD_ROWS[0], GOOD_ROWS[2], GOOD_ROWS[3])]

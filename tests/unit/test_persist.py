@@ -9,8 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import columns_of_rows
 
-from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
+from kvpool_master.core.events import (
+    ObjectCommitted,
+    SegmentMounted,
+    SegmentUnmounted,
+)
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.core.snapshot import ObjectColumns
 from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
@@ -815,10 +820,10 @@ def test_a_log_over_a_chunk_of_columns_drops_what_it_touched_and_keeps_parents()
                    event_row(ObjectCommitted(ObjectKey(b"again"), 64,
                                              (Placement(SegmentId("s"), 12288, 64),), 5,
                                              Pin.NONE, None))])
-    [kept, again] = list(overlay.objects(iter([ObjectColumns.of_rows(rows)])))
+    [kept, again] = list(overlay.objects(iter([columns_of_rows(rows)])))
     assert isinstance(kept, ObjectColumns)
     assert kept.rows() == [rows[1], rows[3]]
     assert again == [b"again", 64, ["s", 12288, 64], 5, 0, None]
     overlay.apply([event_row(SegmentUnmounted(SegmentId("t"), A)),
                    event_row(SegmentMounted(seg_t))])
-    assert list(overlay.objects(iter([ObjectColumns.of_rows(rows)]))) == [rows[1], again]
+    assert list(overlay.objects(iter([columns_of_rows(rows)]))) == [rows[1], again]
