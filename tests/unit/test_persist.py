@@ -13,6 +13,7 @@ from helpers import columns_of_rows
 
 from kvpool_master.core.events import (
     ObjectCommitted,
+    ObjectRemoved,
     SegmentMounted,
     SegmentUnmounted,
 )
@@ -816,13 +817,13 @@ def test_a_log_over_a_chunk_of_columns_drops_what_it_touched_and_keeps_parents()
                              [b"other", 64, ["t", 0, 64], 4, 0, None]]
     seg_t = SegmentInfo(SegmentId("t"), A, 1 << 20)
     overlay = Overlay({}, {})
-    overlay.apply([[6, b"p"],
+    overlay.apply([event_row(ObjectRemoved(ObjectKey(b"p"), 64, "remove")),
                    event_row(ObjectCommitted(ObjectKey(b"again"), 64,
                                              (Placement(SegmentId("s"), 12288, 64),), 5,
                                              Pin.NONE, None))])
     [kept, again] = list(overlay.objects(iter([columns_of_rows(rows)])))
     assert isinstance(kept, ObjectColumns)
-    assert kept.rows() == [rows[1], rows[3]]
+    assert kept.rows() == [rows[1], rows[3]] and kept.parent_keys == [b"p"]
     assert again == [b"again", 64, ["s", 12288, 64], 5, 0, None]
     overlay.apply([event_row(SegmentUnmounted(SegmentId("t"), A)),
                    event_row(SegmentMounted(seg_t))])
