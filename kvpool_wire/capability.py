@@ -23,14 +23,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool_wire.types import Op
+from kvpool_wire.types import Extent, Op, SegmentId
 
 CAPABILITY_BYTES = 16
 KEY_BYTES = 32
 TOKEN_BYTES = 16
 _FIELDS = struct.Struct("<QQBQQQ")
+# _FIELDS split in two: what differs between the capabilities of one answer, and
+# what they share (the same bytes: no padding in little-endian structs)
+_EXTENT = struct.Struct("<QQ")
+_TERMS = struct.Struct("<BQQQ")
 _TOKEN_PERSON = b"kvpool-client"
 _PROOF_PERSON = b"kvpool-segment"
 PROOF_BYTES = 16
@@ -49,6 +54,34 @@ def sign_keyed(state: hashlib.blake2b, segment_id: str, offset: int, length: int
     mac.update(segment_id.encode())
     mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms, epoch, put_id))
     return mac.digest()
+
+
+def extent_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, expiry_ms: int,
+                  epoch: int = 0, put_id: int = 0) -> Callable[[Extent], bytes]:
+    """``capability_of(extent)``: ``sign_keyed`` of ``extent`` with these terms, under the key
+    ``segment_key`` gives for its segment (``b""`` for a segment whose owner has no key). For
+    the many capabilities of one answer: each segment's key is looked up and keyed once and
+    its id absorbed once, so a capability costs one state copy, one update and the digest."""
+    terms = _TERMS.pack(int(op), expiry_ms, epoch, put_id)
+    pack = _EXTENT.pack
+    state_of_segment: dict[SegmentId, hashlib.blake2b | None] = {}
+
+    def capability_of(extent: Extent) -> bytes:
+        segment_id = extent.segment_id
+        try:
+            state = state_of_segment[segment_id]
+        except KeyError:
+            key = segment_key(segment_id)
+            state = keyed(key) if key else None
+            if state is not None:
+                state.update(segment_id.encode())
+            state_of_segment[segment_id] = state
+        if state is None:
+            return b""
+        mac = state.copy()
+        mac.update(pack(extent.offset, extent.length) + terms)
+        return mac.digest()
+    return capability_of
 
 
 def sign(key: bytes, segment_id: str, offset: int, length: int, op: Op, expiry_ms: int,

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -299,23 +298,9 @@ class Servicer:
         return int((time.monotonic() - self._clock_start_s) * 1000)
 
     def _signer(self, op: Op, expiry_ms: int, put_id: int = 0) -> Callable[[Extent], bytes]:
-        # the owner's keyed MAC state; None: the owner has no key
-        state_of_segment: dict[str, hashlib.blake2b | None] = {}
-        segment_key = self._core.segment_key
-        keyed, sign_keyed = capability.keyed, capability.sign_keyed
-        epoch = self.capability_epoch
-
-        def capability_of(p: Extent) -> bytes:
-            if p.segment_id in state_of_segment:
-                state = state_of_segment[p.segment_id]
-            else:
-                key = segment_key(p.segment_id)
-                state = state_of_segment[p.segment_id] = keyed(key) if key else None
-            if state is None:
-                return b""
-            return sign_keyed(state, p.segment_id, p.offset, p.length, op, expiry_ms, epoch,
-                              put_id)
-        return capability_of
+        """Signs one answer's capabilities with each segment owner's key (none: no key)."""
+        return capability.extent_signer(self._core.segment_key, op, expiry_ms,
+                                        self.capability_epoch, put_id)
 
     def _check_batch(self, keys: Sequence[object]) -> None:
         if len(keys) > self._core.config.max_batch_keys:

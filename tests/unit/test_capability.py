@@ -1,12 +1,12 @@
-"""Capabilities: a keyed state reused across a batch signs exactly what a fresh key does, and
-verification binds every field."""
+"""Capabilities: a keyed state reused across a batch, and an answer's signer, sign exactly what a
+fresh key does, and verification binds every field."""
 
 from __future__ import annotations
 
 import os
 
 from kvpool_wire import capability
-from kvpool_wire.types import Op
+from kvpool_wire.types import Extent, Op, SegmentId
 
 
 def test_a_reused_keyed_state_signs_like_a_fresh_key() -> None:
@@ -18,6 +18,28 @@ def test_a_reused_keyed_state_signs_like_a_fresh_key() -> None:
     assert signed == [capability.sign(key, *f) for f in fields]
     assert signed[0] == signed[2] and signed[0] != signed[1]
     assert all(len(c) == capability.CAPABILITY_BYTES for c in signed)
+
+
+def test_an_answers_signer_signs_like_a_fresh_key_and_keys_each_segment_once() -> None:
+    keys = {"seg-a": os.urandom(capability.KEY_BYTES), "seg-b": os.urandom(capability.KEY_BYTES)}
+    looked_up: list[str] = []
+
+    def segment_key(segment_id: SegmentId) -> bytes | None:
+        looked_up.append(segment_id)
+        return keys.get(segment_id)
+
+    extents = [Extent(SegmentId("seg-a"), 0, 4096), Extent(SegmentId("seg-b"), 1 << 40, 7),
+               Extent(SegmentId("seg-a"), 8192, 4096), Extent(SegmentId("gone"), 0, 4096),
+               Extent(SegmentId("seg-a"), 0, 4096), Extent(SegmentId("gone"), 64, 1)]
+    for op, expiry_ms, epoch, put_id in ((Op.WRITE, 1_000, 7, 3), (Op.READ, 2**63, 2**64 - 1, 0)):
+        looked_up.clear()
+        capability_of = capability.extent_signer(segment_key, op, expiry_ms, epoch, put_id)
+        signed = [capability_of(e) for e in extents]
+        assert signed == [
+            capability.sign(keys[e.segment_id], e.segment_id, e.offset, e.length, op, expiry_ms,
+                            epoch, put_id) if e.segment_id in keys else b"" for e in extents]
+        assert signed[0] == signed[4] and len(set(signed[:3])) == 3
+        assert sorted(looked_up) == ["gone", "seg-a", "seg-b"]
 
 
 def test_verify_binds_every_field_and_the_expiry() -> None:
