@@ -13,6 +13,7 @@ the longest single step of a table under churn, and of a full pool under put/get
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --keep-state DIR
     .venv/bin/python benchmarks/master_core.py --restore DIR   # restore DIR alone, again
     .venv/bin/python benchmarks/master_core.py --churn-objects 1000000     # a full pool churns
+    .venv/bin/python benchmarks/master_core.py --evicting-objects 1000000  # evicting put steps
 
 Keys are 64-byte hex strings (a sha256 block hash), objects 64 KiB, one replica. Reads are
 measured twice: keys drawn at random from the whole table (each lookup misses the CPU caches,
@@ -422,6 +423,70 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
           + ", ".join(f"{rate:.0f}" for rate in rates) + " k keys/s")
 
 
+def bench_evicting_steps(num_objects: int) -> None:
+    """The longest steps of a master serving 1,000-key put batches into a full pool of
+    ``num_objects`` 4 KiB objects (each batch evicting about as much as it puts), as a server
+    cuts a batch into steps: with the watermark passes run inside the put steps and 1,024-key
+    steps (the server before), inside and 512-key steps, and deferred to steps of their own
+    (``relieve``, between requests) with 512-key steps (the server now). A client's call waits
+    behind at most one such step. Collector off, as in ``bench_churn_steps``."""
+    from kvpool_master.rpc.servicer import STEP_KEYS
+
+    print(f"\nsteps of 1,000-key put batches into a full pool of {num_objects:,} objects, "
+          f"{num_objects:,} puts (ms, p50 / p99 / p99.9 / longest):")
+    for deferred, step_keys in ((False, 1024), (False, 512), (True, STEP_KEYS)):
+        steps, evicted = _evicting_steps(num_objects, deferred, step_keys)
+        print(f"  passes {'deferred' if deferred else 'inside puts'}, {step_keys:,}-key steps: "
+              + "; ".join(f"{kind} {_p(times, 0.5)} / {_p(times, 0.99)} / {_p(times, 0.999)}"
+                          f" / {_p(times, 1.0)}" for kind, times in steps.items() if times)
+              + f"; {evicted:,} objects evicted")
+
+
+def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
+                    ) -> tuple[dict[str, list[float]], int]:
+    """Fill a pool of ``num_objects``, then put as many again; the seconds of each step of
+    the second half by kind, and the objects evicted."""
+    gc.collect()
+    core = MasterCore(CoreConfig())
+    core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
+    core.mount_segment(SegmentInfo(SegmentId("big"), CLIENT, num_objects * 4096), 0.0)
+    core.skip_object_events()   # a master without --state-dir
+    core.defer_watermark_passes = deferred
+    steps: dict[str, list[float]] = {"put_start": [], "put_end": [], "pass": []}
+    sizes = [4096] * step_keys
+    gc.disable()
+    try:
+        for start in range(0, 2 * num_objects, 1000):
+            chunk = keys_of(start, 1000)
+            timed = start >= num_objects
+            for lo in range(0, len(chunk), step_keys):
+                part = chunk[lo:lo + step_keys]
+                started = time.perf_counter()
+                core.put_start(CLIENT, part, sizes[:len(part)], OPTIONS, 1.0)
+                if timed:
+                    steps["put_start"].append(time.perf_counter() - started)
+            for lo in range(0, len(chunk), step_keys):
+                started = time.perf_counter()
+                core.put_end(CLIENT, chunk[lo:lo + step_keys], 1.0)
+                if timed:
+                    steps["put_end"].append(time.perf_counter() - started)
+            while core.relief_due:
+                started = time.perf_counter()
+                core.relieve(1.0)
+                if timed:
+                    steps["pass"].append(time.perf_counter() - started)
+            core.take_events()
+    finally:
+        gc.enable()
+    return steps, core.stats().evicted_objects_total
+
+
+def _p(times: list[float], q: float) -> str:
+    """The ``q`` quantile of ``times`` (seconds), in ms."""
+    ordered = sorted(times)
+    return f"{ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e3:.1f}"
+
+
 def restore_alone(state_dir: str) -> None:
     """Restore ``state_dir`` into a fresh core of this fresh process; print the time and the
     process's memory after it and at its peak."""
@@ -448,6 +513,9 @@ def main() -> None:
                         help="only the churn of a full pool of N objects")
     parser.add_argument("--churn-turnovers", type=float, default=1.5, metavar="T",
                         help="how many times the churn turns the pool over (--churn-objects)")
+    parser.add_argument("--evicting-objects", type=int, default=0, metavar="N",
+                        help="only the steps of put batches that evict, into a full pool of "
+                             "N objects")
     parser.add_argument("--keep-state", metavar="DIR", default="",
                         help="with --memory-objects: write the snapshot into DIR (empty or "
                              "new) and keep it, to restore it again with --restore")
@@ -460,6 +528,9 @@ def main() -> None:
         return
     if args.churn_objects:
         bench_churn_steps(args.churn_objects, args.churn_turnovers)
+        return
+    if args.evicting_objects:
+        bench_evicting_steps(args.evicting_objects)
         return
     if args.memory_objects:
         bench_memory_and_eviction(args.memory_objects, args.keep_state)

@@ -9,6 +9,8 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``unmount``: the owner unmounts the segment that holds them;
 - ``unregister``: the owner leaves the pool;
 - ``expiry``: the owner stops heartbeating and the master expires it (``--client-ttl`` 1 s);
+- ``evict``: the owner's segment holds only the objects: once they are in, it puts as many
+  fresh ones again, each batch evicting as much as it puts (the least recently used first);
 - ``read`` / ``exist``: ``GetReplicas`` (the owner as a proven reader) / ``Exist`` of every
   object, in calls of ``--batch-keys`` keys (with ``--batch-keys`` as large as ``--objects``:
   one call of that many keys);
@@ -48,7 +50,7 @@ from kvpool_client.rpc import MasterRpc  # noqa: E402
 from kvpool_wire.status import Status  # noqa: E402
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo  # noqa: E402
 
-SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry")
+SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry", "evict")
 CLIENT_TTL_S = 1.0
 
 
@@ -77,20 +79,23 @@ async def probe(address: str, out_path: str) -> None:
 
 # -- the operations --------------------------------------------------------------------------------
 
-async def owner(address: str, name: str, num_objects: int) -> MasterRpc:
+async def owner(address: str, name: str, num_objects: int, evicting: bool = False
+                ) -> MasterRpc:
     rpc = MasterRpc(address, timeout_s=120)
     await rpc.register_client(name, "bench-host", "")
-    # twice what the objects take: no eviction while they go in
-    size_bytes = num_objects * 8192 + (1 << 20)
+    # twice what the objects take: no eviction while they go in; or, ``evicting``, as much
+    # as they take: the pool passes its high watermark as they go in and stays there
+    size_bytes = num_objects * 4096 if evicting else num_objects * 8192 + (1 << 20)
     segment = SegmentInfo(SegmentId(f"{name}-seg"), ClientId(name), size_bytes)
     assert await rpc.mount_segment(name, segment) == Status.OK
     return rpc
 
 
-async def fill(rpc: MasterRpc, name: str, num_objects: int, batch_keys: int = BATCH_KEYS
-               ) -> None:
-    for i in range(0, num_objects, batch_keys):
-        chunk = [f"{name}-{j:09d}".encode() for j in range(i, min(i + batch_keys, num_objects))]
+async def fill(rpc: MasterRpc, name: str, num_objects: int, batch_keys: int = BATCH_KEYS,
+               first: int = 0) -> None:
+    for i in range(first, first + num_objects, batch_keys):
+        chunk = [f"{name}-{j:09d}".encode()
+                 for j in range(i, min(i + batch_keys, first + num_objects))]
         started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
         assert all(s == Status.OK for s, _ in started), started[:3]
         assert all(s == Status.OK for s in await rpc.put_end(name, chunk))
@@ -100,7 +105,7 @@ async def scenario(address: str, kind: str, num_objects: int,
                    batch_keys: int = BATCH_KEYS) -> tuple[float, float]:
     """Run one scenario; return the (start, end) monotonic times of its operation."""
     name = f"owner-{kind}"
-    rpc = await owner(address, name, num_objects)
+    rpc = await owner(address, name, num_objects, evicting=kind == "evict")
     beating = asyncio.get_running_loop().create_task(heartbeat(rpc, name))
     try:
         if kind == "fill":
@@ -110,6 +115,9 @@ async def scenario(address: str, kind: str, num_objects: int,
         await fill(rpc, name, num_objects)
         await asyncio.sleep(0.5)  # let the probe settle
         started = time.monotonic()
+        if kind == "evict":
+            await fill(rpc, name, num_objects, batch_keys, first=num_objects)
+            return started, time.monotonic()
         if kind in ("read", "exist"):
             for i in range(0, num_objects, batch_keys):
                 chunk = [f"{name}-{j:09d}".encode()
@@ -137,7 +145,7 @@ async def scenario(address: str, kind: str, num_objects: int,
         return started, time.monotonic()
     finally:
         beating.cancel()
-        if kind in ("fill", "read", "exist", "remove_all", "unmount"):
+        if kind in ("fill", "read", "exist", "remove_all", "unmount", "evict"):
             await rpc.unregister_client(name)
         await rpc.close()
 
@@ -220,6 +228,9 @@ def main() -> int:
                  if line.startswith('kvpool_master_gc_longest_pause_seconds{generation="')}
     print("  the master's own longest collector pause, whole run (ms, generation 0 / 1 / 2): "
           + " / ".join(f"{gc_pauses.get(g, 0.0) * 1e3:.1f}" for g in ("0", "1", "2")))
+    evicted = sum(value for line, value in exposition.items()
+                  if line.startswith("kvpool_evicted_objects_total"))
+    print(f"  objects evicted, whole run: {evicted:,.0f}")
     lag_samples = exposition["kvpool_master_loop_lag_seconds_count"]
     late = lag_samples - exposition['kvpool_master_loop_lag_seconds_bucket{le="0.01"}']
     print(f"  the master's own loop lag, whole run: {lag_samples:,.0f} samples, {late:,.0f} "

@@ -73,6 +73,7 @@ class MasterCore(Tiering):
         self._counters = Counters()
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
+        self.relief_due: set[Tier] = set()
         self._copies = CopyTable()
         self._jobs: list[RemoveJob] = []
 
@@ -322,7 +323,8 @@ class MasterCore(Tiering):
     def tick(self, now: float) -> None:
         """Expire silent clients, drop restored state past its grace period, reclaim stale
         PENDING objects, free extents whose lease ended, and run a background eviction pass
-        on every tier above its high watermark."""
+        on every tier above its high watermark (with ``defer_watermark_passes``: note it for
+        ``relieve``)."""
         self._deferred.release_due(self._segments, now)
         self._quarantine.release_due(self._segments, now)
         self._open_leases.expire(now)
@@ -337,7 +339,7 @@ class MasterCore(Tiering):
         if self.sweeping:
             self.sweep(now)
         for tier in Tier:
-            self._relieve_watermark(tier, now)
+            self._relieve_watermark(tier, now)   # deferred (the server): noted in relief_due
         if self._copies.id_to_task and now - self._copies.expired_s >= 1.0:
             self._copies.expired_s = now  # a walk over every task: once a second is enough
             self._expire_copies(now)

@@ -26,6 +26,10 @@ Rules of this file:
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
   with nothing (more) to evict is not rescanned for the rest of the call: within one call
   nothing can become evictable.
+- With ``defer_watermark_passes`` (the server's mode) that watermark pass is not run inside
+  the put: the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its
+  own between requests, so one step never holds a batch's puts and a pass together. Passes
+  for an allocation that does not fit still run at once.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ class Mutations:
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
+    defer_watermark_passes = False  # see the module rules and ``relieve``
+    relief_due: set[Tier]  # tiers a deferred watermark pass is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
     # ---- two-phase put -------------------------------------------------------------------
@@ -527,9 +533,35 @@ class Mutations:
         watermark is allowed (allocation failures still evict at once), and rescanning a
         table of leased or pinned objects on every put would cost O(objects) each time.
         """
-        if (not self._above_watermark(tier) or now < self._watermark_retry_s.get(tier, 0.0)
-                or self._quarantine):
+        if self.defer_watermark_passes:
+            if tier not in self.relief_due and self._pass_due(tier, now):
+                self.relief_due.add(tier)
             return True
+        return not self._pass_due(tier, now) or self._watermark_pass(tier, now)
+
+    def relieve(self, now: float) -> bool:
+        """Run one deferred watermark pass (see ``defer_watermark_passes``); True while a
+        pass is still due."""
+        due = self.relief_due
+        while due:
+            tier = min(due)
+            if not self._pass_due(tier, now):
+                due.discard(tier)
+                continue
+            if not self._watermark_pass(tier, now) or not self._above_watermark(tier):
+                due.discard(tier)
+            break
+        return bool(due)
+
+    def _pass_due(self, tier: Tier, now: float) -> bool:
+        """Whether ``tier`` is above its high watermark, out of its back-off and out of the
+        restart quarantine: a watermark pass on it would run."""
+        return (self._above_watermark(tier) and now >= self._watermark_retry_s.get(tier, 0.0)
+                and not self._quarantine)
+
+    def _watermark_pass(self, tier: Tier, now: float) -> bool:
+        """One pass bringing ``tier`` down by ``eviction_ratio`` of its capacity; False
+        (and no pass on it for a tenth of a lease) when it found too little to evict."""
         wanted = math.ceil(self._config.eviction_ratio
                            * self._segments.tier_to_capacity_bytes[tier])
         if self._evict_pass(tier, wanted, now) >= wanted or self._pass_capped:

@@ -150,6 +150,34 @@ async def test_eviction_and_reclaim_show_in_metrics(start_master) -> None:
     assert _value(text, 'kvpool_used_bytes{tier="DRAM"}') <= 0.5 * 64 * 1024 + 1024
 
 
+async def test_a_batch_that_crosses_the_watermark_is_relieved_between_requests(
+        start_master) -> None:
+    """The master runs the eviction pass a put batch made due as a step of its own, after
+    the batch's answer: the pool comes back under its high watermark with no further call,
+    the least recently used objects going first."""
+    master = start_master(eviction_high_watermark_ratio=0.5, eviction_ratio=0.1)
+    rpc = MasterRpc(master.address)
+    try:
+        await rpc.register_client("w", "h", "")
+        segment = SegmentInfo(SegmentId("w/0"), ClientId("w"), 100 * 1024)
+        assert await rpc.mount_segment("w", segment) == Status.OK
+        keys = [b"obj%03d" % i for i in range(80)]
+        started = await rpc.put_start("w", keys, [1024] * len(keys), PutOptions())
+        assert [s for s, _ in started] == [Status.OK] * len(keys)   # all fit: none evicted
+        assert await rpc.put_end("w", keys) == [Status.OK] * len(keys)
+        deadline = asyncio.get_running_loop().time() + 10
+        while _value(_scrape(master.metrics_url), 'kvpool_used_bytes{tier="DRAM"}') > 50 * 1024:
+            assert asyncio.get_running_loop().time() < deadline, "still above the watermark"
+            await asyncio.sleep(0.05)
+        text = _scrape(master.metrics_url)
+        evicted = int(_value(text, "kvpool_evicted_objects_total"))
+        assert 30 <= evicted <= 40   # down to 50 %, in passes of 10 % of the capacity
+        statuses, _ = await rpc.exist("w", keys)
+        assert statuses == [Status.NOT_FOUND] * evicted + [Status.OK] * (len(keys) - evicted)
+    finally:
+        await rpc.close()
+
+
 async def test_a_stalled_loop_shows_in_the_loop_lag(master) -> None:
     """The master's loop stopped for 300 ms (SIGSTOP, as a VM freeze or a long step would):
     the lag histogram and its maximum show it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvpool_master.core.events import EvictionPass, ObjectRemoved
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo, Tier
 
@@ -331,3 +332,57 @@ def test_leased_objects_at_the_old_end_are_looked_at_once_not_by_every_pass(
     assert sorted(looked_at)[-2] <= MAX_SCANNED   # only the pass that met them all is longer
     assert not evicted_keys & set(leased) and len(evicted_keys) >= 10_000
     assert core.exist(leased, 4.0)[0] == [Status.OK] * len(leased)
+
+
+def test_deferred_watermark_passes_run_in_relieve_not_inside_the_put() -> None:
+    core = make(num_blocks=10, high=0.5, ratio=0.2)
+    core.defer_watermark_passes = True
+    for i in range(6):
+        put(core, f"b{i}", float(i))               # the 6th is above the watermark
+    assert evicted(core) == [] and core.relief_due == {Tier.DRAM}
+    assert core.relieve(6.0) is False              # 2 of 10 blocks freed: 4 of 10, not above
+    assert evicted(core) == ["b0", "b1"] and core.relief_due == set()
+    assert core.relieve(6.0) is False              # nothing due: nothing done
+    assert evicted(core) == []
+
+
+def test_a_deferred_pass_that_leaves_the_tier_above_stays_due() -> None:
+    core = make(num_blocks=20, high=0.5, ratio=0.05)   # a pass frees one block
+    core.defer_watermark_passes = True
+    for i in range(13):
+        put(core, f"b{i}", float(i))
+    assert evicted(core) == []
+    assert core.relieve(13.0) is True                  # 12 of 20: still above
+    assert core.relieve(13.0) is True                  # 11 of 20
+    assert core.relieve(13.0) is False                 # 10 of 20: at the watermark, done
+    assert evicted(core) == ["b0", "b1", "b2"] and not core.relief_due
+
+
+def test_a_deferred_pass_backs_off_and_allocation_failures_still_evict_at_once() -> None:
+    core = make(num_blocks=4, high=0.5, ratio=0.25, lease_ttl_s=10.0)
+    core.defer_watermark_passes = True
+    for i in range(3):
+        put(core, f"b{i}", float(i))
+        core.exist(keys(f"b{i}"), float(i))        # leased until i + 10
+    assert core.relieve(3.0) is False              # nothing evictable: a short pass, back off
+    put(core, "c0", 3.5)                           # 4 of 4; within the back-off nothing is due
+    assert core.relief_due == set() and core.relieve(3.5) is False
+    assert evicted(core) == []
+    assert put(core, "c1", 3.6) == Status.OK       # does not fit: evicts inside the put
+    assert evicted(core) == ["c0"]
+
+
+def test_no_deferred_pass_runs_during_the_restart_quarantine() -> None:
+    core = make(num_blocks=10, high=0.5, ratio=0.2)
+    core.defer_watermark_passes = True
+    for i in range(6):
+        put(core, f"b{i}", float(i))
+    restored = MasterCore(core.config)
+    restored.defer_watermark_passes = True
+    restored.restore(core.snapshot(), 10.0, grace_s=30.0)
+    restored.register_client(A, "h", b"k" * 32, 10.0, token=client_token(b"k" * 32))
+    restored.mount_segment(SegmentInfo(SegmentId("s0"), A, 10 * BLOCK), 10.0)
+    restored.take_events()
+    restored.relief_due.add(Tier.DRAM)
+    assert restored.relieve(10.0) is False and restored.relief_due == set()
+    assert evicted(restored) == []
