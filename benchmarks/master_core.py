@@ -426,10 +426,11 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
 def bench_evicting_steps(num_objects: int) -> None:
     """The longest steps of a master serving 1,000-key put batches into a full pool of
     ``num_objects`` 4 KiB objects (each batch evicting about as much as it puts), as a server
-    cuts a batch into steps: with the watermark passes run inside the put steps and 1,024-key
-    steps (the server before), inside and 512-key steps, and deferred to steps of their own
-    (``relieve``, between requests) with 512-key steps (the server now). A client's call waits
-    behind at most one such step. Collector off, as in ``bench_churn_steps``."""
+    cuts a batch into steps: with the watermark passes and key-list compactions run inside
+    the put steps and 1,024-key steps (the server before), inside and 512-key steps, and
+    deferred to steps of their own (``upkeep``, between requests) with 512-key steps (the
+    server now). A client's call waits behind at most one such step. Collector off, as in
+    ``bench_churn_steps``."""
     from kvpool_master.rpc.servicer import STEP_KEYS
 
     print(f"\nsteps of 1,000-key put batches into a full pool of {num_objects:,} objects, "
@@ -451,8 +452,8 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
     core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
     core.mount_segment(SegmentInfo(SegmentId("big"), CLIENT, num_objects * 4096), 0.0)
     core.skip_object_events()   # a master without --state-dir
-    core.defer_watermark_passes = deferred
-    steps: dict[str, list[float]] = {"put_start": [], "put_end": [], "pass": []}
+    core.defer_upkeep = deferred
+    steps: dict[str, list[float]] = {"put_start": [], "put_end": [], "upkeep": []}
     sizes = [4096] * step_keys
     gc.disable()
     try:
@@ -470,11 +471,11 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
                 core.put_end(CLIENT, chunk[lo:lo + step_keys], 1.0)
                 if timed:
                     steps["put_end"].append(time.perf_counter() - started)
-            while core.relief_due:
+            while core.upkeep_due:
                 started = time.perf_counter()
-                core.relieve(1.0)
+                core.upkeep(1.0)
                 if timed:
-                    steps["pass"].append(time.perf_counter() - started)
+                    steps["upkeep"].append(time.perf_counter() - started)
             core.take_events()
     finally:
         gc.enable()

@@ -33,10 +33,18 @@ from typing import Any
 import uvloop
 
 from kvpool_client.rpc import MasterRpc
-from kvpool_wire import calls, convert
+from kvpool_wire import calls, capability, convert
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, Extent, PutOptions, ReadResult, SegmentId, SegmentInfo
+from kvpool_wire.types import (
+    ClientId,
+    Extent,
+    Op,
+    PutOptions,
+    ReadResult,
+    SegmentId,
+    SegmentInfo,
+)
 
 BATCH_KEYS = 1000
 TARGET_KEYS_PER_S = 1_000_000
@@ -170,21 +178,25 @@ def best_s(work: Any, repeats: int = 7, rounds: int = 50) -> float:
 
 def answer_forms() -> dict[str, float]:
     """µs per key to encode (master) and decode (client) a 512-key ``GetReplicas`` answer in
-    either form, and ms to decode a 16,384-key ``PutStart`` request."""
+    either form and to sign its capabilities (8 segments), and ms to decode a 16,384-key
+    ``PutStart`` request."""
     num_keys = 512
     results = [ReadResult(0, 65536, (Extent(SegmentId(f"seg-{i % 8}"), i * 65536, 65536),), i)
                for i in range(num_keys)]
-    capability = b"c" * 16
+    signed = b"c" * 16
     figures: dict[str, float] = {}
     call = calls.get_replicas("bench", [b"k"] * num_keys)
     for form, columns in (("nested", False), ("columns", True)):
         def encode(columns: bool = columns) -> bytes:
-            return convert.encode_get_replicas(results, 5.0, 1000, lambda _: capability, 7,
+            return convert.encode_get_replicas(results, 5.0, 1000, lambda _: signed, 7,
                                                columns).SerializeToString()
         raw = encode()
         figures[f"{form}_encode_us"] = best_s(encode) / num_keys * 1e6
         figures[f"{form}_decode_us"] = best_s(
             lambda raw=raw: call.decode(pb.GetReplicasResponse.FromString(raw))) / num_keys * 1e6
+    extents = [r.placements[0] for r in results]
+    figures["sign_us"] = best_s(lambda: list(map(capability.extent_signer(
+        lambda _: b"k" * capability.KEY_BYTES, Op.READ, 1000, 7), extents))) / num_keys * 1e6
     keys = [b"%064x" % i for i in range(16_384)]
     request = pb.PutStartRequest(client_id="bench", keys=keys, sizes_bytes=[65536] * len(keys),
                                  parent_keys=keys).SerializeToString()
@@ -222,6 +234,7 @@ def report(results: dict[str, Any], forms: dict[str, float]) -> None:
     print(f"512-key GetReplicas answer, per key: nested encode {forms['nested_encode_us']:.2f} "
           f"us / decode {forms['nested_decode_us']:.2f} us; columns encode "
           f"{forms['columns_encode_us']:.2f} us / decode {forms['columns_decode_us']:.2f} us; "
+          f"signing its capabilities {forms['sign_us']:.2f} us a key; "
           f"a 16,384-key PutStart request decodes in {forms['put_start_16k_decode_ms']:.2f} ms")
     for transport, r in results.items():
         single = r["single_exist"]

@@ -113,7 +113,7 @@ class MasterServer:
         self.config = config
         self.clock = ServingClock(stall_threshold_s=STALL_THRESHOLD_S)
         self.core = MasterCore(core_config(config))
-        self.core.defer_watermark_passes = True  # passes run between requests (servicer.sweep)
+        self.core.defer_upkeep = True  # passes and compactions between requests (upkeep)
         self.master_id = self._master_id(config)
         self.store: StateStore | None = None
         self._snapshot_retry_at_s = 0.0   # read-only: monotonic time of the next snapshot try
@@ -338,8 +338,8 @@ class MasterServer:
                 log.exception("tick failed")
 
     async def _sweep_loop(self) -> None:
-        """Sweep lost segments and run deferred eviction passes a step at a time, letting
-        requests in between the steps."""
+        """Run the core's upkeep (sweeps of lost segments, deferred eviction passes and
+        key-list compactions) a step at a time, letting requests in between the steps."""
         wanted = self._sweep_wanted
         assert wanted is not None
         while True:
@@ -349,7 +349,7 @@ class MasterServer:
                 while self.servicer.sweep():
                     await asyncio.sleep(0)
             except Exception:
-                log.exception("a sweep step or eviction pass failed")
+                log.exception("an upkeep step failed")
 
     async def _compact_loop(self) -> None:
         """Write a background compaction of the state log, and then move the objects read

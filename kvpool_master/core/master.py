@@ -30,7 +30,7 @@ from kvpool_master.core.events import (
     SegmentMounted,
 )
 from kvpool_master.core.objects import SHARD_MASK, ObjectTable
-from kvpool_master.core.segments import SegmentTable, segment_info_error
+from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import (
     Chunk,
     RestoreCounts,
@@ -74,6 +74,8 @@ class MasterCore(Tiering):
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
         self.relief_due: set[Tier] = set()
+        self.compact_due: dict[SegmentId, SegmentState] = {}
+        self._upkeep_turn = 0
         self._copies = CopyTable()
         self._jobs: list[RemoveJob] = []
 
@@ -323,7 +325,7 @@ class MasterCore(Tiering):
     def tick(self, now: float) -> None:
         """Expire silent clients, drop restored state past its grace period, reclaim stale
         PENDING objects, free extents whose lease ended, and run a background eviction pass
-        on every tier above its high watermark (with ``defer_watermark_passes``: note it for
+        on every tier above its high watermark (with ``defer_upkeep``: note it for
         ``relieve``)."""
         self._deferred.release_due(self._segments, now)
         self._quarantine.release_due(self._segments, now)
@@ -344,6 +346,29 @@ class MasterCore(Tiering):
             self._copies.expired_s = now  # a walk over every task: once a second is enough
             self._expire_copies(now)
         self._plan_copies(now)
+
+    def upkeep(self, now: float) -> bool:
+        """One step of the work a server runs between requests: a sweep step (``sweep``), a
+        deferred watermark pass (``relieve``) or a deferred key-list compaction step
+        (``compact_step``), taking turns while more than one has work; True while any has."""
+        for _ in range(3):
+            turn = self._upkeep_turn
+            self._upkeep_turn = (turn + 1) % 3
+            if turn == 0 and self.sweeping:
+                self.sweep(now)
+                break
+            if turn == 1 and self.relief_due:
+                self.relieve(now)
+                break
+            if turn == 2 and self.compact_due:
+                self.compact_step()
+                break
+        return self.upkeep_due
+
+    @property
+    def upkeep_due(self) -> bool:
+        """Whether ``upkeep`` has work."""
+        return self.sweeping or bool(self.relief_due) or bool(self.compact_due)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call, oldest first."""

@@ -26,10 +26,13 @@ Rules of this file:
   its high watermark, one pass brings it down by ``eviction_ratio x capacity``. A tier found
   with nothing (more) to evict is not rescanned for the rest of the call: within one call
   nothing can become evictable.
-- With ``defer_watermark_passes`` (the server's mode) that watermark pass is not run inside
-  the put: the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its
-  own between requests, so one step never holds a batch's puts and a pass together. Passes
-  for an allocation that does not fit still run at once.
+- With ``defer_upkeep`` (the server's mode) that watermark pass is not run inside the put:
+  the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its own
+  between requests, so one step never holds a batch's puts and a pass together. Passes for an
+  allocation that does not fit still run at once. A compaction of a segment's key list (see
+  ``SegmentState``) is likewise noted in ``compact_due`` and run by ``compact_step``, a few
+  thousand entries a step, unless it falls behind (the list past ``COMPACT_BEHIND`` times its
+  live extents): then the puts go on compacting it, as without the mode.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from kvpool_wire.types import (
     ObjectKey,
     Pin,
     PutOptions,
+    SegmentId,
     SegmentInfo,
     Tier,
 )
@@ -79,6 +83,11 @@ PutResult = tuple[Status, tuple[Extent, ...]]
 #: Entries of a segment's key list examined per put while it is compacted: more than the one
 #: each put appends, so a pass ends (see SegmentState).
 COMPACT_STEP = 8
+#: Entries one deferred compaction step reads (``compact_step``: 1-3 ms).
+COMPACT_STEP_ENTRIES = 2048
+#: Key-list entries per live extent past which a deferred compaction goes on inside the puts
+#: (it fell behind: the list must stay O(live objects) whatever the load).
+COMPACT_BEHIND = 3
 #: Entries a pass dropped that each later put cuts out of the list (a few microseconds).
 TRIM_STEP = 1024
 
@@ -99,8 +108,9 @@ class Mutations:
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
-    defer_watermark_passes = False  # see the module rules and ``relieve``
+    defer_upkeep = False  # see the module rules and ``MasterCore.upkeep``
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
+    compact_due: dict[SegmentId, SegmentState]  # segments a deferred compaction is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
     # ---- two-phase put -------------------------------------------------------------------
@@ -373,18 +383,48 @@ class Mutations:
 
     def _noted(self, state: SegmentState, count: int) -> None:
         """``count`` keys were appended to ``state.keys``: compact the list a step per key
-        once it holds far more entries than the segment holds extents."""
+        once it holds far more entries than the segment holds extents (``defer_upkeep``: note
+        it for ``compact_step``, unless it fell behind)."""
         if self._jobs:
             return  # a removal job walks the key lists: append only (see sweeps.py)
+        deferred = self.defer_upkeep and (
+            len(state.keys) <= COMPACT_BEHIND * state.allocator.num_extents + 4096)
         if state.compact_gap is not None or state.compact_spent:
-            self._after_pass(state, count)
+            if deferred:
+                self.compact_due[state.info.segment_id] = state
+            else:
+                self._after_pass(state, count)
             return
         if state.compact_seen is None:
             if len(state.keys) <= 2 * state.allocator.num_extents + 1024:
                 return
             state.compact_seen = [set() for _ in range(_seen_shards(len(state.keys)))]
             state.compact_read = state.compact_write = 0
+        if deferred:
+            self.compact_due[state.info.segment_id] = state
+            return
         self._compact_keys(state, COMPACT_STEP * count)
+
+    def compact_step(self) -> bool:
+        """Advance a deferred key-list compaction by ``COMPACT_STEP_ENTRIES`` entries, or let
+        go of what its pass left as the puts of that many keys would (see ``defer_upkeep``);
+        True while one is still due. A segment lost meanwhile, or a removal job walking the
+        key lists, ends it (the next put on the segment notes it again)."""
+        due = self.compact_due
+        while due:
+            segment_id, state = next(iter(due.items()))
+            if (not _compacting(state) or self._jobs
+                    or self._segments.id_to_segment.get(segment_id) is not state):
+                del due[segment_id]
+                continue
+            if state.compact_seen is not None:
+                self._compact_keys(state, COMPACT_STEP_ENTRIES)
+            else:
+                self._after_pass(state, COMPACT_STEP_ENTRIES // TRIM_STEP)
+            if not _compacting(state):
+                del due[segment_id]
+            break
+        return bool(due)
 
     def _end_run(self, run: _Run) -> None:
         """Free the extents of ``run`` never handed out (nobody saw them: no free to wait
@@ -533,14 +573,14 @@ class Mutations:
         watermark is allowed (allocation failures still evict at once), and rescanning a
         table of leased or pinned objects on every put would cost O(objects) each time.
         """
-        if self.defer_watermark_passes:
+        if self.defer_upkeep:
             if tier not in self.relief_due and self._pass_due(tier, now):
                 self.relief_due.add(tier)
             return True
         return not self._pass_due(tier, now) or self._watermark_pass(tier, now)
 
     def relieve(self, now: float) -> bool:
-        """Run one deferred watermark pass (see ``defer_watermark_passes``); True while a
+        """Run one deferred watermark pass (see ``defer_upkeep``); True while a
         pass is still due."""
         due = self.relief_due
         while due:
@@ -630,6 +670,12 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
         return Pin(options.pin), replica_num
     except ValueError:
         return None, 0
+
+
+def _compacting(state: SegmentState) -> bool:
+    """Whether a compaction of ``state.keys`` is in progress or has left work behind."""
+    return (state.compact_seen is not None or state.compact_gap is not None
+            or bool(state.compact_spent))
 
 
 def _seen_shards(num_keys: int) -> int:

@@ -49,7 +49,8 @@ class SegmentState:
 
     ``keys`` is appended to and may hold stale keys (objects removed or re-put elsewhere since)
     and duplicates; once they outnumber live extents it is compacted in place, a few entries
-    per append (``compact_read``/``compact_write``/``compact_seen``: the pass in progress,
+    per append or (``defer_upkeep``) a step at a time between requests
+    (``compact_read``/``compact_write``/``compact_seen``: the pass in progress,
     ``compact_seen`` None when none is), so it stays O(live objects), losing a segment visits
     only its own objects, and no single put pays for the whole list. Mid-pass, every live key
     is still in the list at least once. A pass leaves the entries it dropped as a run of None

@@ -164,10 +164,10 @@ class Servicer:
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self.read_only = False  # set by the server while the state directory cannot be written
-        # called after a call that left the core sweeping lost segments or with a deferred
-        # eviction pass due (the server then runs ``sweep`` between requests until done)
+        # called after a call that left the core with upkeep to do (sweeping lost segments,
+        # a deferred eviction pass or compaction: the server then runs ``sweep`` between
+        # requests until it is done)
         self.on_sweep_work: Callable[[], None] | None = None
-        self._relief_turn = True  # whether the next step with both to do is a pass
         self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
         self._copy_waits: dict[ClientId, Pending] = {}  # CopyTasks calls waiting for tasks
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
@@ -265,16 +265,9 @@ class Servicer:
         self._sweep_work()
 
     def sweep(self) -> bool:
-        """One step of the core's background work (a few milliseconds at most): a sweep step
-        or a deferred eviction pass, in turn while both have work; True while more is left.
-        Removals it finished get their answers."""
-        core = self._core
-        if core.relief_due and (self._relief_turn or not core.sweeping):
-            more = core.relieve(self._clock.now()) or core.sweeping
-            self._relief_turn = False
-        else:
-            more = core.sweep(self._clock.now()) or bool(core.relief_due)
-            self._relief_turn = True
+        """One step of the core's upkeep (a few milliseconds at most: ``MasterCore.upkeep``);
+        True while more is left. Removals it finished get their answers."""
+        more = self._core.upkeep(self._clock.now())
         events = self._core.take_events()
         if events:
             self._on_events(events)
@@ -296,7 +289,7 @@ class Servicer:
                     pending.resolve()
 
     def _sweep_work(self) -> None:
-        if (self._core.sweeping or self._core.relief_due) and self.on_sweep_work is not None:
+        if self._core.upkeep_due and self.on_sweep_work is not None:
             self.on_sweep_work()
 
     # -- signing ----------------------------------------------------------------------------------

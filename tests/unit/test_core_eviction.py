@@ -336,7 +336,7 @@ def test_leased_objects_at_the_old_end_are_looked_at_once_not_by_every_pass(
 
 def test_deferred_watermark_passes_run_in_relieve_not_inside_the_put() -> None:
     core = make(num_blocks=10, high=0.5, ratio=0.2)
-    core.defer_watermark_passes = True
+    core.defer_upkeep = True
     for i in range(6):
         put(core, f"b{i}", float(i))               # the 6th is above the watermark
     assert evicted(core) == [] and core.relief_due == {Tier.DRAM}
@@ -348,7 +348,7 @@ def test_deferred_watermark_passes_run_in_relieve_not_inside_the_put() -> None:
 
 def test_a_deferred_pass_that_leaves_the_tier_above_stays_due() -> None:
     core = make(num_blocks=20, high=0.5, ratio=0.05)   # a pass frees one block
-    core.defer_watermark_passes = True
+    core.defer_upkeep = True
     for i in range(13):
         put(core, f"b{i}", float(i))
     assert evicted(core) == []
@@ -360,7 +360,7 @@ def test_a_deferred_pass_that_leaves_the_tier_above_stays_due() -> None:
 
 def test_a_deferred_pass_backs_off_and_allocation_failures_still_evict_at_once() -> None:
     core = make(num_blocks=4, high=0.5, ratio=0.25, lease_ttl_s=10.0)
-    core.defer_watermark_passes = True
+    core.defer_upkeep = True
     for i in range(3):
         put(core, f"b{i}", float(i))
         core.exist(keys(f"b{i}"), float(i))        # leased until i + 10
@@ -374,11 +374,11 @@ def test_a_deferred_pass_backs_off_and_allocation_failures_still_evict_at_once()
 
 def test_no_deferred_pass_runs_during_the_restart_quarantine() -> None:
     core = make(num_blocks=10, high=0.5, ratio=0.2)
-    core.defer_watermark_passes = True
+    core.defer_upkeep = True
     for i in range(6):
         put(core, f"b{i}", float(i))
     restored = MasterCore(core.config)
-    restored.defer_watermark_passes = True
+    restored.defer_upkeep = True
     restored.restore(core.snapshot(), 10.0, grace_s=30.0)
     restored.register_client(A, "h", b"k" * 32, 10.0, token=client_token(b"k" * 32))
     restored.mount_segment(SegmentInfo(SegmentId("s0"), A, 10 * BLOCK), 10.0)

@@ -479,6 +479,74 @@ def test_the_key_index_holds_every_live_key_while_it_is_compacted_a_few_entries_
     assert dropped == live
 
 
+@pytest.mark.parametrize("upkeep_odds", [0.0, 0.05, 0.5], ids=["never", "seldom", "often"])
+def test_a_deferred_compaction_keeps_the_key_index_exact_and_bounded(upkeep_odds: float
+                                                                     ) -> None:
+    # The server's mode: puts only note the compaction, ``upkeep`` runs it between requests,
+    # here after a random share of the operations (never: the puts take it back once the
+    # list is past COMPACT_BEHIND times the live objects). The key list holds every live key
+    # at every step and stays bounded; losing the segment mid-pass ends the compaction and
+    # drops exactly the live objects.
+    import random
+
+    from kvpool_master.core.mutations import COMPACT_BEHIND
+
+    rng = random.Random(11)
+    core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0))
+    core.defer_upkeep = True
+    state = core._segments.get(SegmentId("seg-client-a"))
+    assert state is not None
+    live: set[ObjectKey] = set()
+    deferred_passes = 0
+    for step in range(30_000):
+        key = ObjectKey(b"k-%d" % rng.randrange(300))
+        if key in live:
+            assert core.remove([key], False, 1.0) == [Status.OK]
+            live.discard(key)
+        else:
+            core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
+            core.put_end(A, [key], 1.0)
+            live.add(key)
+        if rng.random() < upkeep_odds:
+            deferred_passes += state.info.segment_id in core.compact_due
+            core.upkeep(1.0)
+        assert live <= set(state.keys), step
+        assert len(state.keys) <= COMPACT_BEHIND * len(live) + 4096 + 1024, step
+    assert (deferred_passes > 0) == (upkeep_odds > 0)
+    core.take_events()
+    assert core.unmount_segment(A, SegmentId("seg-client-a"), 2.0) == Status.OK
+    while core.upkeep_due:
+        core.upkeep(2.0)
+    assert not core.compact_due
+    dropped = {e.key for e in core.take_events() if isinstance(e, ObjectRemoved)}
+    assert dropped == live
+
+
+def test_a_removal_job_waits_for_no_deferred_compaction_and_removes_everything() -> None:
+    # A deferred compaction pass is due when a stepped RemoveAll starts: the job walks the key
+    # list as it was, so no compaction step runs until it is done, and every object goes.
+    core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0), size=64 * MIB)
+    core.defer_upkeep = True
+    state = core._segments.get(SegmentId("seg-client-a"))
+    assert state is not None
+    names = [b"k-%d" % i for i in range(40_000)]
+    for i in range(0, len(names), 1000):
+        put(core, A, names[i:i + 1000], size=64)
+        gone = [ObjectKey(k) for k in names[i:i + 1000] if int(k[2:]) % 4]
+        assert core.remove(gone, False, 1.0) == [Status.OK] * len(gone)
+    assert state.info.segment_id in core.compact_due and state.compact_seen is not None
+    core.upkeep(1.0)   # one compaction step: the pass is mid-way
+    assert state.compact_seen is not None and state.compact_read > 0
+    job = core.start_remove(None, False, 1.0)
+    assert not job.done
+    steps = 0
+    while core.upkeep_due:
+        core.upkeep(1.0)
+        steps += 1
+    assert job.done and job.removed == len(names) // 4 and steps > 1
+    assert not core.compact_due and len(core._objects) == 0
+
+
 def test_a_compaction_pass_over_a_long_key_list_keeps_each_live_key_once() -> None:
     # 12,000 keys on one segment, 9,000 removed and some re-put (listed twice): the pass that
     # follows splits what it has seen over several sets and ends with each live key once.
