@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvpool_master.core.events import (
@@ -441,13 +443,23 @@ def test_lapsed_leases_are_counted_when_seen() -> None:
     assert (stats.read_keys_total, stats.read_hit_keys_total) == (4, 4)
 
 
+def _churn_one(core: MasterCore, live: set[ObjectKey], rng: random.Random) -> None:
+    """Remove one of 300 keys if it is live on A's segment, else put it there."""
+    key = ObjectKey(b"k-%d" % rng.randrange(300))
+    if key in live:
+        assert core.remove([key], False, 1.0) == [Status.OK]
+        live.discard(key)
+    else:
+        core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
+        core.put_end(A, [key], 1.0)
+        live.add(key)
+
+
 def test_the_key_index_holds_every_live_key_while_it_is_compacted_a_few_entries_per_put(
         ) -> None:
     # Seeded churn through one segment, keys re-put on it while others are removed: at every
     # step (mid-compaction included) each live object on the segment is in its key list, and
     # the list stays within a constant of the live count; no put compacts more than a few.
-    import random
-
     from kvpool_master.core.mutations import COMPACT_STEP
 
     rng = random.Random(7)
@@ -457,14 +469,7 @@ def test_the_key_index_holds_every_live_key_while_it_is_compacted_a_few_entries_
     live: set[ObjectKey] = set()
     passes, active = 0, False
     for step in range(6000):
-        key = ObjectKey(b"k-%d" % rng.randrange(300))
-        if key in live:
-            assert core.remove([key], False, 1.0) == [Status.OK]
-            live.discard(key)
-        else:
-            core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
-            core.put_end(A, [key], 1.0)
-            live.add(key)
+        _churn_one(core, live, rng)
         passes += state.compact_seen is not None and not active
         active = state.compact_seen is not None
         assert live <= set(state.keys), step
@@ -487,8 +492,6 @@ def test_a_deferred_compaction_keeps_the_key_index_exact_and_bounded(upkeep_odds
     # list is past COMPACT_BEHIND times the live objects). The key list holds every live key
     # at every step and stays bounded; losing the segment mid-pass ends the compaction and
     # drops exactly the live objects.
-    import random
-
     from kvpool_master.core.mutations import COMPACT_BEHIND
 
     rng = random.Random(11)
@@ -499,14 +502,7 @@ def test_a_deferred_compaction_keeps_the_key_index_exact_and_bounded(upkeep_odds
     live: set[ObjectKey] = set()
     deferred_passes = 0
     for step in range(30_000):
-        key = ObjectKey(b"k-%d" % rng.randrange(300))
-        if key in live:
-            assert core.remove([key], False, 1.0) == [Status.OK]
-            live.discard(key)
-        else:
-            core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
-            core.put_end(A, [key], 1.0)
-            live.add(key)
+        _churn_one(core, live, rng)
         if rng.random() < upkeep_odds:
             deferred_passes += state.info.segment_id in core.compact_due
             core.upkeep(1.0)
