@@ -103,7 +103,9 @@ def test_huge_pages_segment_is_whole_zeroed_and_says_what_it_got(
     caplog.set_level(logging.INFO, logger="kvpool_client.segments")
     with LocalSegment.create(cluster, "huge", 0, 8 << 20, huge_pages=True) as seg:
         resident = _mappings_of(seg.shm_name)[seg.address]
-        assert resident == seg.size_bytes + HEADER_BYTES  # every page faulted in at creation
+        # every page faulted in at creation (but a few a host's proactive reclaim may unmap:
+        # test_segments_shm.RECLAIMED_PAGES)
+        assert resident >= seg.size_bytes + HEADER_BYTES - 16 * mmap.PAGESIZE
         assert os.stat(os.path.join(SHM_DIR, seg.shm_name)).st_blocks * 512 >= seg.size_bytes
         assert bytes(seg.buffer[:4096]) == bytes(4096) and bytes(seg.buffer[-4096:]) == bytes(4096)
         seg.buffer[-3:] = b"end"
