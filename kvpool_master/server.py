@@ -130,8 +130,8 @@ class MasterServer:
         self._lean: LeanServer | None = None
         self._http: HttpEndpoint | None = None
         self._tick_task: asyncio.Task[None] | None = None
-        self._sweep_task: asyncio.Task[None] | None = None
-        self._sweep_wanted: asyncio.Event | None = None
+        self._upkeep_task: asyncio.Task[None] | None = None
+        self._upkeep_wanted: asyncio.Event | None = None
         self._compact_task: asyncio.Task[None] | None = None
         self._compact_wanted: asyncio.Event | None = None
         self.gc_pauses = GcPauses()
@@ -185,9 +185,9 @@ class MasterServer:
         self.gc_pauses.freeze_start_up()
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
         self.loop_lag.start()
-        self._sweep_wanted = asyncio.Event()
-        self.servicer.on_sweep_work = self._sweep_wanted.set
-        self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop())
+        self._upkeep_wanted = asyncio.Event()
+        self.servicer.on_upkeep_due = self._upkeep_wanted.set
+        self._upkeep_task = asyncio.get_running_loop().create_task(self._upkeep_loop())
         if self.store is not None:
             self._compact_wanted = asyncio.Event()
             self._compact_task = asyncio.get_running_loop().create_task(self._compact_loop())
@@ -337,16 +337,16 @@ class MasterServer:
             except Exception:
                 log.exception("tick failed")
 
-    async def _sweep_loop(self) -> None:
+    async def _upkeep_loop(self) -> None:
         """Run the core's upkeep (sweeps of lost segments, deferred eviction passes and
         key-list compactions) a step at a time, letting requests in between the steps."""
-        wanted = self._sweep_wanted
+        wanted = self._upkeep_wanted
         assert wanted is not None
         while True:
             await wanted.wait()
             wanted.clear()
             try:
-                while self.servicer.sweep():
+                while self.servicer.upkeep():
                     await asyncio.sleep(0)
             except Exception:
                 log.exception("an upkeep step failed")
@@ -450,7 +450,7 @@ class MasterServer:
         if self._http is not None:
             await self._http.close()
         self.loop_lag.stop()
-        for task in (self._tick_task, self._sweep_task, self._compact_task):
+        for task in (self._tick_task, self._upkeep_task, self._compact_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -31,9 +31,8 @@ from kvpool_wire.types import Extent, Op, SegmentId
 CAPABILITY_BYTES = 16
 KEY_BYTES = 32
 TOKEN_BYTES = 16
-_FIELDS = struct.Struct("<QQBQQQ")
-# _FIELDS split in two: what differs between the capabilities of one answer, and
-# what they share (the same bytes: no padding in little-endian structs)
+# The signed fields after the segment id, in two parts: what differs between the capabilities
+# of one answer (offset, length), and what they share (op, expiry, epoch, put id)
 _EXTENT = struct.Struct("<QQ")
 _TERMS = struct.Struct("<BQQQ")
 _TOKEN_PERSON = b"kvpool-client"
@@ -52,7 +51,7 @@ def sign_keyed(state: hashlib.blake2b, segment_id: str, offset: int, length: int
     """``sign`` with a state from ``keyed`` (which it leaves unchanged)."""
     mac = state.copy()
     mac.update(segment_id.encode())
-    mac.update(_FIELDS.pack(offset, length, int(op), expiry_ms, epoch, put_id))
+    mac.update(_EXTENT.pack(offset, length) + _TERMS.pack(int(op), expiry_ms, epoch, put_id))
     return mac.digest()
 
 

@@ -406,8 +406,9 @@ class Mutations:
         self._compact_keys(state, COMPACT_STEP * count)
 
     def compact_step(self) -> bool:
-        """Advance a deferred key-list compaction by ``COMPACT_STEP_ENTRIES`` entries, or let
-        go of what its pass left as the puts of that many keys would (see ``defer_upkeep``);
+        """Advance a deferred key-list compaction by ``COMPACT_STEP_ENTRIES`` entries, or,
+        once its pass is done, cut that many of the entries it dropped out of the list and
+        let go of two of its spent sets (``_after_pass``; see ``defer_upkeep``);
         True while one is still due. A segment lost meanwhile, or a removal job walking the
         key lists, ends it (the next put on the segment notes it again)."""
         due = self.compact_due

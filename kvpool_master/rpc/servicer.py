@@ -165,9 +165,9 @@ class Servicer:
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self.read_only = False  # set by the server while the state directory cannot be written
         # called after a call that left the core with upkeep to do (sweeping lost segments,
-        # a deferred eviction pass or compaction: the server then runs ``sweep`` between
+        # a deferred eviction pass or compaction: the server then runs ``upkeep`` between
         # requests until it is done)
-        self.on_sweep_work: Callable[[], None] | None = None
+        self.on_upkeep_due: Callable[[], None] | None = None
         self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
         self._copy_waits: dict[ClientId, Pending] = {}  # CopyTasks calls waiting for tasks
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
@@ -262,9 +262,9 @@ class Servicer:
         if events:
             self._on_events(events)
         self._wake_copiers()
-        self._sweep_work()
+        self._upkeep_work()
 
-    def sweep(self) -> bool:
+    def upkeep(self) -> bool:
         """One step of the core's upkeep (a few milliseconds at most: ``MasterCore.upkeep``);
         True while more is left. Removals it finished get their answers."""
         more = self._core.upkeep(self._clock.now())
@@ -288,9 +288,9 @@ class Servicer:
                 if pending is not None:
                     pending.resolve()
 
-    def _sweep_work(self) -> None:
-        if self._core.upkeep_due and self.on_sweep_work is not None:
-            self.on_sweep_work()
+    def _upkeep_work(self) -> None:
+        if self._core.upkeep_due and self.on_upkeep_due is not None:
+            self.on_upkeep_due()
 
     # -- signing ----------------------------------------------------------------------------------
 
@@ -462,12 +462,12 @@ class Servicer:
 
     def _after_step(self) -> bool:
         """After a call, or one step of a ``Stepped`` one: hand the core's events to the
-        server, answer waiting copiers, start sweeping; False when the server refused the
+        server, answer waiting copiers, start the upkeep; False when the server refused the
         events."""
         events = self._core.take_events()
         kept = not events or self._on_events(events)
         self._wake_copiers()
-        self._sweep_work()
+        self._upkeep_work()
         return kept
 
     def _put_revoke(self, request: Any) -> Any:
@@ -570,7 +570,7 @@ class Servicer:
                                                               self._clock.now()))
 
     def _removal(self, request: Any, job: RemoveJob) -> Any:
-        """The answer of a removal: now when it is done, else once ``sweep`` finished it."""
+        """The answer of a removal: now when it is done, else once ``upkeep`` finished it."""
         def answer() -> bytes:
             return convert.serialize(convert.encode_num_removed(_response_of(request),
                                                                 Status.OK, job.removed))
