@@ -106,7 +106,7 @@ def render(document: dict[str, Any], address: str) -> str:
                      f"({format_bytes(objects.get('ready_bytes', 0))}), "
                      f"{objects.get('pending', 0)} pending")
         if objects.get("sweep_backlog_keys"):
-            lines.append(f"sweeping: {objects['sweep_backlog_keys']} key-list entries left "
+            lines.append(f"sweeping: about {objects['sweep_backlog_keys']} table entries left "
                          "(lost segments, removals)")
     copies = doc.pop("tier_copies", None)
     if isinstance(copies, dict) and any(copies.values()):

@@ -460,8 +460,9 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
         copies.add_metric(list(kind_result), getattr(stats, field_name))
     yield copies
     yield GaugeMetricFamily("kvpool_sweep_backlog_keys",
-                            "Key-list entries lost segments and removal jobs still have to "
-                            "sweep (done between requests, a step at a time)",
+                            "About how many object-table entries the sweeps of lost segments "
+                            "and removal jobs still have to walk (done between requests, a "
+                            "step at a time)",
                             value=stats.sweep_backlog_keys)
     yield GaugeMetricFamily("kvpool_tier_copies_in_flight",
                             "Tier copies waiting for their owner or being made",

@@ -30,7 +30,7 @@ from kvpool_master.core.events import (
     SegmentMounted,
 )
 from kvpool_master.core.objects import SHARD_MASK, ObjectTable
-from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
+from kvpool_master.core.segments import SegmentTable, segment_info_error
 from kvpool_master.core.snapshot import (
     Chunk,
     RestoreCounts,
@@ -42,7 +42,7 @@ from kvpool_master.core.snapshot import (
     walk_chunks,
 )
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
-from kvpool_master.core.sweeps import RemoveJob
+from kvpool_master.core.sweeps import RemoveJob, TableWalk
 from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
@@ -74,10 +74,10 @@ class MasterCore(Tiering):
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
         self.relief_due: set[Tier] = set()
-        self.compact_due: dict[SegmentId, SegmentState] = {}
         self._upkeep_turn = 0
         self._copies = CopyTable()
         self._jobs: list[RemoveJob] = []
+        self._walk = TableWalk()
 
     @property
     def config(self) -> CoreConfig:
@@ -167,8 +167,11 @@ class MasterCore(Tiering):
         Fails with INVALID_ARGUMENT (malformed, or larger than 2**46 bytes), UNKNOWN_CLIENT
         (owner not registered), SEGMENT_ALREADY_EXISTS (a mounted segment with this id and
         another descriptor, or a restored one of another owner), RESOURCE_EXHAUSTED (the
-        owner already has ``max_segments_per_client`` segments) or PERMISSION_DENIED (an
-        engine endpoint where ``engine_transport`` is "refuse", none where it is "require").
+        owner already has ``max_segments_per_client`` segments), PERMISSION_DENIED (an
+        engine endpoint where ``engine_transport`` is "refuse", none where it is "require")
+        or, with ``defer_upkeep``, UNAVAILABLE: a segment lost under this id is still being
+        swept (``sweeps.py``), try again once it is (the server answers the call then). Without
+        ``defer_upkeep`` that sweep is finished here, at once.
         """
         if not isinstance(segment, SegmentInfo) or segment_info_error(segment):
             return Status.INVALID_ARGUMENT
@@ -191,6 +194,8 @@ class MasterCore(Tiering):
         elif (self._segments.client_to_num_segments.get(segment.client_id, 0)
               >= self._config.max_segments_per_client):
             return Status.RESOURCE_EXHAUSTED
+        if self.defer_upkeep and segment.segment_id in self._segments.dying:
+            return Status.UNAVAILABLE
         self._mount_fresh(segment, now)
         if segment.tier == Tier.SSD:
             build_dram_order(self._objects, self._segments)
@@ -348,27 +353,24 @@ class MasterCore(Tiering):
         self._plan_copies(now)
 
     def upkeep(self, now: float) -> bool:
-        """One step of the work a server runs between requests: a sweep step (``sweep``), a
-        deferred watermark pass (``relieve``) or a deferred key-list compaction step
-        (``compact_step``), taking turns while more than one has work; True while any has."""
-        for _ in range(3):
+        """One step of the work a server runs between requests: a sweep step (``sweep``) or a
+        deferred watermark pass (``relieve``), taking turns while both have work; True while
+        either has."""
+        for _ in range(2):
             turn = self._upkeep_turn
-            self._upkeep_turn = (turn + 1) % 3
+            self._upkeep_turn = 1 - turn
             if turn == 0 and self.sweeping:
                 self.sweep(now)
                 break
             if turn == 1 and self.relief_due:
                 self.relieve(now)
                 break
-            if turn == 2 and self.compact_due:
-                self.compact_step()
-                break
         return self.upkeep_due
 
     @property
     def upkeep_due(self) -> bool:
         """Whether ``upkeep`` has work."""
-        return self.sweeping or bool(self.relief_due) or bool(self.compact_due)
+        return self.sweeping or bool(self.relief_due)
 
     def take_events(self) -> list[Event]:
         """Return and forget the events since the last call, oldest first."""

@@ -29,10 +29,7 @@ Rules of this file:
 - With ``defer_upkeep`` (the server's mode) that watermark pass is not run inside the put:
   the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its own
   between requests, so one step never holds a batch's puts and a pass together. Passes for an
-  allocation that does not fit still run at once. A compaction of a segment's key list (see
-  ``SegmentState``) is likewise noted in ``compact_due`` and run by ``compact_step``, a few
-  thousand entries a step, unless it falls behind (the list past ``COMPACT_BEHIND`` times its
-  live extents): then the puts go on compacting it, as without the mode.
+  allocation that does not fit still run at once.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ from kvpool_wire.types import (
     ObjectKey,
     Pin,
     PutOptions,
-    SegmentId,
     SegmentInfo,
     Tier,
 )
@@ -77,19 +73,6 @@ MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
 
 PutResult = tuple[Status, tuple[Extent, ...]]
-
-
-
-#: Entries of a segment's key list examined per put while it is compacted: more than the one
-#: each put appends, so a pass ends (see SegmentState).
-COMPACT_STEP = 8
-#: Entries one deferred compaction step reads (``compact_step``: 1-3 ms).
-COMPACT_STEP_ENTRIES = 2048
-#: Key-list entries per live extent past which a deferred compaction goes on inside the puts
-#: (it fell behind: the list must stay O(live objects) whatever the load).
-COMPACT_BEHIND = 3
-#: Entries a pass dropped that each later put cuts out of the list (a few microseconds).
-TRIM_STEP = 1024
 
 
 class Mutations:
@@ -110,7 +93,6 @@ class Mutations:
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
     defer_upkeep = False  # see the module rules and ``MasterCore.upkeep``
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
-    compact_due: dict[SegmentId, SegmentState]  # segments a deferred compaction is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
     # ---- two-phase put -------------------------------------------------------------------
@@ -204,7 +186,7 @@ class Mutations:
                                                 same_host_id, now, exhausted)
             if on_run:
                 assert run is not None
-                placements = (self._take(run, key, now, exhausted),)
+                placements = (self._take(run, now, exhausted),)
             elif placements is None:
                 no_space += 1
                 results.append((Status.NO_SPACE, ()))
@@ -213,9 +195,6 @@ class Mutations:
                 parent = self._objects.shared_key(parent)
             self._objects.add_pending(
                 key, ObjectEntry.of_extents(key, size, placements, client_id, pin, parent), now)
-            if not on_run:
-                for p in placements:
-                    self._note_key(id_to_segment[p.segment_id], key)
             started += 1
             results.append((Status.OK, placements))
         if run is not None:
@@ -326,10 +305,10 @@ class Mutations:
         return Status.NOT_FOUND if ok else Status.INVALID_KEY
 
     def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float,
-              hold_until_s: float = 0.0, lost: SegmentState | None = None) -> None:
+              hold_until_s: float = 0.0) -> None:
         """Remove objects (READY or PENDING, all present) and free or park their extents
-        (until their read lease ends, and at least until ``hold_until_s``; ``lost``: a segment
-        just discarded, whose extents of leased objects are parked too)."""
+        (until their read lease ends, and at least until ``hold_until_s``; extents on a
+        segment being lost are parked too, in case it is mounted again)."""
         pop = self._objects.pop
         events = self._events if self.object_events else None
         to_free: list[Extent] = []
@@ -346,9 +325,7 @@ class Mutations:
                 for p in entry.extents():
                     state = get(p.segment_id)
                     if state is None:  # a segment being lost: held in case it comes back
-                        state = dying.get(p.segment_id, lost)
-                        if state is not None and state.info.segment_id != p.segment_id:
-                            state = None
+                        state = dying.get(p.segment_id)
                     if state is not None:
                         parked.append(self._deferred.add(lease_s, state, p.offset, p.length, seq))
                 if entry.holds and hold_until_s <= now:
@@ -377,120 +354,15 @@ class Mutations:
         self._segments.add(state)
         self._events.append(SegmentMounted(segment))
 
-    def _note_key(self, state: SegmentState, key: ObjectKey) -> None:
-        state.keys.append(key)
-        self._noted(state, 1)
-
-    def _noted(self, state: SegmentState, count: int) -> None:
-        """``count`` keys were appended to ``state.keys``: compact the list a step per key
-        once it holds far more entries than the segment holds extents (``defer_upkeep``: note
-        it for ``compact_step``, unless it fell behind)."""
-        if self._jobs:
-            return  # a removal job walks the key lists: append only (see sweeps.py)
-        deferred = self.defer_upkeep and (
-            len(state.keys) <= COMPACT_BEHIND * state.allocator.num_extents + 4096)
-        if state.compact_gap is not None or state.compact_spent:
-            if deferred:
-                self.compact_due[state.info.segment_id] = state
-            else:
-                self._after_pass(state, count)
-            return
-        if state.compact_seen is None:
-            if len(state.keys) <= 2 * state.allocator.num_extents + 1024:
-                return
-            state.compact_seen = [set() for _ in range(_seen_shards(len(state.keys)))]
-            state.compact_read = state.compact_write = 0
-        if deferred:
-            self.compact_due[state.info.segment_id] = state
-            return
-        self._compact_keys(state, COMPACT_STEP * count)
-
-    def compact_step(self) -> bool:
-        """Advance a deferred key-list compaction by ``COMPACT_STEP_ENTRIES`` entries, or,
-        once its pass is done, cut that many of the entries it dropped out of the list and
-        let go of two of its spent sets (``_after_pass``; see ``defer_upkeep``);
-        True while one is still due. A segment lost meanwhile, or a removal job walking the
-        key lists, ends it (the next put on the segment notes it again)."""
-        due = self.compact_due
-        while due:
-            segment_id, state = next(iter(due.items()))
-            if (not _compacting(state) or self._jobs
-                    or self._segments.id_to_segment.get(segment_id) is not state):
-                del due[segment_id]
-                continue
-            if state.compact_seen is not None:
-                self._compact_keys(state, COMPACT_STEP_ENTRIES)
-            else:
-                self._after_pass(state, COMPACT_STEP_ENTRIES // TRIM_STEP)
-            if not _compacting(state):
-                del due[segment_id]
-            break
-        return bool(due)
-
     def _end_run(self, run: _Run) -> None:
         """Free the extents of ``run`` never handed out (nobody saw them: no free to wait
-        for) and account for the keys it noted."""
+        for)."""
         if run.left:
             self._segments.tier_to_used_bytes[Tier.DRAM] += run.left * run.step_bytes
             segment_id = run.state.info.segment_id
             self._segments.free([Extent(segment_id, offset, run.size_bytes)
                                  for offset in run.offsets[-run.left:]], seq=-1)
             run.left = 0
-        if run.noted:
-            self._noted(run.state, run.noted)
-            run.noted = 0
-
-    def _after_pass(self, state: SegmentState, count: int) -> None:
-        """Let go of what the last compaction pass of ``state.keys`` left, a step per key
-        appended: the sets of keys it saw (a few of about 4,096 keys each: millions dropped
-        at once took 50 ms) and the run of None it left in the list."""
-        spent = state.compact_spent
-        if spent:
-            del spent[-min(count, 4):]
-        gap = state.compact_gap
-        if gap is not None:
-            start, end = gap
-            cut = max(start, end - TRIM_STEP * count)
-            del state.keys[cut:end]
-            state.compact_gap = (start, cut) if cut > start else None
-
-    def _compact_keys(self, state: SegmentState, budget: int) -> None:
-        """Advance the in-place compaction of ``state.keys`` by ``budget`` entries: live keys
-        on this segment are kept (once), stale ones and repeats dropped (see SegmentState).
-        Each entry read is cleared as it goes, so stale keys are let go a step at a time; the
-        run of None and the sets the pass leaves go later (``_after_pass``)."""
-        keys = state.keys
-        seen = state.compact_seen
-        assert seen is not None
-        mask = len(seen) - 1
-        get = self._objects.get
-        segment_id = state.info.segment_id
-        read, write = state.compact_read, state.compact_write
-        stop = min(len(keys), read + budget)
-        while read < stop:
-            key = keys[read]
-            keys[read] = None  # type: ignore[call-overload]
-            read += 1
-            if key is None:
-                continue
-            shard = seen[hash(key) & mask]
-            if key in shard:
-                continue
-            entry = get(key)
-            if entry is None or not entry.on_segment(segment_id):
-                continue
-            shard.add(key)
-            keys[write] = key
-            write += 1
-        if read >= len(keys):
-            if len(keys) - write > TRIM_STEP:
-                state.compact_gap = (write, len(keys))
-            else:
-                del keys[write:]
-            state.compact_spent = seen
-            state.compact_seen = None
-        else:
-            state.compact_read, state.compact_write = read, write
 
     def _carve_run(self, size_bytes: int, count: int) -> _Run | None:
         """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved at
@@ -510,8 +382,8 @@ class Mutations:
         self._segments.tier_to_used_bytes[Tier.DRAM] -= len(offsets) * run.step_bytes
         return run
 
-    def _take(self, run: _Run, key: ObjectKey, now: float, exhausted: set[Tier]) -> Extent:
-        """The next extent of ``run``, for ``key``; a watermark pass follows, as after any
+    def _take(self, run: _Run, now: float, exhausted: set[Tier]) -> Extent:
+        """The next extent of ``run``; a watermark pass follows, as after any
         allocation (checked only once the tier may be above its high watermark: ``quiet``
         counts the extents that cannot take it there)."""
         step = run.step_bytes
@@ -519,8 +391,6 @@ class Mutations:
         used[Tier.DRAM] += step
         placement = Extent(run.state.info.segment_id, run.offsets[-run.left], run.size_bytes)
         run.left -= 1
-        run.state.keys.append(key)
-        run.noted += 1
         if run.quiet:
             run.quiet -= 1
         else:
@@ -673,31 +543,15 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
         return None, 0
 
 
-def _compacting(state: SegmentState) -> bool:
-    """Whether a compaction of ``state.keys`` is in progress or has left work behind."""
-    return (state.compact_seen is not None or state.compact_gap is not None
-            or bool(state.compact_spent))
-
-
-def _seen_shards(num_keys: int) -> int:
-    """How many sets a compaction pass over ``num_keys`` entries splits its seen keys into:
-    a power of two, about 4,096 keys a set, so no set's growth rehashes millions of keys."""
-    shards = 1
-    while shards * 4096 < num_keys and shards < 1 << 16:
-        shards *= 2
-    return shards
-
-
 #: Most extents one run carves (a batch still spreads over segments in runs this long).
 RUN_MAX_KEYS = 64
 
 
 class _Run:
     """Extents carved at once for the plain puts of one batch (``offsets``, back to back
-    where the segment had room for it), handed out in order by ``Mutations._take``; the keys
-    they went to are appended to the segment's key list as they go (``noted``)."""
+    where the segment had room for it), handed out in order by ``Mutations._take``."""
 
-    __slots__ = ("state", "offsets", "size_bytes", "step_bytes", "left", "noted", "quiet")
+    __slots__ = ("state", "offsets", "size_bytes", "step_bytes", "left", "quiet")
 
     def __init__(self, state: SegmentState, offsets: list[int], size_bytes: int) -> None:
         self.state = state
@@ -705,7 +559,6 @@ class _Run:
         self.size_bytes = size_bytes
         self.step_bytes = aligned(size_bytes)
         self.left = len(offsets)  # not handed out yet: the last ``left`` offsets
-        self.noted = 0
         self.quiet = 0  # extents to hand out before the watermark is checked again
 
 

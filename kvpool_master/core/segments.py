@@ -37,48 +37,34 @@ from kvpool_master.core.allocator import (
     Allocator,
     aligned,
 )
-from kvpool_wire.types import ClientId, Extent, ObjectKey, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, Extent, SegmentId, SegmentInfo, Tier
 
 #: Longest segment id accepted (segment ids travel in every placement).
 MAX_SEGMENT_ID_BYTES = 256
 
 
 class SegmentState:
-    """One segment: its descriptor, its allocator, whether it is mounted, and the keys of the
-    objects placed on it.
+    """One segment: its descriptor, its allocator and whether it is mounted.
 
-    ``keys`` is appended to and may hold stale keys (objects removed or re-put elsewhere since)
-    and duplicates; once they outnumber live extents it is compacted in place, a few entries
-    per append or (``defer_upkeep``) a step at a time between requests
-    (``compact_read``/``compact_write``/``compact_seen``: the pass in progress,
-    ``compact_seen`` None when none is), so it stays O(live objects), losing a segment visits
-    only its own objects, and no single put pays for the whole list. Mid-pass, every live key
-    is still in the list at least once. A pass leaves the entries it dropped as a run of None
-    (``compact_gap``: its start and end, None when there is none) and the sets of keys it saw
-    (``compact_spent``), which later appends let go a step at a time, as the pass itself went.
-    The list may hold None anywhere.
+    The objects on a segment are not listed per segment: losing one finds them by walking the
+    object table (``sweeps.py``), which costs no memory per object and nothing per put.
+    ``sweep_shards_left`` counts the table shards that walk has still to visit for this segment
+    once it is lost (0 while it is not).
     """
 
-    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "keys", "freed_seq",
-                 "mount_no", "index_no", "compact_read", "compact_write", "compact_seen",
-                 "compact_gap", "compact_spent", "sweep_at")
+    __slots__ = ("info", "allocator", "mounted", "restore_deadline_s", "freed_seq",
+                 "mount_no", "index_no", "sweep_shards_left")
 
     def __init__(self, info: SegmentInfo, allocator: Allocator, mounted: bool,
-                 restore_deadline_s: float = 0.0, keys: list[ObjectKey] | None = None) -> None:
+                 restore_deadline_s: float = 0.0) -> None:
         self.info = info
         self.allocator = allocator
         self.mounted = mounted
         self.restore_deadline_s = restore_deadline_s
-        self.keys: list[ObjectKey] = keys if keys is not None else []
         self.freed_seq = 0  # number of the latest free on this segment (SegmentTable.free_seq)
         self.mount_no = 0  # order of its latest mount (placement ties go to the earlier)
         self.index_no = 0  # push number of its current placement-index entry
-        self.compact_read = 0
-        self.compact_write = 0
-        self.compact_seen: list[set[ObjectKey]] | None = None  # by key hash
-        self.compact_gap: tuple[int, int] | None = None
-        self.compact_spent: list[set[ObjectKey]] | None = None
-        self.sweep_at = 0  # lost and dying: the next entry of ``keys`` to sweep
+        self.sweep_shards_left = 0
 
 
 def segment_info_error(info: SegmentInfo) -> str:

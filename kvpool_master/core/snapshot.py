@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import operator
 from array import array
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, groupby, islice, repeat
@@ -29,7 +30,7 @@ from typing import Any
 
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
-from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
+from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
 from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId, SegmentInfo, Tier
 
@@ -265,22 +266,18 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     # process's memory fragmented for good (about 40 bytes an object)
     segment_to_offsets: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
     segment_to_sizes: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
-    segment_to_keys: dict[SegmentId, list[ObjectKey]] = {s: [] for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
     mask = _ALIGN_MASK
 
     def note_extents(added: list[ObjectEntry]) -> None:
         """Note the extents of ``added`` (in the table now) on their segments."""
         for entry in added:
-            key = entry.key
             extent_bytes = (entry.size_bytes + mask) & ~mask
             segment_to_offsets[entry.segment_id].append(entry.offset)
             segment_to_sizes[entry.segment_id].append(extent_bytes)
-            segment_to_keys[entry.segment_id].append(key)
             for p in entry.more:
                 segment_to_offsets[p.segment_id].append(p.offset)
                 segment_to_sizes[p.segment_id].append(extent_bytes)
-                segment_to_keys[p.segment_id].append(key)
 
     def add_rows(rows: Sequence[Sequence[Any]]) -> int:
         """Add the objects of ``rows``; return how many were dropped (malformed, or keys seen
@@ -305,13 +302,12 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         if len(added) < len(chunk):   # keys seen before
             note_extents(added)
             return len(chunk) - len(added)
-        keys, offsets = columns.keys, columns.offsets
+        offsets = columns.offsets
         for segment_id, group in groupby(sorted(range(len(chunk)), key=segment_ids.__getitem__),
                                          segment_ids.__getitem__):   # a segment at a time
             indexes = list(group)
             segment_to_offsets[segment_id].extend(map(offsets.__getitem__, indexes))
             segment_to_sizes[segment_id].extend(map(extents_bytes.__getitem__, indexes))
-            segment_to_keys[segment_id].extend(map(keys.__getitem__, indexes))
         return 0
 
     size_to_int = objects.size_to_int
@@ -338,20 +334,18 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
     except ValueError:
         # Overlapping extents: an index that lost a change. Drop every object in an overlap,
         # then rebuild (the slow path; a whole log never takes it).
-        doomed = _overlapping(objects, segment_to_keys)
+        doomed = _overlapping(_extents(objects))
         for key in doomed:
             objects.pop(key)
         conflicting = len(doomed)
-        for segment_id in infos:
-            segment_to_keys[segment_id] = [k for k in segment_to_keys[segment_id]
-                                           if k not in doomed]
-        allocators = {s: Allocator.from_used(infos[s].size_bytes,
-                                             [(o, n) for o, n, _ in _extents(objects, s, keys)])
-                      for s, keys in segment_to_keys.items()}
+        segment_to_extents = _extents(objects)
+        allocators = {s: Allocator.from_used(info.size_bytes,
+                                             [(o, n) for o, n, _ in
+                                              segment_to_extents.get(s, ())])
+                      for s, info in infos.items()}
     for segment_id, info in infos.items():
         segments.add(SegmentState(info, allocators[segment_id], mounted=False,
-                                  restore_deadline_s=deadline_s,
-                                  keys=segment_to_keys[segment_id]))
+                                  restore_deadline_s=deadline_s))
     return RestoreCounts(len(clients), len(infos), len(objects), dropped, conflicting)
 
 
@@ -359,21 +353,23 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
 RESTORE_CHUNK = 4096
 
 
-def _extents(objects: ObjectTable, segment_id: SegmentId,
-             keys: list[ObjectKey]) -> list[tuple[int, int, ObjectKey]]:
-    """Return (offset, aligned size, key) of each object's replica on ``segment_id``."""
-    return [(p.offset, aligned(p.length), key) for key in keys
-            for p in objects.shards[hash(key) & SHARD_MASK][key].extents()
-            if p.segment_id == segment_id]
+def _extents(objects: ObjectTable) -> dict[SegmentId, list[tuple[int, int, ObjectKey]]]:
+    """(offset, aligned size, key) of every replica in ``objects``, by segment."""
+    segment_to_extents: dict[SegmentId, list[tuple[int, int, ObjectKey]]] = defaultdict(list)
+    for shard in objects.shards:
+        for key, entry in shard.items():
+            for p in entry.extents():
+                segment_to_extents[p.segment_id].append((p.offset, aligned(p.length), key))
+    return segment_to_extents
 
 
-def _overlapping(objects: ObjectTable,
-                 segment_to_keys: dict[SegmentId, list[ObjectKey]]) -> set[ObjectKey]:
+def _overlapping(segment_to_extents: dict[SegmentId, list[tuple[int, int, ObjectKey]]]
+                 ) -> set[ObjectKey]:
     """Return the keys of every object whose extent overlaps another one on a segment."""
     doomed: set[ObjectKey] = set()
-    for segment_id, keys in segment_to_keys.items():
+    for extents in segment_to_extents.values():
         open_extents: list[tuple[int, ObjectKey]] = []   # heap of (end, key) not yet passed
-        for offset, size, key in sorted(_extents(objects, segment_id, keys)):
+        for offset, size, key in sorted(extents):
             while open_extents and open_extents[0][0] <= offset:
                 heapq.heappop(open_extents)
             if open_extents:

@@ -124,7 +124,7 @@ class CoreStats:
     promotions_failed_total: int
     copies_expired_total: int         # tier copies not reported within copy_task_ttl
     copies_in_flight: int             # tier copies waiting or being made
-    sweep_backlog_keys: int           # key-list entries lost segments and removals still sweep
+    sweep_backlog_keys: int           # about the table entries the sweeps have still to walk
 
 
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,

@@ -4,35 +4,55 @@ Rules of this file:
 - The master serves every client from one loop, so no call may hold it for long. Work that
   grows with the table (a lost segment's objects, ``RemoveAll``, ``RemoveByRegex``) is split:
   what must be true at once is done at once, the rest by ``sweep``, which the server calls
-  between requests (``SWEEP_STEP_KEYS`` entries, about a millisecond, per call) until
-  ``sweeping`` is False. Small work (at most ``SWEEP_NOW_KEYS`` entries) is done at once.
+  between requests (a step looks at a few thousand table entries, about a millisecond) until
+  ``sweeping`` is False. Small work (a table of at most ``SWEEP_NOW_KEYS`` objects, or a lost
+  segment that holds no extent) is done at once.
+- Objects are not listed per segment (that list cost memory per object and, once objects
+  were removed, kept their keys alive until it was compacted). Sweeps find their objects by
+  one walk over the object table instead, a shard at a time (``TableWalk``: a shard's entries
+  are taken as a list when the walk reaches it). Every lost segment and every removal job
+  rides that one walk: each counts the shards it has still to see (``NUM_SHARDS`` from the
+  next shard on) and is done once it has seen them all. Objects put meanwhile may or may not
+  be met: none can be on a lost segment, and a removal job removes those it meets.
 - Losing a segment (unmount, its owner leaving or expiring) takes it out of the segment table
   at once and logs ``SegmentUnmounted``; nothing places on it or reads from it from then on
-  (reads filter placements on it out: ``SegmentTable.filtering``). Its key list is then swept:
-  objects whose every replica sat on it are dropped, the others lose that replica. A put of a
-  key found only on lost segments drops that object first, and a segment mounted again under
-  that id finishes the sweep first (placements naming the id must never reach new memory).
-- A removal job walks every segment's key list up to the length it had when the job started
-  (objects put later are not its business), removing the READY objects that match (and are
-  not leased, unless forced). Segment key lists are not compacted while a job walks them. The
-  job counts what it removed; its caller is answered once it is done (``RemoveJob.done``).
+  (reads filter placements on it out: ``SegmentTable.filtering``). The walk then drops the
+  objects whose every replica sat on lost segments; the others lose those replicas. A put of
+  a key found only on lost segments drops that object first, and a segment mounted again
+  under that id finishes its sweep first, at once (placements naming the id must never reach
+  new memory).
+- A removal job removes the READY objects it meets that match (and are not leased, unless
+  forced). It counts what it removed; its caller is answered once it is done
+  (``RemoveJob.done``).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import compress
 
 from kvpool_master.core.events import SegmentUnmounted
 from kvpool_master.core.keyregex import KeyPattern, compile_key_pattern
 from kvpool_master.core.mutations import Mutations
+from kvpool_master.core.objects import NUM_SHARDS, SHARD_MASK, ObjectEntry
 from kvpool_master.core.segments import SegmentState
 from kvpool_wire.status import Status
-from kvpool_wire.types import ObjectKey, SegmentInfo, Tier
+from kvpool_wire.types import ObjectKey, SegmentId, SegmentInfo, Tier
 
-#: Work of at most this many key-list entries is done at once, not in steps.
+#: Work over a table of at most this many objects is done at once, not in steps.
 SWEEP_NOW_KEYS = 1024
-#: Key-list entries one ``sweep`` call looks at.
+#: Table entries one ``sweep`` call looks at while a removal job runs (each a Python check).
 SWEEP_STEP_KEYS = 1024
+#: Table entries one ``sweep`` call looks at for lost segments alone (a C-level filter each).
+SWEEP_SCAN_KEYS = 2048
+#: Objects one ``sweep`` call drops (or takes a lost replica from) for the lost segments, and
+#: removes for each removal job, at most: a removal frees its extents in the order of the
+#: table's hashes, so each is a hole of its own in its segment's free lists (about 10 µs).
+SWEEP_STEP_OBJECTS = 128
+
+_SEGMENT_OF = operator.attrgetter("segment_id")
+_MORE_OF = operator.attrgetter("more")
 
 
 @dataclass(slots=True)
@@ -41,17 +61,26 @@ class RemoveJob:
 
     pattern: KeyPattern | None
     force: bool
-    segments: list[tuple[SegmentState, int]]   # (segment, length of its key list at the start)
-    index: int = 0                              # the segment being walked
-    at: int = 0                                 # the next entry of its key list
+    shards_left: int = 0     # table shards the walk has still to show it
     removed: int = 0
     done: bool = False
+
+
+@dataclass(slots=True)
+class TableWalk:
+    """Where the one walk over the object table is: the shard it is in, that shard's entries
+    as they were when it got there (None between shards), and the next of them."""
+
+    shard: int = 0
+    entries: list[ObjectEntry] | None = None
+    at: int = 0
 
 
 class Sweeps(Mutations):
     """Losing segments and removal jobs, in steps; the base of ``Tiering``."""
 
     _jobs: list[RemoveJob]  # set by MasterCore.__init__
+    _walk: TableWalk        # likewise
 
     # ---- removal ---------------------------------------------------------------------------
 
@@ -75,132 +104,187 @@ class Sweeps(Mutations):
                      at_once: bool = False) -> RemoveJob:
         """Start removing the READY objects whose key matches ``pattern`` (all when None);
         small tables (or ``at_once``) are done now (``job.done``), else ``sweep`` continues."""
-        segments = [(s, len(s.keys)) for s in self._segments.id_to_segment.values()]
-        job = RemoveJob(pattern, force, segments)
-        if at_once or sum(n for _, n in segments) <= SWEEP_NOW_KEYS:
-            self._run_job(job, now, None)
+        job = RemoveJob(pattern, force)
+        if at_once or len(self._objects) <= SWEEP_NOW_KEYS:
+            for shard in self._objects.shards:
+                if shard:
+                    self._run_job(job, list(shard.values()), now)
+            job.done = True
         else:
+            job.shards_left = self._shards_to_walk()
             self._jobs.append(job)
         return job
 
-    def _run_job(self, job: RemoveJob, now: float, budget_keys: int | None) -> int:
-        """Advance ``job`` by ``budget_keys`` entries (all when None); return how many it
-        looked at."""
-        looked = 0
-        get = self._objects.get
+    def _run_job(self, job: RemoveJob, entries: list[ObjectEntry], now: float) -> None:
+        """Remove the objects of ``entries`` (still in the table) that ``job`` removes."""
+        self._remove_found(job, entries, self._doomed(job, entries, now, len(entries)), now)
+
+    def _doomed(self, job: RemoveJob, entries: list[ObjectEntry], now: float,
+                most: int) -> list[int]:
+        """The positions in ``entries`` of the first ``most`` objects ``job`` removes."""
         pattern, force = job.pattern, job.force
-        while job.index < len(job.segments):
-            state, end = job.segments[job.index]
-            keys = state.keys
-            stop = min(end, len(keys))
-            if budget_keys is not None:
-                stop = min(stop, job.at + budget_keys - looked)
-            doomed: dict[ObjectKey, None] = {}
-            for index in range(job.at, stop):
-                key = keys[index]
-                entry = get(key)
-                if (entry is not None and entry.writer_id is None
-                        and (force or entry.lease_expiry_s <= now)
-                        and (pattern is None or pattern.search(key) is not None)):
-                    doomed[key] = None
-            looked += max(stop - job.at, 0)
-            job.at = stop
-            self._drop(list(doomed), "remove", now)
+        found = [i for i, entry in enumerate(entries)
+                 if (entry.writer_id is None and (force or entry.lease_expiry_s <= now)
+                     and (pattern is None or pattern.search(entry.key) is not None))]
+        return found[:most]
+
+    def _remove_found(self, job: RemoveJob, entries: list[ObjectEntry], found: list[int],
+                      now: float) -> None:
+        """Remove the objects at ``found`` in ``entries`` that are still in the table."""
+        get = self._objects.get
+        doomed = [entry.key for entry in map(entries.__getitem__, found)
+                  if get(entry.key) is entry]
+        if doomed:
+            self._drop(doomed, "remove", now)
             self._counters.removed_objects += len(doomed)
             job.removed += len(doomed)
-            if job.at >= min(end, len(keys)):
-                job.index += 1
-                job.at = 0
-            if budget_keys is not None and looked >= budget_keys:
-                return looked
-        job.done = True
-        return max(looked, 1)
 
     # ---- losing segments -------------------------------------------------------------------
 
     def _mount_fresh(self, segment: SegmentInfo, now: float) -> None:
         dying = self._segments.dying.get(segment.segment_id)
         if dying is not None:  # placements naming this id must not reach the new memory
-            self._sweep_segment(dying, now, None)
+            self._sweep_at_once(dying, now)
         super()._mount_fresh(segment, now)
 
     def _lose_segment(self, state: SegmentState, now: float) -> None:
         """Forget a segment at once (no placement, read or capacity counts it from here on) and
-        sweep its objects: those whose every replica sat on it are dropped, the others only
-        lose that replica. A small segment is swept now; a large one by ``sweep`` a chunk at a
-        time (see the module rules). Extents of leased objects on it stay held
-        (``DeferredFrees``) until the lease ends, in case the segment is mounted again."""
+        sweep its objects: those whose every replica sat on lost segments are dropped, the
+        others lose those replicas. The walk of ``sweep`` finds them a step at a time (see the
+        module rules); a segment with no extent, or a small table, is swept now. Extents of
+        leased objects on it stay held (``DeferredFrees``) until the lease ends, in case the
+        segment is mounted again."""
         segment_id = state.info.segment_id
-        if segment_id in self._segments.dying:
-            self._sweep_segment(self._segments.dying[segment_id], now, None)
-        self._segments.discard(state)
-        state.sweep_at = 0
-        self._segments.dying[segment_id] = state
-        self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
-        if len(state.keys) <= SWEEP_NOW_KEYS:
-            self._sweep_segment(state, now, None)
-
-    def sweep(self, now: float, budget_keys: int = SWEEP_STEP_KEYS) -> bool:
-        """Sweep up to ``budget_keys`` entries (lost segments first, then removal jobs); True
-        while there is more to do (the server calls it again between requests)."""
         dying = self._segments.dying
-        while dying and budget_keys > 0:
-            state = next(iter(dying.values()))
-            budget_keys -= self._sweep_segment(state, now, budget_keys)
+        if segment_id in dying:
+            self._sweep_at_once(dying[segment_id], now)
+        self._segments.discard(state)
+        dying[segment_id] = state
+        self._events.append(SegmentUnmounted(segment_id, state.info.client_id))
+        if state.allocator.num_extents == 0 or len(self._objects) <= SWEEP_NOW_KEYS:
+            self._sweep_at_once(state, now)
+        else:
+            state.sweep_shards_left = self._shards_to_walk()
+
+    def _sweep_at_once(self, state: SegmentState, now: float) -> None:
+        """Finish sweeping the lost segment ``state`` now: the whole table, filtered for it in C
+        (a table of millions takes a fraction of a second: only a segment mounted again while
+        its sweep runs, or lost twice, comes here with objects)."""
+        alone = {state.info.segment_id: state}
+        if state.allocator.num_extents:
+            for shard in self._objects.shards:
+                if shard:
+                    entries = list(shard.values())
+                    self._sweep_entries(entries, self._on_lost(entries, alone, len(entries)),
+                                        alone, now)
+        del self._segments.dying[state.info.segment_id]
+        state.sweep_shards_left = 0
+
+    def _shards_to_walk(self) -> int:
+        """Shards a sweep that starts now must see: all of them from the next one on (the
+        shard in progress was partly walked before it came)."""
+        return NUM_SHARDS + (self._walk.entries is not None)
+
+    def sweep(self, now: float, budget_keys: int = SWEEP_STEP_KEYS,
+              budget_objects: int = SWEEP_STEP_OBJECTS) -> bool:
+        """Advance the walk by one step: up to ``SWEEP_SCAN_KEYS`` table entries for lost
+        segments alone, ``budget_keys`` while a removal job runs, ending early after
+        ``budget_objects`` objects for the lost segments or for one job; True while there is
+        more to do (the server calls it again between requests)."""
+        dying = self._segments.dying
         jobs = self._jobs
-        while jobs and budget_keys > 0:
-            budget_keys -= self._run_job(jobs[0], now, budget_keys)
-            if jobs[0].done:
-                jobs.pop(0)
+        if not dying and not jobs:
+            return False
+        walk = self._walk
+        entries = walk.entries
+        if entries is None:
+            entries = walk.entries = list(self._objects.shards[walk.shard].values())
+            walk.at = 0
+        start = walk.at
+        chunk = entries[start:start + (budget_keys if jobs else SWEEP_SCAN_KEYS)]
+        lost = self._on_lost(chunk, dying, budget_objects) if dying else []
+        doomed = [self._doomed(job, chunk, now, budget_objects) for job in jobs]
+        cut = len(chunk)   # after the last object of whichever list reached the budget first
+        for found in (lost, *doomed):
+            if len(found) == budget_objects:
+                cut = min(cut, found[-1] + 1)
+        if lost:
+            self._sweep_entries(chunk, [i for i in lost if i < cut], dying, now)
+        for job, found in zip(jobs, doomed, strict=True):
+            self._remove_found(job, chunk, [i for i in found if i < cut], now)
+        stop = walk.at = start + cut
+        if stop >= len(entries):
+            self._next_shard()
         return self.sweeping
 
-    def sweep_backlog_keys(self) -> int:
-        """Key-list entries the sweeps have still to look at (0: none running)."""
-        backlog = sum(len(s.keys) - s.sweep_at for s in self._segments.dying.values())
+    def _next_shard(self) -> None:
+        """The walk is done with its shard: count it for every sweep, end those that have seen
+        every shard, and move on to the next."""
+        walk = self._walk
+        walk.entries = None
+        walk.shard = (walk.shard + 1) & SHARD_MASK
+        dying = self._segments.dying
+        for segment_id, state in list(dying.items()):
+            state.sweep_shards_left -= 1
+            if state.sweep_shards_left <= 0:
+                del dying[segment_id]
         for job in self._jobs:
-            backlog += sum(end for _, end in job.segments[job.index:]) - job.at
-        return backlog
+            job.shards_left -= 1
+            if job.shards_left <= 0:
+                job.done = True
+        if self._jobs and self._jobs[0].done:
+            self._jobs = [job for job in self._jobs if not job.done]
+
+    def sweep_backlog_keys(self) -> int:
+        """About how many table entries the walk has still to look at for the sweeps
+        running (0: none is)."""
+        left = [s.sweep_shards_left for s in self._segments.dying.values()]
+        left += [job.shards_left for job in self._jobs]
+        return max(left, default=0) * len(self._objects) // NUM_SHARDS
 
     @property
     def sweeping(self) -> bool:
         """Whether ``sweep`` has work."""
         return bool(self._segments.dying) or bool(self._jobs)
 
-    def _sweep_segment(self, state: SegmentState, now: float, budget_keys: int | None) -> int:
-        """Sweep the lost segment ``state`` from where it stopped, all of it or
-        ``budget_keys`` entries of its key list; return how many entries were looked at."""
-        segment_id = state.info.segment_id
-        keys = state.keys
-        start = state.sweep_at
-        stop = len(keys) if budget_keys is None else min(len(keys), start + budget_keys)
+    @staticmethod
+    def _on_lost(entries: list[ObjectEntry], dying: dict[SegmentId, SegmentState],
+                 most: int) -> list[int]:
+        """The positions in ``entries`` of the first ``most`` objects with a replica on a
+        segment of ``dying`` (first replicas checked through C-level ``map``s)."""
+        found = list(compress(range(len(entries)),
+                              map(dying.__contains__, map(_SEGMENT_OF, entries))))
+        more = list(compress(range(len(entries)), map(_MORE_OF, entries)))
+        if more:
+            found = sorted(set(found).union(
+                i for i in more if any(p.segment_id in dying for p in entries[i].more)))
+        return found[:most]
+
+    def _sweep_entries(self, entries: list[ObjectEntry], hits: list[int],
+                       dying: dict[SegmentId, SegmentState], now: float) -> None:
+        """Sweep the objects at ``hits`` of ``entries`` (each with a replica on a segment of
+        ``dying``), those still in the table: drop the ones left with no replica on a segment
+        still known, take the lost replicas away from the others."""
         get = self._objects.get
-        lost: dict[ObjectKey, None] = {}  # a key may be listed twice
+        id_to_segment = self._segments.id_to_segment
+        lost: list[ObjectKey] = []
         seq = self._segments.next_free_seq()
-        for index in range(start, stop):
-            key = keys[index]
-            entry = get(key)
-            if entry is None or not entry.on_segment(segment_id):
-                continue  # gone, re-put elsewhere, or a repeat already swept
+        for i in hits:
+            entry = entries[i]
+            if get(entry.key) is not entry:
+                continue   # removed (or put again) since the walk took the shard
             extents = entry.extents()
-            kept = tuple(p for p in extents if p.segment_id != segment_id)
-            if not any(p.segment_id in self._segments.id_to_segment for p in kept):
-                lost[key] = None
+            kept = tuple(p for p in extents if p.segment_id not in dying)
+            if not any(p.segment_id in id_to_segment for p in kept):
+                lost.append(entry.key)
                 continue
             if entry.lease_expiry_s > now:
                 for p in extents:
-                    if p.segment_id == segment_id:
-                        self._deferred.add(entry.lease_expiry_s, state, p.offset, p.length, seq)
+                    if p.segment_id in dying:
+                        self._deferred.add(entry.lease_expiry_s, dying[p.segment_id], p.offset,
+                                           p.length, seq)
             entry.set_extents(kept)
-            if entry.dram is not None and state.info.tier == Tier.DRAM and \
-                    not self._segments.has_tier(kept, Tier.DRAM):
+            if entry.dram is not None and not self._segments.has_tier(kept, Tier.DRAM):
                 self._objects.dram_remove(entry)  # on SSD only now
-        self._drop(list(lost), "segment_lost", now)
+        self._drop(lost, "segment_lost", now)
         self._counters.segment_lost_objects += len(lost)
-        # let go of the swept keys now, a step at a time, not all at the end in one go
-        keys[start:stop] = [None] * (stop - start)  # type: ignore[list-item]
-        state.sweep_at = stop
-        if stop >= len(keys):
-            del self._segments.dying[segment_id]
-            state.keys = []
-        return max(stop - start, 1)
-

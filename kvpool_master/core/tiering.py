@@ -210,7 +210,6 @@ class Tiering(Sweeps):
         else:
             entry.set_extents((*entry.extents(), task.target))
             counters.demotions_done += 1
-        self._note_key(task.target_state, task.key)
         self._events.append(ReplicasChanged(task.key, entry.size_bytes, entry.extents(),
                                             entry.checksum, entry.pin, entry.parent_key))
 

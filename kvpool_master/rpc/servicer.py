@@ -169,6 +169,9 @@ class Servicer:
         # requests until it is done)
         self.on_upkeep_due: Callable[[], None] | None = None
         self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
+        # mounts waiting for the sweep of a segment lost under their id: (segment, answer,
+        # its status once mounted)
+        self._mounts: list[tuple[SegmentInfo, Pending, list[Status]]] = []
         self._copy_waits: dict[ClientId, Pending] = {}  # CopyTasks calls waiting for tasks
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
         self._ends_later: list[tuple[ClientId, Any]] = []
@@ -277,6 +280,8 @@ class Servicer:
                 self._removals = [(job, p) for job, p in self._removals if not job.done]
                 for pending in done:
                     pending.resolve()
+        if self._mounts:
+            self._retry_mounts()
         return more
 
     def _wake_copiers(self) -> None:
@@ -365,7 +370,36 @@ class Servicer:
             status = Status.PERMISSION_DENIED  # a client mounts only its own segments
         else:
             status = self._core.mount_segment(segment, self._clock.now())
+            if status == Status.UNAVAILABLE:   # a segment lost under its id is being swept
+                return self._mount_later(request, segment)
         return convert.status_response(_response_of(request), status)
+
+    def _mount_later(self, request: Any, segment: SegmentInfo) -> Pending:
+        """The answer of a mount that waits for the sweep of a segment lost under its id:
+        ``upkeep`` mounts it once that sweep is done (``_retry_mounts``)."""
+        answered = [Status.UNAVAILABLE]
+
+        def answer() -> bytes:
+            return convert.serialize(convert.status_response(_response_of(request),
+                                                             answered[0]))
+        pending = Pending(answer)
+        self._mounts.append((segment, pending, answered))
+        return pending
+
+    def _retry_mounts(self) -> None:
+        """Mount the waiting segments whose id is swept by now, and answer their calls."""
+        waiting = []
+        for segment, pending, answered in self._mounts:
+            status = self._core.mount_segment(segment, self._clock.now())
+            events = self._core.take_events()
+            if events and not self._on_events(events):
+                status = Status.UNAVAILABLE   # not logged: refused, as any write then
+            elif status == Status.UNAVAILABLE:
+                waiting.append((segment, pending, answered))
+                continue
+            answered[0] = status
+            pending.resolve()
+        self._mounts = waiting
 
     def _unmount_segment(self, request: Any) -> Any:
         client_id, segment_id = convert.decode_unmount_segment(request)

@@ -1,8 +1,8 @@
 """Work that grows with the table runs in steps on a real master: a large RemoveAll or
 RemoveByRegex is answered (over gRPC and over the lean framing) once it is done, with every
 other call answered meanwhile; a large segment lost by unmount, unregistration or expiry is
-gone for readers at once and swept behind; a segment mounted again under the same id never
-sees the old placements."""
+gone for readers at once and swept behind; a segment mounted again under the same id is
+answered once the old one is swept, and never sees the old placements."""
 
 from __future__ import annotations
 
@@ -94,8 +94,12 @@ def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
         assert await rpc.unmount_segment("owner", segment.segment_id) == Status.OK
         # gone for readers at once, swept behind
         assert (await rpc.exist("owner", [keys[0], keys[-1]]))[0] == [Status.NOT_FOUND] * 2
-        # mounted again under the same id: fresh memory, none of the old placements
+        # mounted again under the same id: answered once the old one is swept (fresh memory,
+        # none of the old placements)
+        assert (await rpc.get_stats())["objects"]["sweep_backlog_keys"] > 0
         assert await rpc.mount_segment("owner", segment) == Status.OK
+        stats = await rpc.get_stats()
+        assert stats["objects"]["sweep_backlog_keys"] == 0 and stats["objects"]["ready"] == 0
         assert (await rpc.exist("owner", [keys[-1]]))[0] == [Status.NOT_FOUND]
         await _fill(rpc, "owner", "n")
         beating.cancel()

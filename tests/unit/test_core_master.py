@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -455,121 +456,111 @@ def _churn_one(core: MasterCore, live: set[ObjectKey], rng: random.Random) -> No
         live.add(key)
 
 
-def test_the_key_index_holds_every_live_key_while_it_is_compacted_a_few_entries_per_put(
-        ) -> None:
-    # Seeded churn through one segment, keys re-put on it while others are removed: at every
-    # step (mid-compaction included) each live object on the segment is in its key list, and
-    # the list stays within a constant of the live count; no put compacts more than a few.
-    from kvpool_master.core.mutations import COMPACT_STEP
-
-    rng = random.Random(7)
+def test_the_core_keeps_no_reference_to_a_removed_object_s_key() -> None:
+    # Objects are not listed per segment: once removed (or evicted), nothing in the core holds
+    # their keys, however many came and went through one segment.
     core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0))
-    state = core._segments.get(SegmentId("seg-client-a"))
-    assert state is not None
-    live: set[ObjectKey] = set()
-    passes, active = 0, False
-    for step in range(6000):
-        _churn_one(core, live, rng)
-        passes += state.compact_seen is not None and not active
-        active = state.compact_seen is not None
-        assert live <= set(state.keys), step
-        assert len(state.keys) <= 3 * len(live) + 2048
-        if active:
-            assert state.compact_write <= state.compact_read <= len(state.keys)
-            assert state.compact_read % COMPACT_STEP == 0  # a few entries per put, no more
-    assert passes >= 2
+    gone = [ObjectKey(b"churn-%d" % i) for i in range(5000)]
+    for key in gone:
+        core.put_start(A, [key], [64], PutOptions(preferred_segment="seg-client-a"), 1.0)
+        core.put_end(A, [key], 1.0)
+        assert core.remove([key], False, 1.0) == [Status.OK]
+    del key
     core.take_events()
-    assert core.unmount_segment(A, SegmentId("seg-client-a"), 2.0) == Status.OK
-    dropped = {e.key for e in core.take_events() if isinstance(e, ObjectRemoved)}
-    assert dropped == live
+    unused = [ObjectKey(b"churn-%d" % 5000)]   # held the same way, never given to the core
+    assert {sys.getrefcount(k) for k in gone} == {sys.getrefcount(k) for k in unused}
 
 
 @pytest.mark.parametrize("upkeep_odds", [0.0, 0.05, 0.5], ids=["never", "seldom", "often"])
-def test_a_deferred_compaction_keeps_the_key_index_exact_and_bounded(upkeep_odds: float
-                                                                     ) -> None:
-    # The server's mode: puts only note the compaction, ``upkeep`` runs it between requests,
-    # here after a random share of the operations (never: the puts take it back once the
-    # list is past COMPACT_BEHIND times the live objects). The key list holds every live key
-    # at every step and stays bounded; losing the segment mid-pass ends the compaction and
-    # drops exactly the live objects.
-    from kvpool_master.core.mutations import COMPACT_BEHIND
-
+def test_churn_then_losing_the_segment_drops_exactly_its_live_objects(upkeep_odds: float
+                                                                      ) -> None:
+    # The server's mode, seeded churn through one segment with upkeep between a random share of
+    # the operations: losing the segment then drops exactly the objects live on it, whatever
+    # the table went through.
     rng = random.Random(11)
     core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0))
     core.defer_upkeep = True
-    state = core._segments.get(SegmentId("seg-client-a"))
-    assert state is not None
     live: set[ObjectKey] = set()
-    deferred_passes = 0
-    for step in range(30_000):
+    for _ in range(30_000):
         _churn_one(core, live, rng)
         if rng.random() < upkeep_odds:
-            deferred_passes += state.info.segment_id in core.compact_due
             core.upkeep(1.0)
-        assert live <= set(state.keys), step
-        assert len(state.keys) <= COMPACT_BEHIND * len(live) + 4096 + 1024, step
-    assert (deferred_passes > 0) == (upkeep_odds > 0)
+    assert len(core._objects) == len(live) > 0
     core.take_events()
     assert core.unmount_segment(A, SegmentId("seg-client-a"), 2.0) == Status.OK
     while core.upkeep_due:
         core.upkeep(2.0)
-    assert not core.compact_due
     dropped = {e.key for e in core.take_events() if isinstance(e, ObjectRemoved)}
-    assert dropped == live
+    assert dropped == live and len(core._objects) == 0
 
 
-def test_a_removal_job_waits_for_no_deferred_compaction_and_removes_everything() -> None:
-    # A deferred compaction pass is due when a stepped RemoveAll starts: the job walks the key
-    # list as it was, so no compaction step runs until it is done, and every object goes.
-    core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0), size=64 * MIB)
-    core.defer_upkeep = True
-    state = core._segments.get(SegmentId("seg-client-a"))
-    assert state is not None
-    names = [b"k-%d" % i for i in range(40_000)]
-    for i in range(0, len(names), 1000):
-        put(core, A, names[i:i + 1000], size=64)
-        gone = [ObjectKey(k) for k in names[i:i + 1000] if int(k[2:]) % 4]
-        assert core.remove(gone, False, 1.0) == [Status.OK] * len(gone)
-    assert state.info.segment_id in core.compact_due and state.compact_seen is not None
-    core.upkeep(1.0)   # one compaction step: the pass is mid-way
-    assert state.compact_seen is not None and state.compact_read > 0
-    job = core.start_remove(None, False, 1.0)
+def _keys_in_shard(shard: int, prefix: bytes, count: int) -> list[ObjectKey]:
+    """``count`` keys the object table files under ``shard`` (hashes vary per process)."""
+    from kvpool_master.core.objects import SHARD_MASK
+    found: list[ObjectKey] = []
+    i = 0
+    while len(found) < count:
+        key = ObjectKey(b"%s-%d" % (prefix, i))
+        if hash(key) & SHARD_MASK == shard:
+            found.append(key)
+        i += 1
+    return found
+
+
+def test_a_segment_lost_while_the_walk_is_inside_a_shard_is_swept_there_too() -> None:
+    # The walk has looked at part of a shard for one lost segment when a second is lost: the
+    # second's object in that part is met when the walk comes round to the shard again.
+    core = _big_segment_core(3000)
+    shard = core._walk.shard
+    [early] = _keys_in_shard(shard, b"b-early", 1)
+    core.put_start(B, [early], [4096], PutOptions(preferred_segment="seg-" + B), 1.0)
+    core.put_end(B, [early], 1.0)
+    late = _keys_in_shard(shard, b"a-late", 2)
+    core.put_start(A, late, [4096] * 2, PutOptions(preferred_segment="seg-" + A), 1.0)
+    core.put_end(A, late, 1.0)
+    assert core.unmount_segment(A, SegmentId("seg-" + A), 2.0) == Status.OK
+    early_entry = core._objects.get(early)
+    walk = core._walk
+    while walk.entries is None or not any(e is early_entry for e in walk.entries[:walk.at]):
+        core.sweep(2.0, budget_objects=1)    # one object of A a step
+    # B's object lies behind the walk, A's late ones ahead of it, in that shard
+    assert walk.shard == shard and 0 < walk.at < len(walk.entries)
+    assert core.unmount_segment(B, SegmentId("seg-" + B), 2.0) == Status.OK
+    backlog = core.stats().sweep_backlog_keys
+    assert backlog > 0
+    while core.sweep(3.0):
+        assert core.stats().sweep_backlog_keys <= backlog
+    assert core.stats().num_objects == 0 and core.stats().sweep_backlog_keys == 0
+    assert core.stats().segment_lost_objects_total == 3000 + 1 + 2 + 1
+
+
+def test_a_removal_job_and_a_lost_segment_share_the_walk() -> None:
+    # A stepped RemoveAll starts while a lost segment is swept: both end, every object goes,
+    # each counted once, and no step removes more than a step's worth.
+    from kvpool_master.core.sweeps import SWEEP_STEP_OBJECTS
+    core = _big_segment_core(3000)
+    keys_b = [ObjectKey(b"b%d" % i) for i in range(2000)]
+    for i in range(0, len(keys_b), 1000):
+        core.put_start(B, keys_b[i:i + 1000], [4096] * 1000,
+                       PutOptions(preferred_segment="seg-" + B), 1.0)
+        core.put_end(B, keys_b[i:i + 1000], 1.0)
+    core.take_events()
+    assert core.unmount_segment(A, SegmentId("seg-" + A), 2.0) == Status.OK
+    for _ in range(100):
+        core.sweep(2.0)
+    core.take_events()
+    job = core.start_remove(None, False, 2.0)
     assert not job.done
-    steps = 0
-    while core.upkeep_due:
-        core.upkeep(1.0)
-        steps += 1
-    assert job.done and job.removed == len(names) // 4 and steps > 1
-    assert not core.compact_due and len(core._objects) == 0
+    while core.sweep(2.0):
+        removed = [e for e in core.take_events() if isinstance(e, ObjectRemoved)]
+        assert len(removed) <= 2 * SWEEP_STEP_OBJECTS
+    stats = core.stats()
+    assert job.done and stats.num_objects == 0
+    assert stats.segment_lost_objects_total + job.removed == 3000 + 1 + 2000
+    assert job.removed >= 2000     # B's objects, and the twin once A's replica was gone
 
 
-def test_a_compaction_pass_over_a_long_key_list_keeps_each_live_key_once() -> None:
-    # 12,000 keys on one segment, 9,000 removed and some re-put (listed twice): the pass that
-    # follows splits what it has seen over several sets and ends with each live key once.
-    core = core_with(A, config=CoreConfig(eviction_high_watermark_ratio=1.0), size=64 * MIB)
-    state = core._segments.get(SegmentId("seg-client-a"))
-    assert state is not None
-    names = [b"k-%d" % i for i in range(12_000)]
-    for i in range(0, len(names), 1000):
-        put(core, A, names[i:i + 1000], size=64)
-    for i in range(0, len(names), 1000):
-        gone = [ObjectKey(k) for k in names[i:i + 1000] if int(k[2:]) % 4]
-        assert core.remove(gone, False, 1.0) == [Status.OK] * len(gone)
-    assert put(core, A, names[1:400:4], size=64) == [Status.OK] * 100  # listed twice now
-    assert state.compact_seen is not None and len(state.compact_seen) > 1
-    extra = 0
-    while state.compact_seen is not None or state.compact_gap is not None \
-            or state.compact_spent:
-        assert state.compact_seen is None or (state.compact_gap is None
-                                              and not state.compact_spent)
-        put(core, A, [b"new-%d" % extra], size=64)
-        extra += 1
-    live = [ObjectKey(k) for k in names if int(k[2:]) % 4 == 0] + \
-        [ObjectKey(k) for k in names[1:400:4]] + [ObjectKey(b"new-%d" % i) for i in range(extra)]
-    assert sorted(state.keys) == sorted(live)
-
-
-def test_the_per_segment_key_index_stays_small_and_exact() -> None:
+def test_losing_a_segment_drops_exactly_the_objects_left_on_it() -> None:
     core = core_with(A, B, config=CoreConfig(eviction_high_watermark_ratio=1.0))
     # Churn 5000 objects through segment A, keeping 10 of them, and one two-replica object.
     for i in range(5000):
@@ -579,8 +570,6 @@ def test_the_per_segment_key_index_stays_small_and_exact() -> None:
         if i >= 10:
             core.remove([key], False, 1.0)
     put(core, A, [b"both"], size=64, replica_num=2)
-    state = core._segments.get(SegmentId("seg-client-a"))
-    assert state is not None and len(state.keys) <= 3 * 11 + 2048
     core.take_events()
     assert core.unmount_segment(A, SegmentId("seg-client-a"), 2.0) == Status.OK
     dropped = sorted(e.key for e in core.take_events() if isinstance(e, ObjectRemoved))
@@ -608,7 +597,7 @@ def _big_segment_core(num_objects: int) -> MasterCore:
 
 
 def test_a_large_segment_is_lost_at_once_and_swept_in_bounded_steps() -> None:
-    from kvpool_master.core.sweeps import SWEEP_STEP_KEYS
+    from kvpool_master.core.sweeps import SWEEP_STEP_OBJECTS
     core = _big_segment_core(5000)
     assert core.unmount_segment(A, SegmentId("seg-" + A), 2.0) == Status.OK
     assert core.sweeping
@@ -620,7 +609,7 @@ def test_a_large_segment_is_lost_at_once_and_swept_in_bounded_steps() -> None:
     while core.sweep(3.0):
         steps += 1
         removed = [e for e in core.take_events() if isinstance(e, ObjectRemoved)]
-        assert len(removed) <= SWEEP_STEP_KEYS
+        assert len(removed) <= SWEEP_STEP_OBJECTS
     assert steps >= 4 and core.stats().num_objects == 1
     assert core.stats().segment_lost_objects_total == 5000
 
@@ -632,6 +621,23 @@ def test_a_segment_mounted_again_while_swept_never_serves_old_placements() -> No
     core.sweep(2.0)
     assert core.mount_segment(info, 2.5) == Status.OK     # finishes the sweep first
     assert not core.sweeping and core.stats().num_objects == 1
+    assert core.exist([ObjectKey(b"k4999")], 3.0)[0] == [Status.NOT_FOUND]
+
+
+def test_a_server_core_mounts_an_id_being_swept_once_it_is_swept() -> None:
+    # The server's mode: the mount is refused (UNAVAILABLE, nothing changed) while the walk
+    # sweeps the segment lost under that id, rather than sweep the whole table in one call.
+    core = _big_segment_core(5000)
+    core.defer_upkeep = True
+    info = SegmentInfo(SegmentId("seg-" + A), A, 1 << 30)
+    assert core.unmount_segment(A, info.segment_id, 2.0) == Status.OK
+    core.take_events()
+    assert core.mount_segment(info, 2.5) == Status.UNAVAILABLE
+    assert core.take_events() == [] and core.stats().num_objects == 5001
+    while core.upkeep(2.6):
+        pass
+    assert core.mount_segment(info, 2.7) == Status.OK
+    assert core.stats().num_objects == 1
     assert core.exist([ObjectKey(b"k4999")], 3.0)[0] == [Status.NOT_FOUND]
 
 
@@ -649,20 +655,22 @@ def test_a_put_of_a_key_on_a_lost_segment_only_is_a_fresh_put() -> None:
 
 def test_a_large_removal_is_a_job_done_in_bounded_steps() -> None:
     from kvpool_master.core.keyregex import compile_key_pattern
-    from kvpool_master.core.sweeps import SWEEP_STEP_KEYS
+    from kvpool_master.core.sweeps import SWEEP_STEP_OBJECTS
     core = _big_segment_core(5000)
     pattern = compile_key_pattern("^k1")                  # k1, k10-k19, k100-k199, ...
     assert pattern is not None
     job = core.start_remove(pattern, False, 2.0)
     assert not job.done and core.sweeping
-    # a put meanwhile is not the job's business
+    # a put meanwhile is removed if the walk meets it (it may land behind the walk)
     core.put_start(A, [ObjectKey(b"k1-late")], [4096], PutOptions(), 2.1)
     core.put_end(A, [ObjectKey(b"k1-late")], 2.1)
     while core.sweep(2.2):
         assert len([e for e in core.take_events() if isinstance(e, ObjectRemoved)]) <= \
-            SWEEP_STEP_KEYS
-    assert job.done and job.removed == 1111
-    assert core.exist([ObjectKey(b"k1999"), ObjectKey(b"k2"), ObjectKey(b"k1-late")],
-                      3.0)[0] == [Status.NOT_FOUND, Status.OK, Status.OK]
-    assert core.remove_all(True, 3.0) == 5000 - 1111 + 2  # at once: the twin and the late one
+            SWEEP_STEP_OBJECTS
+    [k1999, k2, late] = core.exist([ObjectKey(b"k1999"), ObjectKey(b"k2"),
+                                    ObjectKey(b"k1-late")], 3.0)[0]
+    late_met = late == Status.NOT_FOUND
+    assert job.done and job.removed == 1111 + late_met
+    assert (k1999, k2) == (Status.NOT_FOUND, Status.OK)
+    assert core.remove_all(True, 3.0) == 5000 - 1111 + 1 + (not late_met)   # at once
     assert core.stats().num_objects == 0 and not core.sweeping
