@@ -8,8 +8,12 @@ Rules of this file:
 - Every operation is O(log n) in the number of free extents (a run of k holes, O(k log n)):
   ``_by_size`` is a sorted list of ``size << OFFSET_BITS | offset`` (one int compares faster
   than a tuple and costs less memory), searched by value, never by position (a positional
-  lookup rebuilds the list's position index after a change), and two dicts find the
-  neighbours of a freed extent in O(1).
+  lookup rebuilds the list's position index after a change), and two maps find the
+  neighbours of a freed extent in O(1). Each map is split into dicts by position in the
+  segment, one per 64 MiB of it up to 64 (``_EDGE_SHARD_BYTES``, ``_MAX_EDGE_SHARDS``): a dict
+  that churns at a constant size rebuilds its whole table now and then, in one call, and a
+  large segment freed in random order holds hundreds of thousands of holes (20-40 ms for
+  such a rebuild; a 64th of it well under one).
 - Best fit (smallest extent that fits, lowest offset among equals) keeps holes of a uniform
   block size reusable exactly, which is the common case for KV blocks.
 """
@@ -28,6 +32,9 @@ OFFSET_BITS = 48
 #: as ``offset << OFFSET_BITS | size`` can describe (a size of 2**48 would spill into the offset).
 MAX_SEGMENT_BYTES = 1 << (OFFSET_BITS - 2)
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
+#: Bytes of a segment per dict of each edge map, and most dicts per map (see the module rules).
+_EDGE_SHARD_BYTES = 64 << 20
+_MAX_EDGE_SHARDS = 64
 
 
 def aligned(size_bytes: int) -> int:
@@ -39,7 +46,7 @@ class Allocator:
     """Allocates aligned extents of ``[0, size_bytes)``."""
 
     __slots__ = ("size_bytes", "used_bytes", "num_extents", "_by_size", "_start_to_size",
-                 "_end_to_start")
+                 "_end_to_start", "_edge_shards", "_edge_scale")
 
     def __init__(self, size_bytes: int) -> None:
         if not 0 < size_bytes <= MAX_SEGMENT_BYTES:
@@ -48,8 +55,13 @@ class Allocator:
         self.used_bytes = 0
         self.num_extents = 0  # allocated extents
         self._by_size: SortedList = SortedList()
-        self._start_to_size: dict[int, int] = {}
-        self._end_to_start: dict[int, int] = {}
+        # free extents by start and by end, each in the dict of its position's shard
+        # (``position * _edge_shards // _edge_scale``)
+        shards = min(_MAX_EDGE_SHARDS, max(1, self.size_bytes // _EDGE_SHARD_BYTES))
+        self._start_to_size: list[dict[int, int]] = [{} for _ in range(shards)]
+        self._end_to_start: list[dict[int, int]] = [{} for _ in range(shards)]
+        self._edge_shards = shards
+        self._edge_scale = self.size_bytes + 1
         if self.size_bytes:
             self._add_free(0, self.size_bytes)
 
@@ -76,9 +88,7 @@ class Allocator:
         """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size`` (sorted
         in place): how a restore rebuilds a segment's allocator from its objects."""
         allocator = cls(size_bytes)
-        allocator._by_size.clear()
-        allocator._start_to_size.clear()
-        allocator._end_to_start.clear()
+        allocator._clear_free()
         packed.sort()
         # Column at a time through C-level maps: this runs once per object on restore.
         offsets = list(map(operator.rshift, packed, itertools.repeat(OFFSET_BITS)))
@@ -157,9 +167,7 @@ class Allocator:
         extent ``packed`` (at least one fits); return how many."""
         extent_size = packed >> OFFSET_BITS
         offset = packed & _OFFSET_MASK
-        self._by_size.remove(packed)
-        del self._start_to_size[offset]
-        del self._end_to_start[offset + extent_size]
+        self._remove_free(offset, extent_size)
         got = min(count, extent_size // size)
         taken = got * size
         if extent_size > taken:
@@ -179,7 +187,7 @@ class Allocator:
         end = offset + size
         if offset < 0 or size <= 0 or end > self.size_bytes or offset % ALIGN_BYTES:
             raise ValueError(f"extent ({offset}, {size}) lies outside the segment")
-        if offset in self._start_to_size or end in self._end_to_start:
+        if self._is_free_edge(offset, end):
             raise ValueError(f"extent ({offset}, {size}) is already free")
         self._release(offset, end)
         self.num_extents -= 1
@@ -226,10 +234,8 @@ class Allocator:
             raise ValueError(f"extent ending at {run_end} lies outside the segment")
         if run_end >= 0:
             runs.append((run_start, run_end))
-        start_to_size = self._start_to_size
-        end_to_start = self._end_to_start
         for start, end in runs:
-            if start in start_to_size or end in end_to_start or start >= end:
+            if start >= end or self._is_free_edge(start, end):
                 raise ValueError(f"extent ({start}, {end - start}) is already free")
         for start, end in runs:
             self._release(start, end)
@@ -242,25 +248,30 @@ class Allocator:
         restored segment back for a while).
         """
         extents = self.free_extents()
-        self._by_size.clear()
-        self._start_to_size.clear()
-        self._end_to_start.clear()
+        self._clear_free()
         self.used_bytes = self.size_bytes
         self.num_extents += len(extents)
         return extents
 
     def free_extents(self) -> list[tuple[int, int]]:
         """Return the free extents as sorted (offset, size) pairs (for tests and snapshots)."""
-        return sorted(self._start_to_size.items())
+        return sorted(itertools.chain.from_iterable(d.items() for d in self._start_to_size))
+
+    def _is_free_edge(self, start: int, end: int) -> bool:
+        """Whether ``start`` starts, or ``end`` ends, a free extent."""
+        shards, scale = self._edge_shards, self._edge_scale
+        return (start in self._start_to_size[start * shards // scale]
+                or end in self._end_to_start[end * shards // scale])
 
     def _release(self, start: int, end: int) -> None:
         """Turn allocated ``[start, end)`` into free space, merged with free neighbours."""
         self.used_bytes -= end - start
-        right_size = self._start_to_size.get(end)
+        shards, scale = self._edge_shards, self._edge_scale
+        right_size = self._start_to_size[end * shards // scale].get(end)
         if right_size is not None:
             self._remove_free(end, right_size)
             end += right_size
-        left_start = self._end_to_start.get(start)
+        left_start = self._end_to_start[start * shards // scale].get(start)
         if left_start is not None:
             self._remove_free(left_start, start - left_start)
             start = left_start
@@ -268,10 +279,22 @@ class Allocator:
 
     def _add_free(self, offset: int, size: int) -> None:
         self._by_size.add(size << OFFSET_BITS | offset)
-        self._start_to_size[offset] = size
-        self._end_to_start[offset + size] = offset
+        end = offset + size
+        shards, scale = self._edge_shards, self._edge_scale
+        self._start_to_size[offset * shards // scale][offset] = size
+        self._end_to_start[end * shards // scale][end] = offset
 
     def _remove_free(self, offset: int, size: int) -> None:
         self._by_size.remove(size << OFFSET_BITS | offset)
-        del self._start_to_size[offset]
-        del self._end_to_start[offset + size]
+        end = offset + size
+        shards, scale = self._edge_shards, self._edge_scale
+        del self._start_to_size[offset * shards // scale][offset]
+        del self._end_to_start[end * shards // scale][end]
+
+    def _clear_free(self) -> None:
+        """Forget every free extent."""
+        self._by_size.clear()
+        for start_to_size, end_to_start in zip(self._start_to_size, self._end_to_start,
+                                               strict=True):
+            start_to_size.clear()
+            end_to_start.clear()

@@ -68,12 +68,15 @@ class RemoveJob:
 
 @dataclass(slots=True)
 class TableWalk:
-    """Where the one walk over the object table is: the shard it is in, that shard's entries
-    as they were when it got there (None between shards), and the next of them."""
+    """Where the one walk over the object table is: the shard it is in, and that shard's
+    entries as they were when it got there, less those it has looked at (None between
+    shards). Each step cuts what it looked at off the list, so the objects it dropped are let
+    go in that step: held to the shard's end, a removal in hash order would let the last
+    objects of hundreds of allocator arenas go at once (a walk that empties the table would
+    end on a step of tens of milliseconds)."""
 
     shard: int = 0
     entries: list[ObjectEntry] | None = None
-    at: int = 0
 
 
 class Sweeps(Mutations):
@@ -199,9 +202,7 @@ class Sweeps(Mutations):
         entries = walk.entries
         if entries is None:
             entries = walk.entries = list(self._objects.shards[walk.shard].values())
-            walk.at = 0
-        start = walk.at
-        chunk = entries[start:start + (budget_keys if jobs else SWEEP_SCAN_KEYS)]
+        chunk = entries[:budget_keys if jobs else SWEEP_SCAN_KEYS]
         lost = self._on_lost(chunk, dying, budget_objects) if dying else []
         doomed = [self._doomed(job, chunk, now, budget_objects) for job in jobs]
         cut = len(chunk)   # after the last object of whichever list reached the budget first
@@ -212,8 +213,8 @@ class Sweeps(Mutations):
             self._sweep_entries(chunk, [i for i in lost if i < cut], dying, now)
         for job, found in zip(jobs, doomed, strict=True):
             self._remove_found(job, chunk, [i for i in found if i < cut], now)
-        stop = walk.at = start + cut
-        if stop >= len(entries):
+        del chunk, entries[:cut]
+        if not entries:
             self._next_shard()
         return self.sweeping
 
