@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 from array import array
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool_master.core import allocator as allocator_module
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
 
 SEGMENT = 64 * ALIGN_BYTES * 16
@@ -38,7 +40,22 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "run", "free", "free
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_allocator_matches_a_model(operations: list[tuple[str, int, int]]) -> None:
+    _run_model(operations)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_allocator_with_its_edge_maps_split_matches_the_model(
+        operations: list[tuple[str, int, int]]) -> None:
+    # The edge maps of a large segment are split by position (one dict per 64 MiB): here 13
+    # dicts over this small segment, so free extents start, end and merge across them.
+    with mock.patch.object(allocator_module, "_EDGE_SHARD_BYTES", SEGMENT // 13):
+        _run_model(operations, shards=13)
+
+
+def _run_model(operations: list[tuple[str, int, int]], shards: int = 1) -> None:
     allocator = Allocator(SEGMENT)
+    assert len(allocator._start_to_size) == shards
     live: dict[int, int] = {}
     for op, size, pick in operations:
         if op == "alloc":
