@@ -159,7 +159,7 @@ def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
     print(f"  of which one object's own: entry {sys.getsizeof(entry)} B (its first replica "
           f"and recency links included), key {sys.getsizeof(entry.key)} B, offset and checksum "
           f"ints {sys.getsizeof(entry.offset) + sys.getsizeof(entry.checksum)} B; the rest is "
-          f"the table's slot and the segment's key list")
+          f"the table's slot")
     started = time.perf_counter()
     gc.collect()
     print(f"  one full gc.collect() with this table alive: "
@@ -194,15 +194,20 @@ def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
     core.unmount_segment(CLIENT, SegmentId("seg-0"), 101.0)
     elapsed = time.perf_counter() - started
     lost = len(core.take_events()) - 1
-    longest = 0.0
-    while core.sweeping:  # what the server does between requests, a step at a time
-        step_started = time.perf_counter()
-        core.sweep(101.0)
-        longest = max(longest, time.perf_counter() - step_started)
-        lost += len(core.take_events())
+    steps: list[float] = []
+    gc.disable()   # the server bounds the collector's pauses on its own (bench_gc_pauses)
+    try:
+        while core.sweeping:  # what the server does between requests, a step at a time
+            step_started = time.perf_counter()
+            core.sweep(101.0)
+            steps.append(time.perf_counter() - step_started)
+            lost += len(core.take_events())
+    finally:
+        gc.enable()
     swept = time.perf_counter() - started
     print(f"  unmount of one of 8 segments: {elapsed * 1e3:.1f} ms, then swept in "
-          f"{swept * 1e3:.0f} ms, longest step {longest * 1e3:.1f} ms ({lost:,} objects "
+          f"{swept * 1e3:.0f} ms, {len(steps):,} steps p50 / p99 / longest "
+          f"{_p(steps, 0.5)} / {_p(steps, 0.99)} / {_p(steps, 1.0)} ms ({lost:,} objects "
           "dropped)")
 
 
@@ -353,13 +358,15 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
     batches (each evicting about as much as it puts, LRU victims scattered by 100-key reads
     of recent keys), for ``turnovers`` times the table. This is where whole-table steps
     show: a dict or set rebuilt as a whole, a list cut in one go, an eviction pass too long.
-    Also prints the rate of the puts and commits in each turnover of the pool: LRU victims
-    leave its free space in one-block holes, and the entries touched lie ever more scattered.
+    Also prints the rate of the puts and commits in each turnover of the pool (LRU victims
+    leave its free space in one-block holes, and the entries touched lie ever more scattered),
+    and the process's memory per object after the fill and after each turnover.
     The cyclic collector is off meanwhile: the server bounds its pauses on its own (see
     ``bench_gc_pauses``), and one of Python's own full collections would hide the rest."""
     from kvpool_master.core import mutations
 
     gc.collect()
+    base_bytes = rss_bytes()
     core = MasterCore(CoreConfig())
     core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
     core.mount_segment(SegmentInfo(SegmentId("big"), CLIENT, num_objects * 4096), 0.0)
@@ -371,6 +378,7 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
         core.put_start(CLIENT, chunk, [4096] * 1000, OPTIONS, 1.0)
         core.put_end(CLIENT, chunk, 1.0)
         core.take_events()
+    per_object_bytes = [(rss_bytes() - base_bytes) / len(core._objects)]
     passes: list[float] = []
     evict_pass = mutations.Mutations._evict_pass
 
@@ -403,6 +411,8 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
             core.get_replicas(reads, now)
             get_s = time.perf_counter()
             putting_s[(start - num_objects) // num_objects] += end_s - started
+            if (start + 100 - num_objects) % num_objects == 0:   # a turnover done
+                per_object_bytes.append((rss_bytes() - base_bytes) / len(core._objects))
             for name, elapsed in (("put_start", put_s - started), ("put_end", end_s - put_s),
                                   ("get_replicas", get_s - end_s)):
                 longest[name] = max(longest[name], elapsed)
@@ -421,16 +431,17 @@ def bench_churn_steps(num_objects: int, turnovers: float = 1.5) -> None:
              for k, elapsed_s in enumerate(putting_s)]
     print("  puts and commits (evictions included) per turnover of the pool: "
           + ", ".join(f"{rate:.0f}" for rate in rates) + " k keys/s")
+    print("  memory per object (process RSS over the table's objects) after the fill, then "
+          "after each turnover: " + ", ".join(f"{b:.0f}" for b in per_object_bytes) + " B")
 
 
 def bench_evicting_steps(num_objects: int) -> None:
     """The longest steps of a master serving 1,000-key put batches into a full pool of
     ``num_objects`` 4 KiB objects (each batch evicting about as much as it puts), as a server
-    cuts a batch into steps: with the watermark passes and key-list compactions run inside
-    the put steps and 1,024-key steps (the server before), inside and 512-key steps, and
-    deferred to steps of their own (``upkeep``, between requests) with 512-key steps (the
-    server now). A client's call waits behind at most one such step. Collector off, as in
-    ``bench_churn_steps``."""
+    cuts a batch into steps: with the watermark passes run inside the put steps and 1,024-key
+    steps, inside and 512-key steps, and deferred to steps of their own (``upkeep``, between
+    requests) with 512-key steps (the server now). A client's call waits behind at most one
+    such step. Collector off, as in ``bench_churn_steps``."""
     from kvpool_master.rpc.servicer import STEP_KEYS
 
     print(f"\nsteps of 1,000-key put batches into a full pool of {num_objects:,} objects, "
@@ -453,8 +464,7 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
     core.mount_segment(SegmentInfo(SegmentId("big"), CLIENT, num_objects * 4096), 0.0)
     core.skip_object_events()   # a master without --state-dir
     core.defer_upkeep = deferred
-    steps: dict[str, list[float]] = {"put_start": [], "put_end": [], "pass": [],
-                                     "compaction": []}
+    steps: dict[str, list[float]] = {"put_start": [], "put_end": [], "pass": []}
     sizes = [4096] * step_keys
     gc.disable()
     try:
@@ -472,14 +482,11 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
                 core.put_end(CLIENT, chunk[lo:lo + step_keys], 1.0)
                 if timed:
                     steps["put_end"].append(time.perf_counter() - started)
-            while core.relief_due or core.compact_due:   # what upkeep would run, by kind
-                for kind, due, step in (("pass", core.relief_due, lambda: core.relieve(1.0)),
-                                        ("compaction", core.compact_due, core.compact_step)):
-                    if due:
-                        started = time.perf_counter()
-                        step()
-                        if timed:
-                            steps[kind].append(time.perf_counter() - started)
+            while core.relief_due:   # what upkeep would run
+                started = time.perf_counter()
+                core.relieve(1.0)
+                if timed:
+                    steps["pass"].append(time.perf_counter() - started)
             core.take_events()
     finally:
         gc.enable()
