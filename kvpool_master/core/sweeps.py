@@ -171,8 +171,8 @@ class Sweeps(Mutations):
 
     def _sweep_at_once(self, state: SegmentState, now: float) -> None:
         """Finish sweeping the lost segment ``state`` now: the whole table, filtered for it in C
-        (a table of millions takes a fraction of a second: only a segment mounted again while
-        its sweep runs, or lost twice, comes here with objects)."""
+        (about a second per million objects: besides small tables, only a segment mounted
+        again in process while its sweep runs, or lost twice, comes here with objects)."""
         alone = {state.info.segment_id: state}
         if state.allocator.num_extents:
             for shard in self._objects.shards:
