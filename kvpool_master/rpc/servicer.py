@@ -390,6 +390,10 @@ class Servicer:
         """Mount the waiting segments whose id is swept by now, and answer their calls."""
         waiting = []
         for segment, pending, answered in self._mounts:
+            if self.read_only:   # refused, as any write is meanwhile
+                answered[0] = Status.UNAVAILABLE
+                pending.resolve()
+                continue
             status = self._core.mount_segment(segment, self._clock.now())
             events = self._core.take_events()
             if events and not self._on_events(events):
