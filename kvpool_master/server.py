@@ -113,7 +113,7 @@ class MasterServer:
         self.config = config
         self.clock = ServingClock(stall_threshold_s=STALL_THRESHOLD_S)
         self.core = MasterCore(core_config(config))
-        self.core.defer_upkeep = True  # passes and compactions between requests (upkeep)
+        self.core.defer_upkeep = True  # eviction passes between requests (upkeep)
         self.master_id = self._master_id(config)
         self.store: StateStore | None = None
         self._snapshot_retry_at_s = 0.0   # read-only: monotonic time of the next snapshot try
@@ -338,8 +338,8 @@ class MasterServer:
                 log.exception("tick failed")
 
     async def _upkeep_loop(self) -> None:
-        """Run the core's upkeep (sweeps of lost segments, deferred eviction passes and
-        key-list compactions) a step at a time, letting requests in between the steps."""
+        """Run the core's upkeep (sweeps of lost segments, removal jobs, deferred eviction
+        passes) a step at a time, letting requests in between the steps."""
         wanted = self._upkeep_wanted
         assert wanted is not None
         while True:

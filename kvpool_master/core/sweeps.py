@@ -18,9 +18,10 @@ Rules of this file:
   at once and logs ``SegmentUnmounted``; nothing places on it or reads from it from then on
   (reads filter placements on it out: ``SegmentTable.filtering``). The walk then drops the
   objects whose every replica sat on lost segments; the others lose those replicas. A put of
-  a key found only on lost segments drops that object first, and a segment mounted again
-  under that id finishes its sweep first, at once (placements naming the id must never reach
-  new memory).
+  a key found only on lost segments drops that object first. Placements naming a lost id
+  must never reach new memory, so a segment mounted again under that id waits for its sweep
+  (``defer_upkeep``: the mount answers UNAVAILABLE until it is done, which the server turns
+  into a late answer) or, in process, finishes it at once.
 - A removal job removes the READY objects it meets that match (and are not leased, unless
   forced). It counts what it removed; its caller is answered once it is done
   (``RemoveJob.done``).
@@ -233,7 +234,7 @@ class Sweeps(Mutations):
             job.shards_left -= 1
             if job.shards_left <= 0:
                 job.done = True
-        if self._jobs and self._jobs[0].done:
+        if self._jobs:
             self._jobs = [job for job in self._jobs if not job.done]
 
     def sweep_backlog_keys(self) -> int:

@@ -164,9 +164,9 @@ class Servicer:
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
         self.read_only = False  # set by the server while the state directory cannot be written
-        # called after a call that left the core with upkeep to do (sweeping lost segments,
-        # a deferred eviction pass or compaction: the server then runs ``upkeep`` between
-        # requests until it is done)
+        # called after a call that left the core with upkeep to do (sweeping lost segments or
+        # running removal jobs, a deferred eviction pass: the server then runs ``upkeep``
+        # between requests until it is done)
         self.on_upkeep_due: Callable[[], None] | None = None
         self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
         # mounts waiting for the sweep of a segment lost under their id: (segment, answer,
