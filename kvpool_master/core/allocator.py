@@ -16,6 +16,9 @@ Rules of this file:
   such a rebuild; a 64th of it well under one).
 - Best fit (smallest extent that fits, lowest offset among equals) keeps holes of a uniform
   block size reusable exactly, which is the common case for KV blocks.
+- A restore rebuilds an allocator from its segment's extents, one per object
+  (``from_columns``): numpy sorts and checks them and finds the gaps between them, so that
+  step costs no Python work per object (about a sixth of a 10 M-object restore before).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 from sortedcontainers import SortedList
 
 ALIGN_BYTES = 64
@@ -32,6 +37,7 @@ OFFSET_BITS = 48
 #: as ``offset << OFFSET_BITS | size`` can describe (a size of 2**48 would spill into the offset).
 MAX_SEGMENT_BYTES = 1 << (OFFSET_BITS - 2)
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
+_ALIGN_MASK_U64 = np.uint64(ALIGN_BYTES - 1)
 #: Bytes of a segment per dict of each edge map, and most dicts per map (see the module rules).
 _EDGE_SHARD_BYTES = 64 << 20
 _MAX_EDGE_SHARDS = 64
@@ -71,41 +77,58 @@ class Allocator:
 
         Raises ``ValueError`` when two extents overlap or one lies outside the segment.
         """
-        return cls.from_packed(size_bytes, [offset << OFFSET_BITS | aligned(size)
-                                            for offset, size in used])
-
-    @classmethod
-    def from_columns(cls, size_bytes: int, offsets: Iterable[int],
-                     sizes_bytes: Iterable[int]) -> Allocator:
-        """Like ``from_used`` with the extents' offsets and aligned sizes as two columns (a
-        restore keeps them as machine words until it builds the allocator)."""
-        return cls.from_packed(size_bytes, list(map(
-            operator.or_, map(operator.lshift, offsets, itertools.repeat(OFFSET_BITS)),
-            sizes_bytes)))
+        pairs = list(used)
+        if any(offset < 0 or size <= 0 for offset, size in pairs):
+            raise ValueError("extents lie outside the segment")
+        return cls.from_columns(size_bytes, [offset for offset, _ in pairs],
+                                [aligned(size) for _, size in pairs])
 
     @classmethod
     def from_packed(cls, size_bytes: int, packed: list[int]) -> Allocator:
-        """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size`` (sorted
-        in place): how a restore rebuilds a segment's allocator from its objects."""
+        """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size``."""
+        return cls.from_columns(size_bytes, [p >> OFFSET_BITS for p in packed],
+                                [p & _OFFSET_MASK for p in packed])
+
+    @classmethod
+    def from_columns(cls, size_bytes: int, offsets: Any, sizes_bytes: Any) -> Allocator:
+        """Like ``from_used`` with the extents' offsets and aligned sizes as two columns of
+        unsigned machine words (numpy arrays, ``array("Q")``s or lists of ints, in any
+        order): how a restore rebuilds a segment's allocator from its objects.
+
+        The work is numpy's (sort, checks, the gaps between extents), so a restore pays no
+        Python step per object here; Python steps only per free extent.
+        """
         allocator = cls(size_bytes)
-        allocator._clear_free()
-        packed.sort()
-        # Column at a time through C-level maps: this runs once per object on restore.
-        offsets = list(map(operator.rshift, packed, itertools.repeat(OFFSET_BITS)))
-        sizes = list(map(operator.and_, packed, itertools.repeat(_OFFSET_MASK)))
-        ends = list(map(operator.add, offsets, sizes))
-        if packed and (offsets[0] < 0 or ends[-1] > allocator.size_bytes or 0 in sizes
-                       or any(map(operator.and_, offsets, itertools.repeat(ALIGN_BYTES - 1)))
-                       or any(map(operator.lt, itertools.islice(offsets, 1, None), ends))):
+        try:
+            starts = np.asarray(offsets, dtype=np.uint64)
+            sizes = np.asarray(sizes_bytes, dtype=np.uint64)
+        except (OverflowError, TypeError, ValueError) as exc:   # negative, not ints
+            raise ValueError(f"extents are not unsigned machine words: {exc}") from None
+        if starts.ndim != 1 or starts.shape != sizes.shape:
+            raise ValueError("offsets and sizes must be two columns of one length")
+        if not len(starts):
+            return allocator
+        limit = allocator.size_bytes
+        # bounds first, so that no sum below wraps around
+        if starts.max() >= limit or sizes.max() > limit or not sizes.all() \
+                or ((starts | sizes) & _ALIGN_MASK_U64).any():
+            raise ValueError("extents lie outside the segment or are not aligned")
+        order = np.argsort(starts, kind="stable")
+        starts, sizes = starts[order], sizes[order]
+        ends = starts + sizes
+        if ends[-1] > limit or (starts[1:] < ends[:-1]).any():
             raise ValueError("extents overlap or lie outside the segment")
-        ends.insert(0, 0)  # now the end of what comes before each extent, and one more
-        gaps = zip(ends, offsets, strict=False)   # the free gap before each extent, if any
-        for start, offset in itertools.compress(gaps, map(operator.lt, ends, offsets)):
-            allocator._add_free(start, offset - start)
-        allocator.used_bytes = sum(sizes)
-        allocator.num_extents = len(packed)
-        if ends[-1] < allocator.size_bytes:
-            allocator._add_free(ends[-1], allocator.size_bytes - ends[-1])
+        before = np.concatenate((np.zeros(1, np.uint64), ends))   # end of what precedes each
+        gap = before[:-1] < starts
+        free_starts = np.concatenate((before[:-1][gap], before[-1:]))
+        free_sizes = np.concatenate((starts[gap] - free_starts[:-1],
+                                     np.array([limit], np.uint64) - before[-1:]))
+        if free_sizes[-1] == 0:   # no tail
+            free_starts, free_sizes = free_starts[:-1], free_sizes[:-1]
+        allocator._clear_free()
+        allocator._set_free(free_starts, free_sizes)
+        allocator.used_bytes = int(sizes.sum())
+        allocator.num_extents = len(starts)
         return allocator
 
     @property
@@ -290,6 +313,25 @@ class Allocator:
         shards, scale = self._edge_shards, self._edge_scale
         del self._start_to_size[offset * shards // scale][offset]
         del self._end_to_start[end * shards // scale][end]
+
+    def _set_free(self, starts: Any, sizes: Any) -> None:
+        """Add the free extents ``starts[i], sizes[i]`` (numpy columns sorted by start, none
+        touching another or a free extent): a sort for the size list, a dict update per edge
+        shard."""
+        start_list, size_list = starts.tolist(), sizes.tolist()
+        self._by_size.update(map(operator.or_, map(operator.lshift, size_list,
+                                                   itertools.repeat(OFFSET_BITS)), start_list))
+        shards, scale = self._edge_shards, self._edge_scale
+        end_list = (starts + sizes).tolist()
+        start_cut = np.searchsorted(starts * np.uint64(shards) // np.uint64(scale),
+                                    np.arange(shards + 1, dtype=np.uint64)).tolist()
+        end_cut = np.searchsorted((starts + sizes) * np.uint64(shards) // np.uint64(scale),
+                                  np.arange(shards + 1, dtype=np.uint64)).tolist()
+        for k in range(shards):
+            lo, hi = start_cut[k], start_cut[k + 1]
+            self._start_to_size[k].update(zip(start_list[lo:hi], size_list[lo:hi], strict=True))
+            lo, hi = end_cut[k], end_cut[k + 1]
+            self._end_to_start[k].update(zip(end_list[lo:hi], start_list[lo:hi], strict=True))
 
     def _clear_free(self) -> None:
         """Forget every free extent."""

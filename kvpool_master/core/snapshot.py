@@ -25,8 +25,10 @@ from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, groupby, islice, repeat
+from itertools import accumulate, compress, groupby, islice, pairwise, repeat
 from typing import Any
+
+import numpy as np
 
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
@@ -263,7 +265,8 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         infos[info.segment_id] = info
     # Each segment's extents as two columns of machine words until its allocator is built:
     # ints made here for every object, between the entries that stay, would leave the
-    # process's memory fragmented for good (about 40 bytes an object)
+    # process's memory fragmented for good (about 40 bytes an object); so would pieces of
+    # columns kept a chunk at a time (one array per segment grows by reallocation instead)
     segment_to_offsets: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
     segment_to_sizes: dict[SegmentId, array[int]] = {s: array("Q") for s in infos}
     usable = {s: info.size_bytes - info.size_bytes % ALIGN_BYTES for s, info in infos.items()}
@@ -297,17 +300,22 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         if checked is None:
             rows = columns.rows()   # (a ragged chunk's extra values count as dropped rows)
             return add_rows(rows) + len(columns.keys) - len(rows)
-        chunk, segment_ids, extents_bytes = checked
+        chunk, extents_bytes = checked
         added = objects.add_ready_all(chunk, share_parents=False)
         if len(added) < len(chunk):   # keys seen before
             note_extents(added)
             return len(chunk) - len(added)
-        offsets = columns.offsets
-        for segment_id, group in groupby(sorted(range(len(chunk)), key=segment_ids.__getitem__),
-                                         segment_ids.__getitem__):   # a segment at a time
-            indexes = list(group)
-            segment_to_offsets[segment_id].extend(map(offsets.__getitem__, indexes))
-            segment_to_sizes[segment_id].extend(map(extents_bytes.__getitem__, indexes))
+        # a segment's extents in this chunk at a time, split by numpy
+        positions = np.asarray(columns.segment_index)
+        order = np.argsort(positions, kind="stable")
+        cuts = np.searchsorted(positions[order], np.arange(len(columns.segment_ids) + 1))
+        offsets = np.asarray(columns.offsets)[order]
+        extents_bytes = extents_bytes[order]
+        for position, (lo, hi) in enumerate(pairwise(cuts.tolist())):
+            if lo < hi:
+                segment_id = infos[columns.segment_ids[position]].segment_id
+                segment_to_offsets[segment_id].frombytes(offsets[lo:hi].tobytes())
+                segment_to_sizes[segment_id].frombytes(extents_bytes[lo:hi].tobytes())
         return 0
 
     size_to_int = objects.size_to_int
@@ -399,14 +407,15 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
 def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
                     usable: dict[SegmentId, int], max_key_bytes: int,
                     size_to_int: dict[int, int], objects: ObjectTable
-                    ) -> tuple[list[ObjectEntry], list[SegmentId], list[int]] | None:
-    """The entries of ``columns`` with their segment ids and aligned sizes, or None when any
+                    ) -> tuple[list[ObjectEntry], Any] | None:
+    """The entries of ``columns`` with their aligned sizes (a numpy column), or None when any
     row would fail ``_object_entry``'s checks (the caller then takes the rows one at a time).
 
-    The checks are ``_object_entry``'s, made a column at a time through C-level ``map``s and
-    set operations; the number columns are machine words (non-negative ints below 2**64 by
-    construction). A parent named by position is the chunk's own key object, so only parents
-    from ``parent_keys`` are shared with the table here.
+    The checks are ``_object_entry``'s, made a column at a time: the keys through C-level
+    ``map``s and set operations, the number columns (machine words, so non-negative ints below
+    2**64 by construction) by numpy, with no Python step per row. A parent named by position
+    is the chunk's own key object, so only parents from ``parent_keys`` are shared with the
+    table here.
     """
     keys, names = columns.keys, columns.keys + columns.parent_keys
     sizes, offsets = columns.sizes, columns.offsets
@@ -416,27 +425,32 @@ def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
             or {len(c) for c in (*number_columns, columns.pins)} != {len(keys)}):
         return None
     try:
+        ids = [infos[s].segment_id for s in columns.segment_ids]   # KeyError: unknown
+        limits = np.array([usable[s] for s in ids], np.uint64)
+        size_col, offset_col = np.asarray(sizes), np.asarray(offsets)
+        parent_col, position_col = np.asarray(columns.parents), np.asarray(columns.segment_index)
         if not (_BYTES.issuperset(map(type, names))
                 and min(map(len, names)) > 0 and max(map(len, names)) <= max_key_bytes
-                and min(sizes) > 0 and max(columns.pins) < _NUM_PINS
-                and min(columns.parents) >= -1 and max(columns.parents) < len(names)
-                and not any(map(operator.and_, offsets, repeat(_ALIGN_MASK)))):
+                and max(columns.pins) < _NUM_PINS
+                and parent_col.min() >= -1 and parent_col.max() < len(names)
+                and position_col.max() < len(ids)
+                # bounds first, so that no sum below wraps around
+                and size_col.min() > 0 and size_col.max() <= limits.max()
+                and offset_col.max() <= limits.max()
+                and not (offset_col & _ALIGN_MASK_U64).any()):
             return None
-        ids = [infos[s].segment_id for s in columns.segment_ids]   # KeyError: unknown
-        segment_ids = list(map(ids.__getitem__, columns.segment_index))   # IndexError
-        extents_bytes = list(map(operator.and_, map(operator.add, sizes, repeat(_ALIGN_MASK)),
-                                 repeat(~_ALIGN_MASK)))
-        if not all(map(operator.le, map(operator.add, offsets, extents_bytes),
-                       map(usable.__getitem__, segment_ids))):
+        extents_bytes = (size_col + _ALIGN_MASK_U64) & ~_ALIGN_MASK_U64
+        if not (offset_col + extents_bytes <= limits[position_col]).all():
             return None
     except (TypeError, KeyError, IndexError, ValueError):   # unhashable, unknown, empty
         return None
+    segment_ids = list(map(ids.__getitem__, columns.segment_index))
     names[len(keys):] = map(objects.shared_key, columns.parent_keys)
     names.append(None)   # parent -1: none
     entries = list(map(ObjectEntry, keys, map(size_to_int.setdefault, sizes, sizes),
                        segment_ids, offsets, repeat(None), map(_PINS.__getitem__, columns.pins),
                        map(names.__getitem__, columns.parents), columns.checksums))
-    return entries, segment_ids, extents_bytes
+    return entries, extents_bytes
 
 
 _BYTES = frozenset({bytes})
@@ -500,3 +514,4 @@ _PINS = tuple(Pin)
 _NUM_PINS = len(_PINS)
 _U64 = 1 << 64
 _ALIGN_MASK = ALIGN_BYTES - 1
+_ALIGN_MASK_U64 = np.uint64(_ALIGN_MASK)

@@ -6,6 +6,7 @@ import random
 from array import array
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +33,8 @@ def check_invariants(allocator: Allocator, live: dict[int, int]) -> None:
     assert allocator.largest_free_bytes == max((s for _, s in free), default=0)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "run", "free", "free_many"]),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "run", "free", "free_many",
+                                          "rebuild"]),
                          st.integers(1, SEGMENT // 4), st.integers(0, 2**32)),
                max_size=200)
 
@@ -95,6 +97,14 @@ def _run_model(operations: list[tuple[str, int, int]], shards: int = 1) -> None:
         elif op == "free_many" and live:
             chosen = [o for i, o in enumerate(sorted(live)) if (pick >> (i % 32)) & 1]
             allocator.free_many([(o, live.pop(o)) for o in chosen])
+        elif op == "rebuild":   # as a restore does: from the live extents, in any order
+            order = sorted(live, key=lambda o: (o * (pick | 1)) % 1_000_003)
+            rebuilt = Allocator.from_columns(SEGMENT, np.array(order, np.uint64),
+                                             np.array([aligned(live[o]) for o in order],
+                                                      np.uint64))
+            assert rebuilt.free_extents() == allocator.free_extents()
+            assert rebuilt.num_extents == allocator.num_extents
+            allocator = rebuilt   # and go on with it: its edge maps must be whole
         check_invariants(allocator, live)
 
 
@@ -179,6 +189,32 @@ def test_from_used_rebuilds_the_same_free_space() -> None:
     assert from_columns.num_extents == len(live)
     with pytest.raises(ValueError):
         Allocator.from_columns(SEGMENT, array("Q", [0, 64]), array("Q", [128, 64]))
+
+
+@pytest.mark.parametrize("offsets, sizes", [
+    ([0, 64], [128, 64]),                # overlap
+    ([64], [100]),                      # aligned offset, unaligned size
+    ([32], [64]),                       # unaligned offset
+    ([0], [0]),                         # empty extent
+    ([SEGMENT - 64], [128]),            # past the end
+    ([2**63], [64]),                    # far past the end: no sum may wrap around
+    ([0, 64], [64]),                    # ragged columns
+    ([-64], [64]),                      # not an unsigned word
+])
+def test_from_columns_refuses_extents_that_cannot_be_allocated(offsets: list[int],
+                                                              sizes: list[int]) -> None:
+    with pytest.raises(ValueError):
+        Allocator.from_columns(SEGMENT, offsets, sizes)
+
+
+def test_from_columns_of_nothing_and_of_everything() -> None:
+    assert Allocator.from_columns(SEGMENT, [], []).free_extents() == [(0, SEGMENT)]
+    full = Allocator.from_columns(SEGMENT, array("Q", [SEGMENT // 2, 0]),
+                                  array("Q", [SEGMENT // 2, SEGMENT // 2]))
+    assert full.free_extents() == [] and full.allocate(1) == -1
+    full.free(0, SEGMENT // 2)
+    full.free(SEGMENT // 2, SEGMENT // 2)
+    assert full.free_extents() == [(0, SEGMENT)] and full.num_extents == 0
 
 
 def test_fragmentation_on_a_kv_like_workload() -> None:
