@@ -305,10 +305,12 @@ class Mutations:
         return Status.NOT_FOUND if ok else Status.INVALID_KEY
 
     def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float,
-              hold_until_s: float = 0.0) -> None:
+              hold_until_s: float = 0.0, freed: list[Extent] | None = None) -> None:
         """Remove objects (READY or PENDING, all present) and free or park their extents
         (until their read lease ends, and at least until ``hold_until_s``; extents on a
-        segment being lost are parked too, in case it is mounted again)."""
+        segment being lost are parked too, in case it is mounted again). With ``freed``, the
+        extents that would be freed now are appended to it instead, still allocated (a
+        removal job frees them later, in offset order)."""
         pop = self._objects.pop
         events = self._events if self.object_events else None
         to_free: list[Extent] = []
@@ -337,7 +339,10 @@ class Mutations:
                 to_free += entry.extents()
             if events is not None:
                 events.append(ObjectRemoved(key, entry.size_bytes, reason))
-        self._segments.free(to_free, seq)
+        if freed is None:
+            self._segments.free(to_free, seq)
+        else:
+            freed += to_free
         self._lease_counters.leases_lapsed += lapsed
 
     def _reclaim(self, key: ObjectKey, now: float) -> None:

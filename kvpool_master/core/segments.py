@@ -311,17 +311,20 @@ class SegmentTable:
             if packed is not None:
                 packed.append(placement.offset << OFFSET_BITS | ((placement.length + mask) & ~mask))
         for segment_id, packed in segment_to_packed.items():
-            if not packed:
-                continue
-            state = id_to_segment[segment_id]
-            allocator = state.allocator
-            before = allocator.used_bytes
-            allocator.free_packed(packed)
-            if seq > state.freed_seq:
-                state.freed_seq = seq
-            if state.mounted:
-                self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
-                self._index(state)
+            if packed:
+                self.free_packed_on(id_to_segment[segment_id], packed, seq)
+
+    def free_packed_on(self, state: SegmentState, packed: list[int], seq: int) -> None:
+        """Free extents of ``state`` (known) given as ``offset << OFFSET_BITS | aligned size``
+        (``Allocator.free_packed``), as free number ``seq``."""
+        allocator = state.allocator
+        before = allocator.used_bytes
+        allocator.free_packed(packed)
+        if seq > state.freed_seq:
+            state.freed_seq = seq
+        if state.mounted:
+            self.tier_to_used_bytes[state.info.tier] -= before - allocator.used_bytes
+            self._index(state)
 
     def free_on(self, state: SegmentState, offset: int, size_bytes: int, seq: int) -> None:
         """Free one extent of ``state`` parked by free number ``seq`` (no-op when the segment

@@ -1,0 +1,118 @@
+"""A removal job holds the extents of what it removed and frees them in offset order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool_master.core import heldfrees
+from kvpool_master.core.allocator import OFFSET_BITS
+from kvpool_master.core.heldfrees import FREE_STEP_EXTENTS
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.segments import SegmentState
+from kvpool_wire.status import Status
+from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
+
+A = ClientId("client-a")
+SEGMENT = SegmentInfo(SegmentId("seg-a"), A, 64 << 20, host_id="host-1")
+NUM_OBJECTS = 6000
+
+
+def filled_core() -> MasterCore:
+    core = MasterCore(CoreConfig(eviction_high_watermark_ratio=1.0))
+    assert core.register_client(A, "host-1", b"k" * 32, 0.0)[0] == Status.OK
+    assert core.mount_segment(SEGMENT, 0.0) == Status.OK
+    keys = [ObjectKey(b"key-%d" % i) for i in range(NUM_OBJECTS)]
+    for i in range(0, NUM_OBJECTS, 1000):
+        started = core.put_start(A, keys[i:i + 1000], [4000] * 1000, PutOptions(), 1.0)
+        assert {status for status, _ in started} == {Status.OK}
+        core.put_end(A, keys[i:i + 1000], 1.0)
+    core.take_events()
+    return core
+
+
+def spy_frees(core: MasterCore, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The offsets of each call that frees held extents, in call order."""
+    calls: list[list[int]] = []
+    segments = core._segments
+    real = segments.free_packed_on
+
+    def free_packed_on(state: SegmentState, packed: list[int], seq: int) -> None:
+        calls.append([p >> OFFSET_BITS for p in packed])
+        real(state, packed, seq)
+    monkeypatch.setattr(segments, "free_packed_on", free_packed_on)
+    return calls
+
+
+def state_of(core: MasterCore) -> SegmentState:
+    return core._segments.id_to_segment[SEGMENT.segment_id]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["buckets sorted", "buckets split"])
+def test_a_removal_job_frees_what_it_removed_in_offset_order_after_its_walk(
+        split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if split:   # one bucket for the whole segment, split (by 16 bits) until pieces of 64
+        monkeypatch.setattr(heldfrees, "_EXTENTS_PER_BUCKET", 1 << 30)
+        monkeypatch.setattr(heldfrees, "SORT_MAX_EXTENTS", 64)
+    core = filled_core()
+    allocator = state_of(core).allocator
+    used_bytes = allocator.used_bytes
+    calls = spy_frees(core, monkeypatch)
+    job = core.start_remove(None, False, 2.0)
+    assert not job.done
+    while job.shards_left:   # the walk: objects go, their extents stay allocated
+        assert core.sweep(2.0)
+    assert core.stats().num_objects == 0 and not calls
+    assert allocator.used_bytes == used_bytes and allocator.num_extents == NUM_OBJECTS
+    while core.sweep(2.0):
+        assert not job.done
+    assert job.done and job.removed == NUM_OBJECTS
+    freed = [offset for call in calls for offset in call]
+    assert freed == sorted(freed) and len(freed) == NUM_OBJECTS
+    assert max(map(len, calls)) <= FREE_STEP_EXTENTS
+    # neighbours merged as they were freed: the segment is one free extent again
+    assert allocator.free_extents() == [(0, SEGMENT.size_bytes)]
+    assert allocator.num_extents == 0 and core.stats().tier_to_used_bytes[SEGMENT.tier] == 0
+
+
+def test_a_job_that_matches_some_keys_frees_exactly_their_extents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_master.core.keyregex import compile_key_pattern
+    core = filled_core()
+    kept = [ObjectKey(b"key-%d" % i) for i in range(NUM_OBJECTS) if b"7" not in b"%d" % i]
+    placements = core.get_replicas(kept, 2.0)
+    live = sorted((p.offset, p.length) for result in placements for p in result.placements)
+    pattern = compile_key_pattern("7")
+    assert pattern is not None
+    job = core.start_remove(pattern, False, 3.0)
+    while core.sweep(3.0):
+        pass
+    assert job.done and job.removed == NUM_OBJECTS - len(kept)
+    assert all(status == Status.OK for status in core.exist(kept, 3.0)[0])
+    rebuilt: Any = type(state_of(core).allocator).from_used(SEGMENT.size_bytes, live)
+    assert state_of(core).allocator.free_extents() == rebuilt.free_extents()
+
+
+def test_held_extents_of_a_segment_lost_meanwhile_are_dropped_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core = filled_core()
+    job = core.start_remove(None, False, 2.0)
+    while job.shards_left:
+        core.sweep(2.0)
+    assert job.held
+    calls = spy_frees(core, monkeypatch)
+    # the owner takes the segment away and mounts it again: fresh memory, all of it free
+    assert core.unmount_segment(A, SEGMENT.segment_id, 3.0) == Status.OK
+    assert core.mount_segment(SEGMENT, 3.0) == Status.OK
+    while core.sweep(3.0):
+        pass
+    assert job.done and not calls
+    assert state_of(core).allocator.free_extents() == [(0, SEGMENT.size_bytes)]
+
+
+def test_a_removal_at_once_frees_every_extent_too() -> None:
+    core = filled_core()
+    assert core.remove_all(False, 2.0) == NUM_OBJECTS
+    allocator = state_of(core).allocator
+    assert allocator.free_extents() == [(0, SEGMENT.size_bytes)] and not core.sweeping
