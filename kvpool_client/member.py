@@ -150,7 +150,7 @@ class Member:
         stamp_segments(registration.capability_key)
         mounted = descriptors()
         for descriptor in mounted:
-            status = await rpc.mount_segment(client_id, descriptor)
+            status = await _mount_when_swept(rpc, client_id, descriptor)
             if status == Status.PERMISSION_DENIED:
                 raise KVPoolError(status, f"the master refused segment {descriptor.segment_id}"
                                   f" {'with' if engine else 'without'} a transfer engine "
@@ -366,6 +366,33 @@ async def _refresh_stub(rpc: MasterRpc, liveness: Liveness, client_id: str, host
         return
     if registration.capability_key != liveness.registration.capability_key:
         liveness.request_reregister()
+
+
+async def _mount_when_swept(rpc: MasterRpc, client_id: str, descriptor: SegmentInfo,
+                            wait_s: float | None = None) -> Status:
+    """Mount ``descriptor`` and return the master's answer. The master answers the mount of a
+    segment id it is still sweeping (the segment of this client id's previous holder, lost
+    when it left or expired) only once that sweep is done, which may take longer than one
+    call's deadline (10 M objects: about 10-20 s): a call that times out is made again, for
+    at most ``wait_s`` (``MOUNT_WAIT_S``), each one answered once the segment is mounted.
+
+    Raises KVPoolError as the call does (TIMEOUT once ``wait_s`` has passed)."""
+    give_up_at = asyncio.get_running_loop().time() + (MOUNT_WAIT_S if wait_s is None
+                                                      else wait_s)
+    while True:
+        try:
+            status: Status = await rpc.mount_segment(client_id, descriptor)
+            return status
+        except KVPoolError as exc:
+            if exc.status != Status.TIMEOUT or asyncio.get_running_loop().time() >= give_up_at:
+                raise
+            logger.info("mounting segment %s: no answer yet (the master answers once it has "
+                        "swept a segment lost under this id); asking again",
+                        descriptor.segment_id)
+
+
+#: How long a join waits for the master to mount a segment whose id it is still sweeping.
+MOUNT_WAIT_S = 120.0
 
 
 async def _remounted(liveness: Liveness, timeout_s: float) -> bool:

@@ -11,11 +11,12 @@ import time
 from typing import Any
 
 import grpc
+import pytest
 from token_stub import TokenStub
 
 from kvpool_client.rpc import MasterRpc
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.status import Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
 NUM_OBJECTS = 30_000  # thirty times what one call may sweep
@@ -109,5 +110,53 @@ def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         await rpc.close()
+
+    asyncio.run(run())
+
+
+def test_a_join_mounts_a_segment_id_still_being_swept_once_it_is(
+        start_master: Any, caplog: Any) -> None:
+    # A restarted worker takes its fixed client id back: its segment ids are the previous
+    # holder's, whose segment the master still sweeps. The master answers the mount once that
+    # sweep is done, later than a call's deadline (here 50 ms, as 5 s is at 10 M objects):
+    # the join's mount asks again until then.
+    from kvpool_client.member import _mount_when_swept
+    master = start_master()
+    table_objects = 400_000   # the sweep walks the whole table, whoever owns it
+
+    async def run() -> None:
+        other, _ = await _owner(master.address, "other")
+        keys = [b"t%07d" % i for i in range(table_objects)]
+        for i in range(0, table_objects, 20_000):
+            chunk = keys[i:i + 20_000]
+            await other.put_start("other", chunk, [64] * len(chunk), PutOptions())
+            await other.put_end("other", chunk)
+        segment = SegmentInfo(SegmentId("w-seg0"), ClientId("w"), 1 << 20)
+        old = MasterRpc(master.address, timeout_s=60)
+        await old.register_client("w", "host", "")
+        assert await old.mount_segment("w", segment) == Status.OK
+        started = await old.put_start("w", [b"old"], [4096],
+                                      PutOptions(preferred_segment="w-seg0"))
+        assert started[0][0] == Status.OK and await old.put_end("w", [b"old"]) == [Status.OK]
+        assert await old.unregister_client("w") == Status.OK   # it leaves: the sweep starts
+        await old.close()
+        new = MasterRpc(master.address, timeout_s=60)
+        await new.register_client("w", "host", "")
+        assert (await other.get_stats())["objects"]["sweep_backlog_keys"] > 0
+        hasty = MasterRpc(master.address, timeout_s=0.05, session=new.session)
+        caplog.set_level("INFO", logger="kvpool_client.member")
+        assert await _mount_when_swept(hasty, "w", segment) == Status.OK
+        assert [r for r in caplog.records if "asking again" in r.getMessage()]
+        stats = await other.get_stats()
+        assert stats["objects"]["sweep_backlog_keys"] == 0
+        assert (await new.get_segments(["w-seg0"]))[0] == segment
+        assert (await new.exist("w", [b"old", keys[-1]]))[0] == [Status.NOT_FOUND, Status.OK]
+        # a deadline that passes gives the call's own error
+        with pytest.raises(KVPoolError) as raised:
+            await _mount_when_swept(MasterRpc("127.0.0.1:9", timeout_s=0.05), "w", segment,
+                                    wait_s=0.0)
+        assert raised.value.status in (Status.TIMEOUT, Status.RPC_FAILED)
+        for rpc in (hasty, new, other):
+            await rpc.close()
 
     asyncio.run(run())
