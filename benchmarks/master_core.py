@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
@@ -68,11 +69,12 @@ def keys_of(start: int, count: int) -> list[ObjectKey]:
 
 
 def fill(core: MasterCore, keys: list[ObjectKey], batch: int = 1000, now: float = 1.0,
-         chain_length: int = 0, every_batch: Callable[[], object] | None = None) -> None:
+         chain_length: int = 0, every_batch: Callable[[], object] | None = None,
+         on_events: Callable[[list[Any]], object] | None = None) -> None:
     """Put and commit ``keys`` as the RPC layer would: fresh int objects per size, a 64-bit
     checksum per object, and (``chain_length`` > 0) each key's predecessor in its chain as a
     fresh parent-key bytes object, as a decoded request carries them. ``every_batch`` runs
-    after each batch."""
+    after each batch; ``on_events`` takes each batch's events (the log's, say)."""
     rng = random.Random(len(keys))
     zero = int("0")
     for i in range(0, len(keys), batch):
@@ -87,7 +89,9 @@ def fill(core: MasterCore, keys: list[ObjectKey], batch: int = 1000, now: float 
                        for j in range(i, i + len(chunk))]
         core.put_start(CLIENT, chunk, sizes, OPTIONS, now, parent_keys=parents)
         core.put_end(CLIENT, chunk, now, checksums)
-        core.take_events()
+        events = core.take_events()
+        if on_events is not None:
+            on_events(events)
 
 
 def rate(label: str, batch: int, run: Callable[[list[ObjectKey]], object],
@@ -499,6 +503,29 @@ def _p(times: list[float], q: float) -> str:
     return f"{ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e3:.1f}"
 
 
+def bench_restore_with_log(num_objects: int, log_objects: int, keep_state: str = "") -> None:
+    """Restore ``num_objects``, the last ``log_objects`` of them put after the snapshot (in
+    its log, as rows), in a process of its own."""
+    print(f"restore with a log: {num_objects:,} objects, {log_objects:,} of them in the log")
+    core = make_core(num_objects, 0.95)
+    keys = keys_of(0, num_objects)
+    fill(core, keys[:num_objects - log_objects], chain_length=32)
+    with tempfile.TemporaryDirectory() as scratch:
+        state_dir = keep_state or scratch
+        store = StateStore(state_dir, fsync="never")
+        store.load(MasterCore(CoreConfig()), 0.0)
+        store.compact(core)
+        fill(core, keys[num_objects - log_objects:], chain_length=32, on_events=store.append)
+        store.close()
+        snapshot_bytes = os.path.getsize(os.path.join(state_dir, "snapshot.kvp"))
+        log_bytes = os.path.getsize(os.path.join(state_dir, "log.kvp"))
+        print(f"  snapshot {snapshot_bytes / 2**20:,.0f} MiB, log {log_bytes / 2**20:,.0f} MiB "
+              f"({log_bytes / snapshot_bytes:.0%} of it; a master compacts at 25 %)")
+        del core
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--restore", state_dir],
+                       check=True)
+
+
 def restore_alone(state_dir: str) -> None:
     """Restore ``state_dir`` into a fresh core of this fresh process; print the time and the
     process's memory after it and at its peak."""
@@ -531,6 +558,9 @@ def main() -> None:
     parser.add_argument("--keep-state", metavar="DIR", default="",
                         help="with --memory-objects: write the snapshot into DIR (empty or "
                              "new) and keep it, to restore it again with --restore")
+    parser.add_argument("--log-objects", type=int, default=0, metavar="M",
+                        help="with --memory-objects N: only restore N objects of which the "
+                             "last M were put after the snapshot (its log holds them)")
     parser.add_argument("--restore", metavar="DIR",
                         help="only restore the state directory DIR in this process, and print "
                              "the time and memory it took")
@@ -543,6 +573,9 @@ def main() -> None:
         return
     if args.evicting_objects:
         bench_evicting_steps(args.evicting_objects)
+        return
+    if args.memory_objects and args.log_objects:
+        bench_restore_with_log(args.memory_objects, args.log_objects, args.keep_state)
         return
     if args.memory_objects:
         bench_memory_and_eviction(args.memory_objects, args.keep_state)

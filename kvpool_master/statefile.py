@@ -25,13 +25,20 @@ import sys
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from itertools import chain
+from functools import partial
+from itertools import chain, groupby, islice
 from typing import Any, BinaryIO
 
 import msgpack
 
 from kvpool_master.core import events as ev
-from kvpool_master.core.snapshot import Chunk, ObjectColumns, object_row, segment_row
+from kvpool_master.core.snapshot import (
+    RESTORE_CHUNK,
+    Chunk,
+    ObjectColumns,
+    object_row,
+    segment_row,
+)
 
 VERSION = 1
 #: Snapshots read: 1 (chunks of rows only) and 2 (columns too); written: 2.
@@ -347,7 +354,29 @@ class Overlay:
                     row = _without_segments(row, gone) if gone else row
                 if row is not None:
                     yield row
-        return chain(from_snapshot(), from_log())
+        return chain(from_snapshot(), _as_columns(from_log()))
+
+
+def _as_columns(rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any] | ObjectColumns]:
+    """``rows`` with each run of rows with one replica as chunks of columns (restore takes a
+    chunk a column at a time, a row a Python step at a time); a run that is not well formed
+    stays rows, for restore to check and count one at a time."""
+    for one_replica, run in groupby(rows, _one_replica):
+        for batch in iter(partial(_take, run, RESTORE_CHUNK), []):
+            columns = ObjectColumns.of_rows(batch) if one_replica else None
+            if columns is None:
+                yield from batch
+            else:
+                yield columns
+
+
+def _take(items: Iterator[Sequence[Any]], count: int) -> list[Sequence[Any]]:
+    return list(islice(items, count))
+
+
+def _one_replica(row: Sequence[Any]) -> bool:
+    flat = row[2] if len(row) == 6 else None
+    return type(flat) is list and len(flat) == 3
 
 
 def _rows_where_unmounted(items: Iterator[Sequence[Any] | ObjectColumns], unmounted: set[str]

@@ -25,7 +25,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, groupby, islice, pairwise, repeat
+from itertools import accumulate, chain, compress, groupby, islice, pairwise, repeat
 from typing import Any
 
 import numpy as np
@@ -88,6 +88,42 @@ class ObjectColumns:
                    array("I", map(position.__getitem__, ids)),
                    array("Q", map(_OFFSET, entries)), array("Q", map(_CHECKSUM, entries)),
                    bytes(map(_PIN, entries)), array("i", parent_index), parent_keys)
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[Sequence[Any]]) -> ObjectColumns | None:
+        """The columns of object ``rows`` with one replica each (how a log's rows restore a
+        column at a time), or None when one is not such a row: a shape and type check only,
+        as restore checks the columns it takes as it checks rows.
+
+        The keys are copies: a log's rows are decoded and held before the snapshot's objects
+        are restored, and keys left among their freed lists would keep that memory from being
+        returned (about 70 bytes an object).
+        """
+        try:
+            row_keys, sizes, flats, checksums, pins, parents = zip(*rows, strict=True)
+            segment_ids, offsets, lengths = zip(*flats, strict=True)
+            if not (_LISTS.issuperset(map(type, flats)) and {*map(len, flats)} == {3}
+                    and lengths == sizes and _BYTES.issuperset(map(type, row_keys))
+                    and _INTS.issuperset(map(type, chain(sizes, offsets, checksums, pins)))):
+                return None
+            keys: list[Any] = [bytes(memoryview(key)) for key in row_keys]
+            position = {s: i for i, s in enumerate(dict.fromkeys(segment_ids))}
+            names: dict[Any, int] = dict(zip(keys, range(len(keys)), strict=True))
+            names[None] = -1
+            parent_keys: list[Any] = []
+            parent_index = array("i")
+            for parent in parents:
+                index = names.get(parent)
+                if index is None:   # outside these rows: named by key
+                    index = names[parent] = len(keys) + len(parent_keys)
+                    parent_keys.append(parent)
+                parent_index.append(index)
+            return cls(keys, array("Q", sizes), list(position),
+                       array("I", map(position.__getitem__, segment_ids)),
+                       array("Q", offsets), array("Q", checksums), bytes(pins), parent_index,
+                       parent_keys)
+        except (TypeError, ValueError, OverflowError):   # ragged, unhashable, out of range
+            return None
 
     def rows(self) -> list[list[Any]]:
         """The rows these columns hold (a chunk that fails a check is restored row by row);
@@ -454,6 +490,8 @@ def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
 
 
 _BYTES = frozenset({bytes})
+_INTS = frozenset({int})
+_LISTS = frozenset({list, tuple})
 #: The machine words of ``ObjectColumns``: sizes, segment index, offsets, checksums, parents.
 _TYPECODES = ("Q", "I", "Q", "Q", "i")
 
