@@ -30,6 +30,7 @@ from itertools import chain, groupby, islice
 from typing import Any, BinaryIO
 
 import msgpack
+import numpy as np
 
 from kvpool_master.core import events as ev
 from kvpool_master.core.snapshot import (
@@ -333,11 +334,13 @@ class Overlay:
         if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
             return snapshot_rows
 
+        logged = _KeyFilter(touched)
+
         def from_snapshot() -> Iterator[Sequence[Any] | ObjectColumns]:
             for row in _rows_where_unmounted(snapshot_rows, unmounted):
                 if type(row) is ObjectColumns:
-                    gone = list(map(touched.__contains__, row.keys))
-                    yield row.without(gone) if any(gone) else row
+                    gone = logged.marks(row.keys)
+                    yield row.without(gone) if gone else row
                 elif not isinstance(row, list) or len(row) != 6:
                     yield row   # the core counts it as dropped
                 elif row[0] not in touched:
@@ -355,6 +358,40 @@ class Overlay:
                 if row is not None:
                     yield row
         return chain(from_snapshot(), _as_columns(from_log()))
+
+
+class _KeyFilter:
+    """Which keys of a chunk are among ``keys`` (those the log touched), for every chunk of a
+    snapshot: a bitmap of their hashes, 2 MiB that stay in the cache, answers most keys no,
+    and only the rest are looked up in ``keys`` (with a million keys logged, each lookup
+    misses the cache: about 0.4 µs a snapshot object, a tenth of its restore)."""
+
+    _MASK = (1 << 24) - 1
+
+    def __init__(self, keys: dict[bytes, Any]) -> None:
+        self._keys = keys
+        self._bitmap = np.zeros((self._MASK + 1) >> 3, np.uint8)
+        slots = self._slots(list(keys))
+        np.bitwise_or.at(self._bitmap, slots >> 3, np.left_shift(1, slots & 7).astype(np.uint8))
+
+    def _slots(self, keys: list[Any]) -> Any:
+        return np.fromiter(map(hash, keys), np.int64, len(keys)).view(np.uint64) & np.uint64(
+            self._MASK)
+
+    def marks(self, keys: list[Any]) -> list[bool] | None:
+        """One flag per key of ``keys`` (hashable), set for those among the filter's keys;
+        None when there is none."""
+        if not self._keys:
+            return None
+        slots = self._slots(keys)
+        maybe = np.flatnonzero(self._bitmap[slots >> 3] & np.left_shift(1, slots & 7))
+        found = [i for i in maybe.tolist() if keys[i] in self._keys]
+        if not found:
+            return None
+        marks = [False] * len(keys)
+        for i in found:
+            marks[i] = True
+        return marks
 
 
 def _as_columns(rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any] | ObjectColumns]:

@@ -476,6 +476,20 @@ def as_rows(items: Any) -> list[Any]:
             for row in (item.rows() if isinstance(item, ObjectColumns) else [item])]
 
 
+@pytest.mark.parametrize("mask", [(1 << 24) - 1, 63], ids=["as built", "crowded bitmap"])
+def test_the_filter_of_logged_keys_marks_exactly_the_logged_keys(
+        mask: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with a 64-bit bitmap almost every key passes it, and the lookup alone decides
+    from kvpool_master import statefile
+    monkeypatch.setattr(statefile._KeyFilter, "_MASK", mask)
+    logged = {b"k%d" % i: None for i in range(0, 3000, 3)}
+    keys = [b"k%d" % i for i in range(2000, 6000)]
+    marks = statefile._KeyFilter(logged).marks(keys)
+    assert marks == [key in logged for key in keys]
+    assert statefile._KeyFilter(logged).marks([b"x", b"y"]) is None
+    assert statefile._KeyFilter({}).marks(keys) is None
+
+
 def test_the_log_s_objects_restore_as_columns_where_they_can() -> None:
     """Runs of logged objects with one replica come out as chunks of columns (with their own
     copies of the keys), any other row as it is, in the log's order; a chunk with a row no
