@@ -26,7 +26,7 @@ Rules of this file:
   forced). It holds their extents (``HeldFrees``) until its walk is done, then frees them in
   offset order, a step at a time: freed in the walk's hash order, each would be a hole of its
   own in the free lists. It counts what it removed; its caller is answered once it is done,
-  extents freed (``RemoveJob.done``). A ``sweep`` call frees for one job or walks, not both.
+  extents freed (``RemoveJob.done``). A ``sweep`` call frees for one job or walks, in turn.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class TableWalk:
 
     shard: int = 0
     entries: list[ObjectEntry] | None = None
+    freed_last: bool = False   # the last step freed for a removal job (the next one walks)
 
 
 class Sweeps(Mutations):
@@ -205,14 +206,16 @@ class Sweeps(Mutations):
         dying = self._segments.dying
         if not dying and not self._jobs:
             return False
-        for job in self._jobs:
-            if not job.shards_left:   # walked: free what it holds, a step
-                if not job.held.free_step(self._segments):
-                    job.done = True
-                    self._jobs = [job for job in self._jobs if not job.done]
-                return self.sweeping
-        jobs = self._jobs
         walk = self._walk
+        jobs = [job for job in self._jobs if job.shards_left]
+        freeing = [job for job in self._jobs if not job.shards_left]
+        if freeing and not ((dying or jobs) and walk.freed_last):   # walks and frees alternate
+            walk.freed_last = True
+            if not freeing[0].held.free_step(self._segments):
+                freeing[0].done = True
+                self._jobs = [job for job in self._jobs if not job.done]
+            return self.sweeping
+        walk.freed_last = False
         entries = walk.entries
         if entries is None:
             entries = walk.entries = list(self._objects.shards[walk.shard].values())
@@ -244,10 +247,10 @@ class Sweeps(Mutations):
             if state.sweep_shards_left <= 0:
                 del dying[segment_id]
         for job in self._jobs:
-            job.shards_left -= 1
-            if job.shards_left <= 0:
-                job.shards_left = 0
-                job.done = not job.held   # else it frees them first
+            if job.shards_left:
+                job.shards_left -= 1
+                if not job.shards_left:
+                    job.done = not job.held   # else it frees them first
         if self._jobs:
             self._jobs = [job for job in self._jobs if not job.done]
 

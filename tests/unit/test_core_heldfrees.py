@@ -116,3 +116,30 @@ def test_a_removal_at_once_frees_every_extent_too() -> None:
     assert core.remove_all(False, 2.0) == NUM_OBJECTS
     allocator = state_of(core).allocator
     assert allocator.free_extents() == [(0, SEGMENT.size_bytes)] and not core.sweeping
+
+
+def test_a_job_s_frees_and_a_lost_segment_s_sweep_take_turns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core = filled_core()
+    other = SegmentInfo(SegmentId("seg-b"), A, 64 << 20, host_id="host-1")
+    assert core.mount_segment(other, 1.0) == Status.OK
+    keys = [ObjectKey(b"b-%d" % i) for i in range(2000)]
+    core.put_start(A, keys, [4000] * len(keys), PutOptions(preferred_segment="seg-b"), 1.0)
+    core.put_end(A, keys, 1.0)
+    from kvpool_master.core.keyregex import compile_key_pattern
+    pattern = compile_key_pattern("^key-")
+    assert pattern is not None
+    job = core.start_remove(pattern, False, 2.0)
+    while job.shards_left:
+        core.sweep(2.0)
+    calls = spy_frees(core, monkeypatch)
+    assert core.unmount_segment(A, other.segment_id, 3.0) == Status.OK
+    backlog = core.sweep_backlog_keys()
+    assert backlog > 0
+    core.sweep(3.0)
+    core.sweep(3.0)
+    assert len(calls) == 1 and core.sweep_backlog_keys() < backlog   # one of each
+    while core.sweep(3.0):
+        pass
+    assert job.done and core.stats().num_objects == 0
+    assert state_of(core).allocator.free_extents() == [(0, SEGMENT.size_bytes)]
