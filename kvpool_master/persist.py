@@ -113,6 +113,7 @@ here raises on bad files; ``OSError`` from the file system propagates from ``loa
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -313,12 +314,17 @@ class StateStore:
         overlay = Overlay(clients, segments)
         for record in log_records:
             overlay.apply(record)
+        num_log_records = len(log_records)
         try:
             snapshot_rows = (read_snapshot_objects(snapshot_file, warnings, on_rows)
                              if snapshot_file is not None else iter(()))
+            objects = overlay.objects(snapshot_rows)
+            # The log's part is built: let the decoded log go before the snapshot restores
+            # (a log at its compaction limit decodes to about a gigabyte at 10 M objects).
+            del log_records
+            overlay.key_to_row.clear()
             counts = core.restore(Snapshot(list(overlay.clients.values()),
-                                           list(overlay.segments.values()),
-                                           overlay.objects(snapshot_rows)),
+                                           list(overlay.segments.values()), objects),
                                   now, self._restore_grace_s)
         finally:
             if gc_was_enabled:
@@ -328,6 +334,7 @@ class StateStore:
                 gc.enable()
             if snapshot_file is not None:
                 snapshot_file.close()
+            _return_free_heap()
         self._generation = generation
         self._open_log(fresh=not (self._dir / LOG_NAME).exists())
         core.track_durability()
@@ -337,7 +344,7 @@ class StateStore:
         for message in warnings:
             log.warning("%s", message)
         return RestoreReport(counts.num_clients, counts.num_segments, counts.num_objects,
-                             counts.num_dropped_rows, len(log_records), truncated, generation,
+                             counts.num_dropped_rows, num_log_records, truncated, generation,
                              tuple(warnings), counts.num_conflicting_objects)
 
     def _read_log(self, generation: int, any_generation: bool,
@@ -755,6 +762,15 @@ class StateStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _return_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; a no-op
+    elsewhere). What a restore decoded and built before the index it keeps (a log, chunks
+    of columns) leaves holes below it that the heap cannot shrink past: about 150 MiB at
+    10 M objects with a log at its compaction limit, returned in about 10 ms."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _unlink_all(paths: list[Path]) -> None:

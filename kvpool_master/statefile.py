@@ -327,37 +327,45 @@ class Overlay:
     def objects(self, snapshot_rows: Iterator[Sequence[Any] | ObjectColumns]
                 ) -> Iterator[Sequence[Any] | ObjectColumns]:
         """Return the restored object rows (and chunks of columns): the snapshot's, then the
-        log's, in LRU order."""
+        log's, in LRU order.
+
+        The log's part is built here, at once, as chunks of columns where it can be, on copies
+        of the keys the log touched: the caller can then let the decoded log go
+        (``key_to_row`` and its records) before the snapshot's objects restore, and none of
+        its keys, kept by restored entries or by the filter of touched keys, holds the memory
+        of the rows around it."""
         touched = self.key_to_row
         unmounted_at = self.unmounted_at
         unmounted = set(unmounted_at)   # every unmount of the log follows the snapshot
         if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
             return snapshot_rows
-
-        logged = _KeyFilter(touched)
-
-        def from_snapshot() -> Iterator[Sequence[Any] | ObjectColumns]:
-            for row in _rows_where_unmounted(snapshot_rows, unmounted):
-                if type(row) is ObjectColumns:
-                    gone = logged.marks(row.keys)
-                    yield row.without(gone) if gone else row
-                elif not isinstance(row, list) or len(row) != 6:
-                    yield row   # the core counts it as dropped
-                elif row[0] not in touched:
-                    kept = _without_segments(row, unmounted) if unmounted else row
-                    if kept is not None:
-                        yield kept
+        keys = [bytes(memoryview(key)) for key in touched]
 
         def from_log() -> Iterator[Sequence[Any]]:
-            for number, row in touched.values():
+            for key, (number, row) in zip(keys, touched.values(), strict=True):
                 if row is None:
                     continue
                 if unmounted_at:
                     gone = {s for s in _segment_ids(row) if unmounted_at.get(s, 0) > number}
                     row = _without_segments(row, gone) if gone else row
                 if row is not None:
+                    row[0] = key   # the copy (an equal key): the decoded one goes with the log
                     yield row
-        return chain(from_snapshot(), _as_columns(from_log()))
+        logged_items = list(_as_columns(from_log()))
+        logged = _KeyFilter(keys)
+
+        def from_snapshot() -> Iterator[Sequence[Any] | ObjectColumns]:
+            for row in _rows_where_unmounted(snapshot_rows, unmounted):
+                if type(row) is ObjectColumns:
+                    gone = logged.marks(row.keys)
+                    yield row.without(gone) if gone else row
+                elif not isinstance(row, list) or len(row) != 6 or type(row[0]) is not bytes:
+                    yield row   # the core counts it as dropped
+                elif not logged.has(row[0]):
+                    kept = _without_segments(row, unmounted) if unmounted else row
+                    if kept is not None:
+                        yield kept
+        return chain(from_snapshot(), logged_items)
 
 
 class _KeyFilter:
@@ -368,11 +376,15 @@ class _KeyFilter:
 
     _MASK = (1 << 24) - 1
 
-    def __init__(self, keys: dict[bytes, Any]) -> None:
-        self._keys = keys
+    def __init__(self, keys: list[bytes]) -> None:
+        self._keys = set(keys)
         self._bitmap = np.zeros((self._MASK + 1) >> 3, np.uint8)
-        slots = self._slots(list(keys))
+        slots = self._slots(keys)
         np.bitwise_or.at(self._bitmap, slots >> 3, np.left_shift(1, slots & 7).astype(np.uint8))
+
+    def has(self, key: Any) -> bool:
+        """Whether ``key`` (hashable) is among the filter's keys."""
+        return key in self._keys
 
     def _slots(self, keys: list[Any]) -> Any:
         return np.fromiter(map(hash, keys), np.int64, len(keys)).view(np.uint64) & np.uint64(

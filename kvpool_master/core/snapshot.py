@@ -93,12 +93,8 @@ class ObjectColumns:
     def of_rows(cls, rows: Sequence[Sequence[Any]]) -> ObjectColumns | None:
         """The columns of object ``rows`` with one replica each (how a log's rows restore a
         column at a time), or None when one is not such a row: a shape and type check only,
-        as restore checks the columns it takes as it checks rows.
-
-        The keys are copies: a log's rows are decoded and held before the snapshot's objects
-        are restored, and keys left among their freed lists would keep that memory from being
-        returned (about 70 bytes an object).
-        """
+        as restore checks the columns it takes as it checks rows. The chunk holds the rows'
+        own key objects."""
         try:
             row_keys, sizes, flats, checksums, pins, parents = zip(*rows, strict=True)
             segment_ids, offsets, lengths = zip(*flats, strict=True)
@@ -106,7 +102,7 @@ class ObjectColumns:
                     and lengths == sizes and _BYTES.issuperset(map(type, row_keys))
                     and _INTS.issuperset(map(type, chain(sizes, offsets, checksums, pins)))):
                 return None
-            keys: list[Any] = [bytes(memoryview(key)) for key in row_keys]
+            keys: list[Any] = list(row_keys)
             position = {s: i for i, s in enumerate(dict.fromkeys(segment_ids))}
             names: dict[Any, int] = dict(zip(keys, range(len(keys)), strict=True))
             names[None] = -1

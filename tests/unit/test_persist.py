@@ -485,16 +485,16 @@ def test_the_filter_of_logged_keys_marks_exactly_the_logged_keys(
     monkeypatch.setattr(statefile._KeyFilter, "_MASK", mask)
     logged = {b"k%d" % i: None for i in range(0, 3000, 3)}
     keys = [b"k%d" % i for i in range(2000, 6000)]
-    marks = statefile._KeyFilter(logged).marks(keys)
+    marks = statefile._KeyFilter(list(logged)).marks(keys)
     assert marks == [key in logged for key in keys]
-    assert statefile._KeyFilter(logged).marks([b"x", b"y"]) is None
-    assert statefile._KeyFilter({}).marks(keys) is None
+    assert statefile._KeyFilter(list(logged)).marks([b"x", b"y"]) is None
+    assert statefile._KeyFilter([]).marks(keys) is None
 
 
 def test_the_log_s_objects_restore_as_columns_where_they_can() -> None:
-    """Runs of logged objects with one replica come out as chunks of columns (with their own
-    copies of the keys), any other row as it is, in the log's order; a chunk with a row no
-    column holds stays rows (restore checks and counts them one at a time)."""
+    """Runs of logged objects with one replica come out as chunks of columns, any other row as
+    it is, in the log's order; a chunk with a row no column holds stays rows (restore checks
+    and counts them one at a time). Every key is a copy, so the decoded log can go."""
     overlay = Overlay({}, {})
 
     def commit(key: bytes, *placements: Placement, parent: bytes | None = None) -> list[Any]:
@@ -516,8 +516,9 @@ def test_the_log_s_objects_restore_as_columns_where_they_can() -> None:
         [b"f", 64, ["s", 256, 64], 7, 0, None]]
     first = items[0]
     assert first.parents.tolist() == [-1, 0, 3] and first.parent_keys == [b"elsewhere"]
-    logged = {row[1]: row[1] for row in one}
+    logged = {row[1]: row[1] for row in (*one, two)}
     assert all(key == logged[key] and key is not logged[key] for key in first.keys)
+    assert items[1][0] == two[1] and items[1][0] is not two[1]   # a row's key is a copy too
 
 
 def _restores(path: Path, expected: dict[bytes, tuple], generation: int,  # type: ignore[type-arg]
