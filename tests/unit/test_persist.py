@@ -516,6 +516,11 @@ def test_the_log_s_objects_restore_as_columns_where_they_can() -> None:
         [b"f", 64, ["s", 256, 64], 7, 0, None]]
     first = items[0]
     assert first.parents.tolist() == [-1, 0, 3] and first.parent_keys == [b"elsewhere"]
+    # a key no restore takes (a log written by something else) is passed on, not copied
+    odd = commit(b"g", Placement(SegmentId("s"), 320, 64))
+    odd[1] = "g"
+    overlay.apply([odd])
+    assert as_rows(overlay.objects(iter([])))[-1] == ["g", 64, ["s", 320, 64], 7, 0, None]
     logged = {row[1]: row[1] for row in (*one, two)}
     assert all(key == logged[key] and key is not logged[key] for key in first.keys)
     assert items[1][0] == two[1] and items[1][0] is not two[1]   # a row's key is a copy too
