@@ -51,6 +51,8 @@ _OK_STATUSES = (Status.OK, Status.ALREADY_EXISTS)
 #: ``"checksum": "auto"`` checksums objects up to this size: hashing them costs little beside
 #: the call itself (README, "Checksums").
 CHECKSUM_AUTO_MAX_BYTES = 256 << 10
+#: How long a join waits for the master to mount a segment whose id it is still sweeping.
+MOUNT_WAIT_S = 120.0
 
 
 def checksum_max_bytes(setting: bool | str) -> int:
@@ -389,10 +391,6 @@ async def _mount_when_swept(rpc: MasterRpc, client_id: str, descriptor: SegmentI
             logger.info("mounting segment %s: no answer yet (the master answers once it has "
                         "swept a segment lost under this id); asking again",
                         descriptor.segment_id)
-
-
-#: How long a join waits for the master to mount a segment whose id it is still sweeping.
-MOUNT_WAIT_S = 120.0
 
 
 async def _remounted(liveness: Liveness, timeout_s: float) -> bool:

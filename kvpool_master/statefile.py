@@ -339,8 +339,8 @@ class Overlay:
         unmounted = set(unmounted_at)   # every unmount of the log follows the snapshot
         if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
             return snapshot_rows
-        keys = [bytes(memoryview(key)) if type(key) is bytes else key   # (restore drops
-                for key in touched]                                          # the others)
+        # (a key of another type is passed on as it is: restore drops its row)
+        keys = [bytes(memoryview(key)) if type(key) is bytes else key for key in touched]
 
         def from_log() -> Iterator[Sequence[Any]]:
             for key, (number, row) in zip(keys, touched.values(), strict=True):

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool_master.core.allocator import ALIGN_BYTES, OFFSET_BITS
+from kvpool_master.core.allocator import OFFSET_BITS, aligned
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_wire.types import Extent, SegmentId
 
@@ -70,7 +70,6 @@ class HeldFrees:
         segments no longer known are dropped."""
         id_to_segment = segments.id_to_segment
         id_to_held = self._id_to_held
-        mask = ALIGN_BYTES - 1
         for extent in extents:
             state = id_to_segment.get(extent.segment_id)
             if state is None:
@@ -86,7 +85,7 @@ class HeldFrees:
             if bucket is None:
                 bucket = held.buckets[key] = (array("Q"), array("Q"))
             bucket[0].append(extent.offset)
-            bucket[1].append((extent.length + mask) & ~mask)
+            bucket[1].append(aligned(extent.length))
 
     def free_step(self, segments: SegmentTable,
                   budget_extents: int = FREE_STEP_EXTENTS) -> bool:

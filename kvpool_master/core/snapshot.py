@@ -346,8 +346,8 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         for position, (lo, hi) in enumerate(pairwise(cuts.tolist())):
             if lo < hi:
                 segment_id = infos[columns.segment_ids[position]].segment_id
-                segment_to_offsets[segment_id].frombytes(offsets[lo:hi].tobytes())
-                segment_to_sizes[segment_id].frombytes(extents_bytes[lo:hi].tobytes())
+                segment_to_offsets[segment_id].frombytes(offsets[lo:hi].data.cast("B"))
+                segment_to_sizes[segment_id].frombytes(extents_bytes[lo:hi].data.cast("B"))
         return 0
 
     size_to_int = objects.size_to_int
