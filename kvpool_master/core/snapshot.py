@@ -70,24 +70,39 @@ class ObjectColumns:
     @classmethod
     def of_entries(cls, entries: list[ObjectEntry]) -> ObjectColumns:
         """The columns of READY ``entries`` with one replica each (``more`` empty)."""
-        keys = list(map(_KEY, entries))
-        ids = list(map(_SEGMENT_ID, entries))
+        return cls.of_fields(list(map(_KEY, entries)), map(_SIZE, entries),
+                             list(map(_SEGMENT_ID, entries)), map(_OFFSET, entries),
+                             map(_CHECKSUM, entries), map(_PIN, entries),
+                             list(map(_PARENT_KEY, entries)))
+
+    @classmethod
+    def of_fields(cls, keys: list[Any], sizes: Iterable[int], ids: list[Any],
+                  offsets: Iterable[int], checksums: Iterable[int], pins: Iterable[int],
+                  parents: list[Any]) -> ObjectColumns:
+        """The columns of objects given field by field (``ids``: each one's segment id,
+        ``parents``: each one's parent key or None). Raises ``TypeError`` (an unhashable id
+        or parent) or ``OverflowError`` (a number no column holds)."""
         segment_ids = list(dict.fromkeys(ids))
-        position = {s: i for i, s in enumerate(segment_ids)}
+        if len(segment_ids) == 1:   # the common case: all on one segment
+            segment_index = array("I", bytes(4 * len(ids)))
+        else:
+            position = {s: i for i, s in enumerate(segment_ids)}
+            segment_index = array("I", map(position.__getitem__, ids))
         key_position: dict[Any, int] = dict(zip(keys, range(len(keys)), strict=True))
         key_position[None] = -1
-        parents = list(map(_PARENT_KEY, entries))
         parent_index: list[Any] = list(map(key_position.get, parents))   # None: not here
         parent_keys: list[Any] = []
-        if None in parent_index:   # parents outside these entries: named by key
+        if None in parent_index:   # parents outside these objects: named by key
             for i, index in enumerate(parent_index):
                 if index is None:
-                    parent_index[i] = len(keys) + len(parent_keys)
-                    parent_keys.append(parents[i])
-        return cls(keys, array("Q", map(_SIZE, entries)), segment_ids,
-                   array("I", map(position.__getitem__, ids)),
-                   array("Q", map(_OFFSET, entries)), array("Q", map(_CHECKSUM, entries)),
-                   bytes(map(_PIN, entries)), array("i", parent_index), parent_keys)
+                    parent = parents[i]
+                    index = key_position.get(parent)
+                    if index is None:   # each such parent is named once
+                        index = key_position[parent] = len(keys) + len(parent_keys)
+                        parent_keys.append(parent)
+                    parent_index[i] = index
+        return cls(keys, array("Q", sizes), segment_ids, segment_index, array("Q", offsets),
+                   array("Q", checksums), bytes(pins), array("i", parent_index), parent_keys)
 
     @classmethod
     def of_rows(cls, rows: Sequence[Sequence[Any]]) -> ObjectColumns | None:
@@ -102,24 +117,50 @@ class ObjectColumns:
                     and lengths == sizes and _BYTES.issuperset(map(type, row_keys))
                     and _INTS.issuperset(map(type, chain(sizes, offsets, checksums, pins)))):
                 return None
-            keys: list[Any] = list(row_keys)
-            position = {s: i for i, s in enumerate(dict.fromkeys(segment_ids))}
-            names: dict[Any, int] = dict(zip(keys, range(len(keys)), strict=True))
-            names[None] = -1
-            parent_keys: list[Any] = []
-            parent_index = array("i")
-            for parent in parents:
-                index = names.get(parent)
-                if index is None:   # outside these rows: named by key
-                    index = names[parent] = len(keys) + len(parent_keys)
-                    parent_keys.append(parent)
-                parent_index.append(index)
-            return cls(keys, array("Q", sizes), list(position),
-                       array("I", map(position.__getitem__, segment_ids)),
-                       array("Q", offsets), array("Q", checksums), bytes(pins), parent_index,
-                       parent_keys)
+            return cls.of_fields(list(row_keys), sizes, list(segment_ids), offsets, checksums,
+                                 pins, list(parents))
         except (TypeError, ValueError, OverflowError):   # ragged, unhashable, out of range
             return None
+
+    @classmethod
+    def concat(cls, chunks: Sequence[ObjectColumns]) -> ObjectColumns:
+        """The rows of ``chunks`` in order as one chunk (a log's records hold a call's objects
+        each; restore takes thousands a chunk). A segment or parent index out of its chunk's
+        range stays out of range, so restore refuses the chunk as it would have refused
+        that one; a parent named by position in its chunk keeps naming the same key."""
+        if len(chunks) == 1:
+            return chunks[0]
+        num_keys = sum(len(c.keys) for c in chunks)
+        keys: list[Any] = []
+        parent_keys: list[Any] = []
+        position: dict[Any, int] = {}
+        sizes, offsets, checksums = array("Q"), array("Q"), array("Q")
+        segment_index, parents = array("I"), array("i")
+        pins = bytearray()
+        for c in chunks:
+            num, named = len(c.keys), len(c.parent_keys)
+            if {len(c.sizes), len(c.segment_index), len(c.offsets), len(c.checksums),
+                    len(c.pins), len(c.parents)} != {num}:
+                raise ValueError("a ragged chunk of columns")
+            # this chunk's segment positions in the joined list; one past its end: invalid
+            remap = np.array([position.setdefault(s, len(position)) for s in c.segment_ids]
+                             + [_NO_INDEX], np.uint32)
+            index = np.asarray(c.segment_index, np.uint32)
+            segment_index.frombytes(remap[np.minimum(index, len(c.segment_ids))].data.cast("B"))
+            parent = np.asarray(c.parents, np.int64)
+            joined = np.where(parent < num, parent + len(keys),
+                              parent - num + num_keys + len(parent_keys))
+            joined[parent == -1] = -1
+            joined[(parent < -1) | (parent >= num + named)] = -2
+            parents.frombytes(joined.astype(np.int32).data.cast("B"))
+            keys += c.keys
+            parent_keys += c.parent_keys
+            sizes += c.sizes
+            offsets += c.offsets
+            checksums += c.checksums
+            pins += c.pins
+        return cls(keys, sizes, list(position), segment_index, offsets, checksums, bytes(pins),
+                   parents, parent_keys)
 
     def rows(self) -> list[list[Any]]:
         """The rows these columns hold (a chunk that fails a check is restored row by row);
@@ -549,3 +590,5 @@ _NUM_PINS = len(_PINS)
 _U64 = 1 << 64
 _ALIGN_MASK = ALIGN_BYTES - 1
 _ALIGN_MASK_U64 = np.uint64(_ALIGN_MASK)
+#: A segment index no chunk holds (``ObjectColumns.concat``).
+_NO_INDEX = (1 << 32) - 1

@@ -336,3 +336,29 @@ def test_any_chunk_of_columns_restores_exactly_as_its_rows_do(columns: ObjectCol
     by_columns, counts = restore_two([columns])
     assert state(by_columns) == state(by_rows)
     assert counts == counts_by_rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(any_columns(), min_size=1, max_size=3))
+def test_chunks_joined_are_their_rows_and_restore_as_the_chunks_do(
+        chunks: list[ObjectColumns]) -> None:
+    """A log's chunks are joined before they restore: the joined chunk holds the chunks' rows
+    in order (a segment or parent index out of its chunk's range stays out of range), and
+    restores what the chunks one after the other restore."""
+    joined = ObjectColumns.concat(chunks)
+    assert joined.rows() == [row for chunk in chunks for row in chunk.rows()]
+    by_parts, counts_by_parts = restore_two(chunks)
+    by_joined, counts = restore_two([joined])
+    assert state(by_joined) == state(by_parts)
+    assert counts == counts_by_parts
+
+
+def test_chunks_joined_name_each_segment_once_and_keep_parents() -> None:
+    first = columns_of_rows(GOOD_ROWS[:2])
+    second = columns_of_rows([[b"k5", 64, ["t", 4096, 64], 0, 0, b"k1"],
+                              [b"k6", 64, ["s", 16384, 64], 0, 0, b"k5"]])
+    joined = ObjectColumns.concat([first, second])
+    assert joined.segment_ids == ["s", "t"] and joined.segment_index.tolist() == [0, 0, 1, 0]
+    assert joined.parents.tolist() == [-1, 0, 4, 2] and joined.parent_keys == [b"k1"]
+    with pytest.raises(ValueError, match="ragged"):
+        ObjectColumns.concat([first, dataclasses.replace(second, sizes=second.sizes[:1])])
