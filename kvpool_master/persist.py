@@ -50,10 +50,13 @@ snapshots in the caller.
 Files in ``state_dir``: ``snapshot.kvp`` and ``log.kvp`` (records and replay:
 ``statefile.py``). Both are sequences of records
 ``u32 LE payload length | u32 LE crc32(payload) | msgpack payload``. The first record of each
-is a header ``{"format": ..., "version": V, "generation": G}`` (a log's V is 1; a snapshot's
-is 2, and 1 still restores). The snapshot holds clients, segments and READY objects (chunks of
-rows, or of columns for objects with one replica, see ``statefile.py``) and an end record; the
-log holds one record per ``append`` call (a list of event rows). The log applies on top of
+is a header ``{"format": ..., "version": V, "generation": G}`` (a log's V is 2, and 1 still
+restores; a snapshot's is 3, and 1 and 2 still restore). The snapshot holds clients, segments
+and READY objects (chunks of rows, or of columns for objects with one replica, see
+``statefile.py``) and an end record; the log holds one record per ``append`` call (a list of
+event rows, each run of commits with one replica or of removals as one row of columns). An
+older master that reads neither version sets the snapshot aside and discards the log: it
+starts empty, and serves no bytes the files no longer describe. The log applies on top of
 the snapshot of the same generation only. The snapshot and log a compaction replaced stay as
 ``snapshot.kvp.old`` and ``log.kvp.old`` until a thread unlinks them (freeing a big file's
 blocks takes a while); ``load`` removes any a crash left.
@@ -130,12 +133,13 @@ from kvpool_master.core.snapshot import Snapshot
 from kvpool_master.statefile import (
     SNAPSHOT_VERSION,
     VERSION,
+    VERSIONS,
     Corrupt,
     Overlay,
     chunk_frame,
     chunk_len,
-    event_row,
     frame,
+    log_rows,
     next_record,
     read_snapshot_head,
     read_snapshot_objects,
@@ -322,7 +326,7 @@ class StateStore:
             # The log's part is built: let the decoded log go before the snapshot restores
             # (a log at its compaction limit decodes to about a gigabyte at 10 M objects).
             del log_records
-            overlay.key_to_row.clear()
+            overlay.drop_log()
             counts = core.restore(Snapshot(list(overlay.clients.values()),
                                            list(overlay.segments.values()), objects),
                                   now, self._restore_grace_s)
@@ -359,7 +363,7 @@ class StateStore:
         offset = 0
         header, offset, problem = next_record(data, 0)
         if (problem or not isinstance(header, dict) or header.get("format") != "kvpool-log"
-                or header.get("version") != VERSION):
+                or header.get("version") not in VERSIONS):
             warnings.append(f"{path}: unreadable log header ({problem or 'wrong header'}); "
                             f"discarding {len(data)} bytes")
             path.unlink()
@@ -424,7 +428,7 @@ class StateStore:
             raise RuntimeError("StateStore.append before load() or after close()")
         if self._failure:
             raise OSError(f"state log is read-only after a failed write: {self._failure}")
-        rows = [row for row in map(event_row, events) if row is not None]
+        rows = log_rows(events)
         if not rows:
             return
         record = frame(rows)

@@ -9,8 +9,11 @@ Rules of this file:
   for objects with one replica each (snapshot version 2), a map ``{"columns": [...]}`` of
   ``ObjectColumns`` whose number columns are little-endian machine words (``chunk_frame``):
   restore reads them without making an object per row and field.
-- Only events that change durable state become log rows (``event_row``); ``Overlay`` applies
-  rows on top of a snapshot and streams the restored object rows in LRU order.
+- Only events that change durable state become log rows (``log_rows``): a run of commits
+  with one replica each is one row of the same columns (a call's commits decode without an
+  object per field), a run of removals one row of keys, anything else a row of its own
+  (``event_row``). ``Overlay`` applies them on top of a snapshot and streams the restored
+  objects in LRU order.
 - A snapshot written in the background (``persist.py``, a step at a time) may show each
   object as it was at any moment while it was written; the log records of everything that
   changed since it started follow its end record as its *tail*, and a fixed trailer
@@ -24,9 +27,10 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, groupby, islice
+from operator import attrgetter, itemgetter
 from typing import Any, BinaryIO
 
 import msgpack
@@ -41,16 +45,25 @@ from kvpool_master.core.snapshot import (
     segment_row,
 )
 
-VERSION = 1
-#: Snapshots read: 1 (chunks of rows only) and 2 (columns too); written: 2.
-SNAPSHOT_VERSION = 2
-_SNAPSHOT_VERSIONS = (1, 2)
+#: Logs read: 1 (rows only) and 2 (runs of commits and removals as columns); written: 2.
+VERSION = 2
+VERSIONS = (1, 2)
+#: Snapshots read: 1 (chunks of rows only), 2 (columns too) and 3 (a tail of version 2 log
+#: records); written: 3. A master that reads none of these sets the file aside.
+SNAPSHOT_VERSION = 3
+_SNAPSHOT_VERSIONS = (1, 2, 3)
 _FRAME = struct.Struct("<II")
 _MAX_RECORD_BYTES = 1 << 30
 
 # Event rows: [code, fields...]. Only events that change durable state are logged.
 _CLIENT_REGISTERED, _CLIENT_GONE, _SEGMENT_MOUNTED, _SEGMENT_UNMOUNTED = 1, 2, 3, 4
 _OBJECT_COMMITTED, _OBJECT_REMOVED = 5, 6
+#: A run of commits with one replica each: [7, the nine fields of a chunk of columns]; a run of
+#: removals: [8, [key, ...]] (log version 2).
+_OBJECTS_COMMITTED, _OBJECTS_REMOVED = 7, 8
+#: Runs shorter than this stay rows: a row of columns has a fixed cost of a few µs to write
+#: (``master_core.py --log-batches``).
+_MIN_LOG_RUN = 16
 #: The trailer of a snapshot with a tail: this magic, then the tail's offset (u64 LE).
 TAIL_MAGIC = b"KVPTAIL1"
 _TRAILER = struct.Struct("<8sQ")
@@ -123,10 +136,14 @@ def chunk_frame(chunk: Chunk) -> bytes:
     """The record of a snapshot chunk: rows as they are, columns as a map of them."""
     if type(chunk) is not ObjectColumns:
         return frame(chunk)
-    return frame({"columns": [
-        chunk.keys, _words(chunk.sizes), chunk.segment_ids, _words(chunk.segment_index),
-        _words(chunk.offsets), _words(chunk.checksums), chunk.pins, _words(chunk.parents),
-        chunk.parent_keys]})
+    return frame({"columns": _fields(chunk)})
+
+
+def _fields(chunk: ObjectColumns) -> list[Any]:
+    """What a file holds of ``chunk``: its nine columns, numbers as machine words."""
+    return [chunk.keys, _words(chunk.sizes), chunk.segment_ids, _words(chunk.segment_index),
+            _words(chunk.offsets), _words(chunk.checksums), chunk.pins, _words(chunk.parents),
+            chunk.parent_keys]
 
 
 def chunk_len(chunk: Chunk) -> int:
@@ -153,10 +170,9 @@ def _column(typecode: str, data: Any, num_rows: int) -> array[int]:
     return column
 
 
-def _object_columns(record: dict[Any, Any]) -> ObjectColumns:
-    """The columns of a snapshot chunk; ``ValueError`` when it is not one (restore checks
-    the values)."""
-    fields = record.get("columns")
+def _object_columns(fields: Any) -> ObjectColumns:
+    """The columns of a chunk as ``_fields`` wrote them; ``ValueError`` when they are not
+    (restore checks the values)."""
     if not isinstance(fields, list) or len(fields) != 9:
         raise ValueError("not a chunk of columns")
     keys, sizes, segment_ids, index, offsets, checksums, pins, parents, parent_keys = fields
@@ -249,7 +265,7 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str],
             return
         if isinstance(record, dict):
             try:
-                columns = _object_columns(record)
+                columns = _object_columns(record.get("columns"))
             except ValueError as exc:
                 warnings.append(f"snapshot: {exc}; objects after it are lost")
                 return
@@ -266,6 +282,47 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str],
 
 
 # ---- events -> rows -> state -----------------------------------------------------------------
+
+def log_rows(events: Iterable[ev.Event]) -> list[list[Any]]:
+    """The log rows of ``events``: each run of commits with one replica and each run of
+    removals as one row of columns (decoded without an object per field), the rest as
+    ``event_row`` makes them."""
+    rows: list[list[Any]] = []
+    for code, run in groupby(events, _run_code):
+        if code:
+            batch = list(run)
+            if len(batch) >= _MIN_LOG_RUN:
+                rows.append([_OBJECTS_REMOVED, list(map(_KEY, batch))] if code == _OBJECT_REMOVED
+                            else [_OBJECTS_COMMITTED, *_fields(_commit_columns(batch))])
+                continue
+            run = iter(batch)
+        rows += filter(None, map(event_row, run))
+    return rows
+
+
+def _run_code(event: ev.Event) -> int:
+    """Which run ``event`` may join: commits with one replica, removals, or none (0)."""
+    if type(event) is ev.ObjectRemoved:
+        return _OBJECT_REMOVED
+    if (isinstance(event, ev.ObjectCommitted) and len(event.placements) == 1
+            and event.placements[0].length == event.size_bytes):   # (or ReplicasChanged)
+        return _OBJECT_COMMITTED
+    return 0
+
+
+def _commit_columns(commits: list[Any]) -> ObjectColumns:
+    firsts = list(map(_FIRST, map(_PLACEMENTS, commits)))
+    return ObjectColumns.of_fields(list(map(_KEY, commits)), map(_SIZE, commits),
+                                   list(map(_SEGMENT_ID, firsts)), map(_OFFSET, firsts),
+                                   map(_CHECKSUM, commits), map(_PIN, commits),
+                                   list(map(_PARENT_KEY, commits)))
+
+
+_KEY, _SIZE, _PLACEMENTS, _SEGMENT_ID, _OFFSET, _CHECKSUM, _PIN, _PARENT_KEY = (
+    attrgetter(name) for name in ("key", "size_bytes", "placements", "segment_id", "offset",
+                                  "checksum", "pin", "parent_key"))
+_FIRST = itemgetter(0)
+
 
 def event_row(event: ev.Event) -> list[Any] | None:
     if isinstance(event, ev.ObjectCommitted):  # a commit, or ReplicasChanged: the new state
@@ -289,9 +346,12 @@ class Overlay:
 
     Objects of the snapshot stream through ``objects()``: a key the log touched takes its
     logged state; a replica on a segment the log unmounted after that state was logged is gone
-    (even if the segment came back later: a remount is fresh memory). Each row and unmount is
-    numbered as it is applied, so an unmount costs O(1) here and replicas are filtered once,
-    in ``objects()``: replay is linear in the log.
+    (even if the segment came back later: a remount is fresh memory). Every object row, each
+    object of a row of columns, and every unmount is numbered as it is applied; ``latest``
+    maps each key the log touched to the number of its last commit or removal, so a key's
+    state and its place in the LRU order are its last one. Replay is linear in the log: a row
+    of columns costs one C-level dict update, and replicas are filtered once, in
+    ``objects()``.
     """
 
     def __init__(self, clients: dict[str, Sequence[Any]],
@@ -299,7 +359,10 @@ class Overlay:
         self.clients = clients
         self.segments = segments
         self.unmounted_at: dict[str, int] = {}   # segment id -> number of its last unmount
-        self.key_to_row: dict[bytes, tuple[int, list[Any] | None]] = {}  # (number, row)
+        self.latest: dict[Any, int] = {}         # key -> number of its last commit or removal
+        # (number, row) of each commit row, (number of its first, chunk) of each row of
+        # columns, in log order
+        self._commits: list[tuple[int, list[Any] | ObjectColumns]] = []
         self._applied = 0
 
     def apply(self, record: list[Any]) -> None:
@@ -307,13 +370,20 @@ class Overlay:
             if not isinstance(row, list) or not row:
                 continue
             code = row[0]
+            if code in (_OBJECTS_COMMITTED, _OBJECTS_REMOVED):
+                self._apply_run(row)
+                continue
             self._applied += 1
-            if code == _OBJECT_COMMITTED and len(row) == 7:
-                self.key_to_row.pop(row[1], None)   # recency: a commit moves to the end
-                self.key_to_row[row[1]] = (self._applied, row[1:])
-            elif code == _OBJECT_REMOVED and len(row) == 2:
-                self.key_to_row.pop(row[1], None)
-                self.key_to_row[row[1]] = (self._applied, None)
+            if (code == _OBJECT_COMMITTED and len(row) == 7
+                    or code == _OBJECT_REMOVED and len(row) == 2):
+                key = row[1]
+                if not isinstance(key, Hashable):
+                    continue   # (no restore takes it)
+                if type(key) is bytes:   # a copy: the decoded one goes with the log
+                    key = bytes(memoryview(key))
+                self.latest[key] = self._applied
+                if code == _OBJECT_COMMITTED:
+                    self._commits.append((self._applied, [key, *row[2:]]))
             elif code == _CLIENT_REGISTERED and len(row) == 4:
                 self.clients[row[1]] = row[1:]
             elif code == _CLIENT_GONE and len(row) == 2:
@@ -324,36 +394,44 @@ class Overlay:
                 self.segments.pop(row[1], None)
                 self.unmounted_at[row[1]] = self._applied
 
+    def _apply_run(self, row: list[Any]) -> None:
+        """Apply a row of columns (a malformed one is skipped, as a malformed row is)."""
+        if row[0] == _OBJECTS_REMOVED:
+            keys = row[1] if len(row) == 2 and isinstance(row[1], list) else None
+            chunk = None
+        else:
+            try:
+                chunk = _object_columns(row[1:])
+            except ValueError:
+                return
+            keys = chunk.keys
+        if keys is None or not _BYTES.issuperset(map(type, keys)):
+            return
+        first = self._applied + 1
+        self._applied += len(keys)
+        self.latest.update(zip(keys, range(first, self._applied + 1), strict=True))
+        if chunk is not None and keys:
+            self._commits.append((first, chunk))
+
     def objects(self, snapshot_rows: Iterator[Sequence[Any] | ObjectColumns]
                 ) -> Iterator[Sequence[Any] | ObjectColumns]:
         """Return the restored object rows (and chunks of columns): the snapshot's, then the
         log's, in LRU order.
 
-        The log's part is built here, at once, as chunks of columns where it can be, on copies
-        of the keys the log touched: the caller can then let the decoded log go
-        (``key_to_row`` and its records) before the snapshot's objects restore, and none of
-        its keys, kept by restored entries or by the filter of touched keys, holds the memory
-        of the rows around it."""
-        touched = self.key_to_row
-        unmounted_at = self.unmounted_at
-        unmounted = set(unmounted_at)   # every unmount of the log follows the snapshot
-        if not touched and not unmounted:  # an empty log (right after a snapshot): as they are
+        The log's part is built here, at once, as chunks of columns where it can be (of
+        thousands of objects, joined from the log's rows and chunks): the caller can then let
+        the decoded log go (``drop_log`` and its records) before the snapshot's objects
+        restore; the keys of its rows were copied as they were applied, so none of them, kept
+        by a restored entry or by the filter of touched keys, holds the memory of the rows
+        around it."""
+        latest = self.latest
+        unmounted = set(self.unmounted_at)   # every unmount of the log follows the snapshot
+        if not latest and not unmounted:  # an empty log (right after a snapshot): as they are
             return snapshot_rows
-        # (a key of another type is passed on as it is: restore drops its row)
-        keys = [bytes(memoryview(key)) if type(key) is bytes else key for key in touched]
-
-        def from_log() -> Iterator[Sequence[Any]]:
-            for key, (number, row) in zip(keys, touched.values(), strict=True):
-                if row is None:
-                    continue
-                if unmounted_at:
-                    gone = {s for s in _segment_ids(row) if unmounted_at.get(s, 0) > number}
-                    row = _without_segments(row, gone) if gone else row
-                if row is not None:
-                    row[0] = key   # the copy (an equal key): the decoded one goes with the log
-                    yield row
-        logged_items = list(_as_columns(from_log()))
-        logged = _KeyFilter(keys)
+        alive = np.zeros(self._applied + 1, np.bool_)   # the numbers of each key's last state
+        alive[np.fromiter(latest.values(), np.int64, len(latest))] = True
+        logged_items = list(_in_chunks(self._logged(alive)))
+        logged = _KeyFilter(list(latest))
 
         def from_snapshot() -> Iterator[Sequence[Any] | ObjectColumns]:
             for row in _rows_where_unmounted(snapshot_rows, unmounted):
@@ -367,6 +445,33 @@ class Overlay:
                     if kept is not None:
                         yield kept
         return chain(from_snapshot(), logged_items)
+
+    def drop_log(self) -> None:
+        """Let go of the log's objects (``objects`` built what restores of them)."""
+        self.latest = {}
+        self._commits = []
+
+    def _logged(self, alive: Any) -> Iterator[Sequence[Any] | ObjectColumns]:
+        """The commits of the log that are their key's last state (``alive``, by number), in
+        log order, less their replicas on segments unmounted after them."""
+        unmounted_at = self.unmounted_at
+        for number, item in self._commits:
+            if type(item) is ObjectColumns:
+                keep = alive[number:number + len(item.keys)]
+                gone = [i for i, s in enumerate(item.segment_ids)
+                        if unmounted_at.get(s, 0) > number]   # after the whole run
+                if gone:
+                    keep = keep & ~np.isin(np.asarray(item.segment_index), gone)
+                if keep.all():
+                    yield item
+                elif keep.any():
+                    yield item.without((~keep).tolist())
+            elif alive[number]:
+                if unmounted_at:
+                    lost = {s for s in _segment_ids(item) if unmounted_at.get(s, 0) > number}
+                    item = _without_segments(item, lost) if lost else item
+                if item is not None:
+                    yield item
 
 
 class _KeyFilter:
@@ -407,26 +512,58 @@ class _KeyFilter:
         return marks
 
 
-def _as_columns(rows: Iterator[Sequence[Any]]) -> Iterator[Sequence[Any] | ObjectColumns]:
-    """``rows`` with each run of rows with one replica as chunks of columns (restore takes a
-    chunk a column at a time, a row a Python step at a time); a run that is not well formed
-    stays rows, for restore to check and count one at a time."""
-    for one_replica, run in groupby(rows, _one_replica):
+def _in_chunks(items: Iterator[Sequence[Any] | ObjectColumns]
+               ) -> Iterator[Sequence[Any] | ObjectColumns]:
+    """``items`` with runs of rows with one replica as chunks of columns, and neighbouring
+    chunks joined up to ``RESTORE_CHUNK`` objects (restore takes a chunk a column at a time,
+    a row a Python step at a time, and each chunk has a fixed cost); a run that is not well
+    formed stays rows, for restore to check and count one at a time."""
+    pending: list[ObjectColumns] = []
+    count = 0
+    for item in _as_columns(items):
+        if type(item) is ObjectColumns:
+            if pending and count + len(item.keys) > RESTORE_CHUNK:
+                yield ObjectColumns.concat(pending)
+                pending, count = [], 0
+            pending.append(item)
+            count += len(item.keys)
+            continue
+        if pending:
+            yield ObjectColumns.concat(pending)
+            pending, count = [], 0
+        yield item
+    if pending:
+        yield ObjectColumns.concat(pending)
+
+
+def _as_columns(items: Iterator[Sequence[Any] | ObjectColumns]
+                ) -> Iterator[Sequence[Any] | ObjectColumns]:
+    """``items`` with each run of rows with one replica as chunks of columns."""
+    for kind, run in groupby(items, _item_kind):
+        if kind != _ONE_REPLICA:
+            yield from run
+            continue
         for batch in iter(partial(_take, run, RESTORE_CHUNK), []):
-            columns = ObjectColumns.of_rows(batch) if one_replica else None
+            columns = ObjectColumns.of_rows(batch)
             if columns is None:
                 yield from batch
             else:
                 yield columns
 
 
-def _take(items: Iterator[Sequence[Any]], count: int) -> list[Sequence[Any]]:
-    return list(islice(items, count))
+def _take(items: Iterator[Sequence[Any] | ObjectColumns], count: int
+          ) -> list[Sequence[Any]]:
+    return list(islice(items, count))  # type: ignore[arg-type]
 
 
-def _one_replica(row: Sequence[Any]) -> bool:
-    flat = row[2] if len(row) == 6 else None
-    return type(flat) is list and len(flat) == 3
+_OTHER, _ONE_REPLICA, _COLUMNS = 0, 1, 2
+
+
+def _item_kind(item: Sequence[Any] | ObjectColumns) -> int:
+    if type(item) is ObjectColumns:
+        return _COLUMNS
+    flat = item[2] if len(item) == 6 else None
+    return _ONE_REPLICA if type(flat) is list and len(flat) == 3 else _OTHER
 
 
 def _rows_where_unmounted(items: Iterator[Sequence[Any] | ObjectColumns], unmounted: set[str]

@@ -846,7 +846,7 @@ def test_a_snapshot_holds_objects_with_one_replica_as_columns_and_the_rest_as_ro
     store.compact(core)
     store.close()
     records = _records(tmp_path / SNAPSHOT_NAME)
-    assert records[0]["version"] == SNAPSHOT_VERSION == 2
+    assert records[0]["version"] == SNAPSHOT_VERSION == 3
     chunks = records[3:-1]
     assert [("columns" in c) if isinstance(c, dict) else len(c) for c in chunks] == [
         True, 1, True]
