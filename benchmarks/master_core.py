@@ -12,6 +12,7 @@ the longest single step of a table under churn, and of a full pool under put/get
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000   # memory, restore
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --keep-state DIR
     .venv/bin/python benchmarks/master_core.py --restore DIR   # restore DIR alone, again
+    .venv/bin/python benchmarks/master_core.py --log-batches   # the log's cost by batch size
     .venv/bin/python benchmarks/master_core.py --churn-objects 1000000     # a full pool churns
     .venv/bin/python benchmarks/master_core.py --evicting-objects 1000000  # evicting put steps
 
@@ -515,8 +516,17 @@ def bench_restore_with_log(num_objects: int, log_objects: int, keep_state: str =
         store = StateStore(state_dir, fsync="never")
         store.load(MasterCore(CoreConfig()), 0.0)
         store.compact(core)
-        fill(core, keys[num_objects - log_objects:], chain_length=32, on_events=store.append)
+        appending_s = 0.0
+
+        def append(events: list[Any]) -> None:
+            nonlocal appending_s
+            started = time.perf_counter()
+            store.append(events)
+            appending_s += time.perf_counter() - started
+        fill(core, keys[num_objects - log_objects:], chain_length=32, on_events=append)
         store.close()
+        print(f"  logging the commits: {appending_s / log_objects * 1e6:.2f} us a key "
+              "(1,000-key batches)")
         snapshot_bytes = os.path.getsize(os.path.join(state_dir, "snapshot.kvp"))
         log_bytes = os.path.getsize(os.path.join(state_dir, "log.kvp"))
         print(f"  snapshot {snapshot_bytes / 2**20:,.0f} MiB, log {log_bytes / 2**20:,.0f} MiB "
@@ -524,6 +534,35 @@ def bench_restore_with_log(num_objects: int, log_objects: int, keep_state: str =
         del core
         subprocess.run([sys.executable, os.path.abspath(__file__), "--restore", state_dir],
                        check=True)
+
+
+def bench_log_batches(num_objects: int = 200_000) -> None:
+    """What logging commits costs, by the size of the call that made them: the time to append
+    them, the log's bytes, and the time to restore an index from that log alone."""
+    print(f"the log, by batch ({num_objects:,} objects committed in batches, chains of 32)")
+    for batch in (8, 16, 32, 64, 512):
+        core = make_core(num_objects, 0.95)
+        batches: list[list[Any]] = []
+        fill(core, keys_of(0, num_objects), batch=batch, chain_length=32,
+             on_events=batches.append)
+        with tempfile.TemporaryDirectory() as state_dir:
+            store = StateStore(state_dir, fsync="never")
+            store.load(MasterCore(CoreConfig()), 0.0)
+            store.append(batches.pop(0))   # the client and its segments
+            gc.collect()
+            started = time.perf_counter()
+            for events in batches:
+                store.append(events)
+            appending_s = time.perf_counter() - started
+            store.close()
+            log_bytes = os.path.getsize(os.path.join(state_dir, "log.kvp"))
+            started = time.perf_counter()
+            StateStore(state_dir).load(MasterCore(CoreConfig()), 0.0)
+            restoring_s = time.perf_counter() - started
+        per_key_us = 1e6 / num_objects
+        print(f"  batch {batch:>4}: append {appending_s * per_key_us:5.2f} us a key, "
+              f"{log_bytes / num_objects:4.0f} B a key; restore {restoring_s * per_key_us:5.2f} "
+              "us a key")
 
 
 def restore_alone(state_dir: str) -> None:
@@ -561,12 +600,18 @@ def main() -> None:
     parser.add_argument("--log-objects", type=int, default=0, metavar="M",
                         help="with --memory-objects N: only restore N objects of which the "
                              "last M were put after the snapshot (its log holds them)")
+    parser.add_argument("--log-batches", action="store_true",
+                        help="only the cost of logging commits and of restoring them from "
+                             "the log, by the size of the batch that made them")
     parser.add_argument("--restore", metavar="DIR",
                         help="only restore the state directory DIR in this process, and print "
                              "the time and memory it took")
     args = parser.parse_args()
     if args.restore:
         restore_alone(args.restore)
+        return
+    if args.log_batches:
+        bench_log_batches()
         return
     if args.churn_objects:
         bench_churn_steps(args.churn_objects, args.churn_turnovers)
