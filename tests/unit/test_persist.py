@@ -485,10 +485,10 @@ def test_the_filter_of_logged_keys_marks_exactly_the_logged_keys(
     monkeypatch.setattr(statefile._KeyFilter, "_MASK", mask)
     logged = {b"k%d" % i: None for i in range(0, 3000, 3)}
     keys = [b"k%d" % i for i in range(2000, 6000)]
-    marks = statefile._KeyFilter(list(logged)).marks(keys)
+    marks = statefile._KeyFilter(logged).marks(keys)
     assert marks == [key in logged for key in keys]
-    assert statefile._KeyFilter(list(logged)).marks([b"x", b"y"]) is None
-    assert statefile._KeyFilter([]).marks(keys) is None
+    assert statefile._KeyFilter(logged).marks([b"x", b"y"]) is None
+    assert statefile._KeyFilter({}).marks(keys) is None
 
 
 def test_the_log_s_objects_restore_as_columns_where_they_can() -> None:
