@@ -27,7 +27,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, groupby, islice
 from operator import attrgetter, itemgetter
@@ -360,12 +360,14 @@ class Overlay:
         self.segments = segments
         self.unmounted_at: dict[str, int] = {}   # segment id -> number of its last unmount
         self.latest: dict[Any, int] = {}         # key -> number of its last commit or removal
-        # (number, row) of each commit row, (number of its first, chunk) of each row of
-        # columns, in log order
+        # (number, row) of each commit row (its code first), (number of its first, chunk)
+        # of each row of columns, in log order
         self._commits: list[tuple[int, list[Any] | ObjectColumns]] = []
         self._applied = 0
 
     def apply(self, record: list[Any]) -> None:
+        """Apply a log record (a list of rows). An object row's key is replaced by a copy in
+        the row itself, so that what restore keeps holds no memory of the decoded record."""
         for row in record:
             if not isinstance(row, list) or not row:
                 continue
@@ -377,13 +379,14 @@ class Overlay:
             if (code == _OBJECT_COMMITTED and len(row) == 7
                     or code == _OBJECT_REMOVED and len(row) == 2):
                 key = row[1]
-                if not isinstance(key, Hashable):
-                    continue   # (no restore takes it)
                 if type(key) is bytes:   # a copy: the decoded one goes with the log
-                    key = bytes(memoryview(key))
-                self.latest[key] = self._applied
+                    key = row[1] = bytes(memoryview(key))
+                try:
+                    self.latest[key] = self._applied
+                except TypeError:   # unhashable: no restore takes it
+                    continue
                 if code == _OBJECT_COMMITTED:
-                    self._commits.append((self._applied, [key, *row[2:]]))
+                    self._commits.append((self._applied, row))
             elif code == _CLIENT_REGISTERED and len(row) == 4:
                 self.clients[row[1]] = row[1:]
             elif code == _CLIENT_GONE and len(row) == 2:
@@ -455,6 +458,7 @@ class Overlay:
         """The commits of the log that are their key's last state (``alive``, by number), in
         log order, less their replicas on segments unmounted after them."""
         unmounted_at = self.unmounted_at
+        flags = alive.tobytes()   # (one flag a row looked up: faster than numpy's)
         for number, item in self._commits:
             if type(item) is ObjectColumns:
                 keep = alive[number:number + len(item.keys)]
@@ -466,12 +470,13 @@ class Overlay:
                     yield item
                 elif keep.any():
                     yield item.without((~keep).tolist())
-            elif alive[number]:
+            elif flags[number]:
+                row: list[Any] | None = item[1:]
                 if unmounted_at:
-                    lost = {s for s in _segment_ids(item) if unmounted_at.get(s, 0) > number}
-                    item = _without_segments(item, lost) if lost else item
-                if item is not None:
-                    yield item
+                    lost = {s for s in _segment_ids(row) if unmounted_at.get(s, 0) > number}
+                    row = _without_segments(row, lost) if lost else row
+                if row is not None:
+                    yield row
 
 
 class _KeyFilter:
