@@ -122,7 +122,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -419,7 +419,7 @@ class StateStore:
             core.mark_durable(core.free_seq)
         return True
 
-    def append(self, events: Iterable[ev.Event]) -> None:
+    def append(self, events: Sequence[ev.Event]) -> None:
         """Log the durable ones among ``events`` as one record; fsync per the policy.
 
         Raises OSError when the write fails, and at once while read-only (``healthy``).

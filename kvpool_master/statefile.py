@@ -27,7 +27,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from itertools import chain, groupby, islice
 from operator import attrgetter, itemgetter
@@ -283,10 +283,12 @@ def read_snapshot_objects(f: BinaryIO, warnings: list[str],
 
 # ---- events -> rows -> state -----------------------------------------------------------------
 
-def log_rows(events: Iterable[ev.Event]) -> list[list[Any]]:
+def log_rows(events: Sequence[ev.Event]) -> list[list[Any]]:
     """The log rows of ``events``: each run of commits with one replica and each run of
     removals as one row of columns (decoded without an object per field), the rest as
     ``event_row`` makes them."""
+    if len(events) < _MIN_LOG_RUN:   # no run that long: rows
+        return [row for row in map(event_row, events) if row is not None]
     rows: list[list[Any]] = []
     for code, run in groupby(events, _run_code):
         if code:

@@ -25,6 +25,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, chain, compress, groupby, islice, pairwise, repeat
 from typing import Any
 
@@ -92,15 +93,11 @@ class ObjectColumns:
         key_position[None] = -1
         parent_index: list[Any] = list(map(key_position.get, parents))   # None: not here
         parent_keys: list[Any] = []
-        if None in parent_index:   # parents outside these objects: named by key
-            for i, index in enumerate(parent_index):
-                if index is None:
-                    parent = parents[i]
-                    index = key_position.get(parent)
-                    if index is None:   # each such parent is named once
-                        index = key_position[parent] = len(keys) + len(parent_keys)
-                        parent_keys.append(parent)
-                    parent_index[i] = index
+        if None in parent_index:   # parents outside these objects: named by key, each once
+            parent_keys = list(dict.fromkeys(compress(parents, map(_IS_NONE, parent_index))))
+            key_position.update(zip(parent_keys, range(len(keys), len(keys) + len(parent_keys)),
+                                    strict=True))
+            parent_index = list(map(key_position.__getitem__, parents))
         return cls(keys, array("Q", sizes), segment_ids, segment_index, array("Q", offsets),
                    array("Q", checksums), bytes(pins), array("i", parent_index), parent_keys)
 
@@ -305,6 +302,7 @@ def _one_replica(entry: ObjectEntry) -> bool:
     return not entry.more
 
 
+_IS_NONE = partial(operator.is_, None)
 _KEY, _SIZE, _SEGMENT_ID, _OFFSET, _CHECKSUM, _PIN, _PARENT_KEY = (
     operator.attrgetter(name) for name in ("key", "size_bytes", "segment_id", "offset",
                                            "checksum", "pin", "parent_key"))
