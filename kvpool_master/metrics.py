@@ -184,7 +184,8 @@ def status_from_stats(stats: CoreStats) -> dict[str, Any]:
                     "ready_bytes": stats.ready_bytes,
                     "deferred_free_bytes": stats.deferred_free_bytes,
                     "quarantined_bytes": stats.quarantined_bytes,
-                    "sweep_backlog_keys": stats.sweep_backlog_keys},
+                    "sweep_backlog_keys": stats.sweep_backlog_keys,
+                    "held_extents": stats.held_extents},
         "totals": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
         "tier_copies": {**{name: getattr(stats, name) for name in _COPIES},
                         "in_flight": stats.copies_in_flight},
@@ -464,6 +465,11 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
                             "and removal jobs still have to walk (done between requests, a "
                             "step at a time)",
                             value=stats.sweep_backlog_keys)
+    yield GaugeMetricFamily("kvpool_removal_held_extents",
+                            "Extents of objects that RemoveAll / RemoveByRegex removed, still "
+                            "allocated until the job frees them in offset order (a step at a "
+                            "time, once its walk is done)",
+                            value=stats.held_extents)
     yield GaugeMetricFamily("kvpool_tier_copies_in_flight",
                             "Tier copies waiting for their owner or being made",
                             value=stats.copies_in_flight)

@@ -51,15 +51,17 @@ class _Held:
     buckets: dict[int, tuple[array[int], array[int]]] = field(default_factory=dict)
     keys: list[int] = field(default_factory=list)   # buckets to free, the next last
     queue: list[tuple[Any, Any, int]] = field(default_factory=list)
+    num_extents: int = 0   # held here still
 
 
 class HeldFrees:
     """Extents held to be freed in offset order (see the module rules)."""
 
-    __slots__ = ("_id_to_held",)
+    __slots__ = ("_id_to_held", "num_extents")
 
     def __init__(self) -> None:
         self._id_to_held: dict[SegmentId, _Held] = {}
+        self.num_extents = 0   # held in all, not yet freed
 
     def __bool__(self) -> bool:
         """Whether any extent is held."""
@@ -86,6 +88,8 @@ class HeldFrees:
                 bucket = held.buckets[key] = (array("Q"), array("Q"))
             bucket[0].append(extent.offset)
             bucket[1].append(aligned(extent.length))
+            held.num_extents += 1
+            self.num_extents += 1
 
     def free_step(self, segments: SegmentTable,
                   budget_extents: int = FREE_STEP_EXTENTS) -> bool:
@@ -96,6 +100,7 @@ class HeldFrees:
         segment_id, held = next(iter(self._id_to_held.items()))
         if segments.id_to_segment.get(segment_id) is not held.state:
             del self._id_to_held[segment_id]   # lost or mounted again: dropped with it
+            self.num_extents -= held.num_extents
             return bool(self._id_to_held)
         queue = held.queue
         if not queue:
@@ -114,6 +119,9 @@ class HeldFrees:
                 operator.or_, map(operator.lshift, offsets[:budget_extents].tolist(),
                                   repeat(OFFSET_BITS)),
                 sizes[:budget_extents].tolist())), segments.next_free_seq())
+            freed = min(len(offsets), budget_extents)
+            held.num_extents -= freed
+            self.num_extents -= freed
             if len(offsets) > budget_extents:
                 queue[-1] = (offsets[budget_extents:], sizes[budget_extents:], -1)
             else:

@@ -381,7 +381,8 @@ class MasterCore(Tiering):
         """Return a copy of every counter and gauge (see ``core/stats.py``)."""
         return build_stats(self._clients, self._segments, self._objects, self._deferred,
                            self._quarantine, self._counters, self._lease_counters,
-                           len(self._copies.id_to_task), self.sweep_backlog_keys())
+                           len(self._copies.id_to_task), self.sweep_backlog_keys(),
+                           self.held_extents())
 
     # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
 

@@ -125,12 +125,13 @@ class CoreStats:
     copies_expired_total: int         # tier copies not reported within copy_task_ttl
     copies_in_flight: int             # tier copies waiting or being made
     sweep_backlog_keys: int           # about the table entries the sweeps have still to walk
+    held_extents: int                 # extents of removed objects removal jobs still hold
 
 
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
                 deferred: DeferredFrees, quarantine: DeferredFrees, counters: Counters,
                 leases: LeaseCounters, copies_in_flight: int = 0,
-                sweep_backlog_keys: int = 0) -> CoreStats:
+                sweep_backlog_keys: int = 0, held_extents: int = 0) -> CoreStats:
     """Return a consistent copy of every counter and gauge."""
     return CoreStats(
         num_clients=len(clients),
@@ -183,4 +184,5 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         copies_expired_total=counters.copies_expired,
         copies_in_flight=copies_in_flight,
         sweep_backlog_keys=sweep_backlog_keys,
+        held_extents=held_extents,
     )

@@ -254,6 +254,11 @@ class Sweeps(Mutations):
         if self._jobs:
             self._jobs = [job for job in self._jobs if not job.done]
 
+    def held_extents(self) -> int:
+        """How many extents of removed objects removal jobs hold, still allocated, until they
+        free them in offset order."""
+        return sum(job.held.num_extents for job in self._jobs)
+
     def sweep_backlog_keys(self) -> int:
         """About how many table entries the walk has still to look at for the sweeps
         running (0: none is)."""

@@ -49,7 +49,7 @@ def test_start_scrape_and_sigterm(start_master) -> None:
     assert ctype == "application/json"
     assert document["clients"] == 1 and document["objects"] == {
         "ready": 0, "pending": 0, "ready_bytes": 0, "deferred_free_bytes": 0,
-        "quarantined_bytes": 0, "sweep_backlog_keys": 0}
+        "quarantined_bytes": 0, "sweep_backlog_keys": 0, "held_extents": 0}
     # Mooncake's admin paths: no segment is mounted by a bare registration
     status, ctype, body = _get(master.metrics_url + "/get_all_segments")
     assert (status, body) == (200, "") and ctype.startswith("text/plain")

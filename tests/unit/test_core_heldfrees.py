@@ -65,8 +65,10 @@ def test_a_removal_job_frees_what_it_removed_in_offset_order_after_its_walk(
         assert core.sweep(2.0)
     assert core.stats().num_objects == 0 and not calls
     assert allocator.used_bytes == used_bytes and allocator.num_extents == NUM_OBJECTS
+    assert core.stats().held_extents == NUM_OBJECTS   # what the gauge shows meanwhile
     while core.sweep(2.0):
         assert not job.done
+        assert core.stats().held_extents == NUM_OBJECTS - sum(map(len, calls))
     assert job.done and job.removed == NUM_OBJECTS
     freed = [offset for call in calls for offset in call]
     assert freed == sorted(freed) and len(freed) == NUM_OBJECTS
@@ -74,6 +76,7 @@ def test_a_removal_job_frees_what_it_removed_in_offset_order_after_its_walk(
     # neighbours merged as they were freed: the segment is one free extent again
     assert allocator.free_extents() == [(0, SEGMENT.size_bytes)]
     assert allocator.num_extents == 0 and core.stats().tier_to_used_bytes[SEGMENT.tier] == 0
+    assert core.stats().held_extents == 0
 
 
 def test_a_job_that_matches_some_keys_frees_exactly_their_extents(
@@ -100,14 +103,14 @@ def test_held_extents_of_a_segment_lost_meanwhile_are_dropped_with_it(
     job = core.start_remove(None, False, 2.0)
     while job.shards_left:
         core.sweep(2.0)
-    assert job.held
+    assert job.held and core.held_extents() == NUM_OBJECTS
     calls = spy_frees(core, monkeypatch)
     # the owner takes the segment away and mounts it again: fresh memory, all of it free
     assert core.unmount_segment(A, SEGMENT.segment_id, 3.0) == Status.OK
     assert core.mount_segment(SEGMENT, 3.0) == Status.OK
     while core.sweep(3.0):
         pass
-    assert job.done and not calls
+    assert job.done and not calls and core.held_extents() == 0
     assert state_of(core).allocator.free_extents() == [(0, SEGMENT.size_bytes)]
 
 
