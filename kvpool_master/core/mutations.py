@@ -141,6 +141,7 @@ class Mutations:
         plain = replica_num == 1 and not options.preferred_segment and not same_host_id \
             and not self._quarantine
         run: _Run | None = None
+        walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
         for i, key in enumerate(keys):
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
@@ -193,8 +194,10 @@ class Mutations:
                 continue
             if parent is not None:
                 parent = self._objects.shared_key(parent)
-            self._objects.add_pending(
-                key, ObjectEntry.of_extents(key, size, placements, client_id, pin, parent), now)
+            entry = ObjectEntry.of_extents(key, size, placements, client_id, pin, parent)
+            self._objects.add_pending(key, entry, now)
+            for job in walking:
+                job.spared.add(entry)
             started += 1
             results.append((Status.OK, placements))
         if run is not None:

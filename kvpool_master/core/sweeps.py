@@ -13,7 +13,7 @@ Rules of this file:
   are taken as a list when the walk reaches it). Every lost segment and every removal job
   rides that one walk: each counts the shards it has still to see (``NUM_SHARDS`` from the
   next shard on) and is done once it has seen them all. Objects put meanwhile may or may not
-  be met: none can be on a lost segment, and a removal job removes those it meets.
+  be met: none can be on a lost segment, and a removal job leaves them.
 - Losing a segment (unmount, its owner leaving or expiring) takes it out of the segment table
   at once and logs ``SegmentUnmounted``; nothing places on it or reads from it from then on
   (reads filter placements on it out: ``SegmentTable.filtering``). The walk then drops the
@@ -23,7 +23,8 @@ Rules of this file:
   (``defer_upkeep``: the mount answers UNAVAILABLE until it is done, which the server turns
   into a late answer) or, in process, finishes it at once.
 - A removal job removes the READY objects it meets that match (and are not leased, unless
-  forced). It holds their extents (``HeldFrees``) until its walk is done, then frees them in
+  forced), but none that was not READY when it started (``RemoveJob.spared``): as one call
+  would. It holds their extents (``HeldFrees``) until its walk is done, then frees them in
   offset order, a step at a time: freed in the walk's hash order, each would be a hole of its
   own in the free lists. It counts what it removed; its caller is answered once it is done,
   extents freed (``RemoveJob.done``). A ``sweep`` call frees for one job or walks, in turn.
@@ -69,6 +70,9 @@ class RemoveJob:
     removed: int = 0
     done: bool = False
     held: HeldFrees = field(default_factory=HeldFrees)   # extents of what it removed
+    # the objects PENDING when it started or put since (``put_start`` adds them while it
+    # walks): it leaves them, as a call that removed everything at once would have
+    spared: set[ObjectEntry] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -122,6 +126,8 @@ class Sweeps(Mutations):
             job.done = True
         else:
             job.shards_left = self._shards_to_walk()
+            pending = self._objects.pending_key_to_started_s   # committed later: left too
+            job.spared.update(map(self._objects.get, pending))  # type: ignore[arg-type]
             self._jobs.append(job)
         return job
 
@@ -132,10 +138,11 @@ class Sweeps(Mutations):
     def _doomed(self, job: RemoveJob, entries: list[ObjectEntry], now: float,
                 most: int) -> list[int]:
         """The positions in ``entries`` of the first ``most`` objects ``job`` removes."""
-        pattern, force = job.pattern, job.force
+        pattern, force, spared = job.pattern, job.force, job.spared
         found = [i for i, entry in enumerate(entries)
                  if (entry.writer_id is None and (force or entry.lease_expiry_s <= now)
-                     and (pattern is None or pattern.search(entry.key) is not None))]
+                     and (pattern is None or pattern.search(entry.key) is not None)
+                     and entry not in spared)]
         return found[:most]
 
     def _remove_found(self, job: RemoveJob, entries: list[ObjectEntry], found: list[int],
@@ -250,6 +257,7 @@ class Sweeps(Mutations):
             if job.shards_left:
                 job.shards_left -= 1
                 if not job.shards_left:
+                    job.spared.clear()
                     job.done = not job.held   # else it frees them first
         if self._jobs:
             self._jobs = [job for job in self._jobs if not job.done]

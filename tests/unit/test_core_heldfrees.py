@@ -146,3 +146,39 @@ def test_a_job_s_frees_and_a_lost_segment_s_sweep_take_turns(
         pass
     assert job.done and core.stats().num_objects == 0
     assert state_of(core).allocator.free_extents() == [(0, SEGMENT.size_bytes)]
+
+
+@pytest.mark.parametrize("pattern", [None, "key-"], ids=["RemoveAll", "RemoveByRegex"])
+def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | None) -> None:
+    """As one call would: what was READY when the job started goes; what is put (and
+    committed) while it walks stays, also under a key it already removed, and so does what
+    was PENDING when it started and is committed while it walks."""
+    from kvpool_master.core.keyregex import compile_key_pattern
+    core = filled_core()
+    early = [ObjectKey(b"key-early-%d" % i) for i in range(50)]
+    assert all(s == Status.OK for s, _ in core.put_start(A, early, [4000] * 50, PutOptions(),
+                                                         1.0))
+    job = core.start_remove(None if pattern is None else compile_key_pattern(pattern), False,
+                            2.0)
+    later: list[ObjectKey] = []
+    step = 0
+    while job.shards_left:
+        core.sweep(2.0)
+        step += 1
+        if step % 50 == 0:   # puts between the walk's steps, also of keys it removed already
+            keys = [ObjectKey(b"key-late-%d" % step), ObjectKey(b"key-%d" % (step % 3000))]
+            if core._objects.get(keys[1]) is None:   # (removed already; no read: a lease)
+                started = core.put_start(A, keys, [4000, 4000], PutOptions(), 2.0)
+                assert [s for s, _ in started] == [Status.OK, Status.OK]
+                core.put_end(A, keys, 2.0)
+                later += keys
+        if step == 100:
+            core.put_end(A, early, 2.0)
+    while core.sweep(2.0):
+        pass
+    assert job.done and later
+    statuses = core.exist(later + early, 3.0)[0]
+    assert statuses == [Status.OK] * (len(later) + len(early))
+    assert core.stats().num_objects == len(later) + len(early)
+    assert job.removed == NUM_OBJECTS   # (a key is put again only once removed)
+    assert not job.spared   # let go of once the walk is done
