@@ -79,6 +79,30 @@ def test_large_removals_are_answered_when_done_and_others_are_served_meanwhile(
     asyncio.run(run())
 
 
+def test_what_is_put_while_a_large_remove_all_runs_stays(start_master: Any) -> None:
+    """RemoveAll removes what was there when it was called: objects put (over the same lean
+    connection) while it runs in steps are all there once it answers."""
+    master = start_master()
+
+    async def run() -> None:
+        rpc, _ = await _owner(master.address, "owner")
+        keys = await _fill(rpc, "owner")
+        removing = asyncio.ensure_future(rpc.remove_all("owner", force=False))
+        late: list[bytes] = []
+        while not removing.done() and len(late) < 2000:
+            batch = [b"late-%06d" % (len(late) + i) for i in range(20)]
+            started = await rpc.put_start("owner", batch, [4096] * 20, PutOptions())
+            assert {s for s, _ in started} == {Status.OK}
+            assert set(await rpc.put_end("owner", batch)) == {Status.OK}
+            late += batch
+        assert await removing == NUM_OBJECTS and late
+        statuses, _ = await rpc.exist("owner", late + keys[:1])
+        assert statuses == [Status.OK] * len(late) + [Status.NOT_FOUND]
+        await rpc.close()
+
+    asyncio.run(run())
+
+
 def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
         start_master: Any) -> None:
     master = start_master(client_ttl=1)
