@@ -142,6 +142,7 @@ class Mutations:
             and not self._quarantine
         run: _Run | None = None
         walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
+        spare = self.spare  # type: ignore[attr-defined]   # (sweeps.py)
         for i, key in enumerate(keys):
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
@@ -196,8 +197,8 @@ class Mutations:
                 parent = self._objects.shared_key(parent)
             entry = ObjectEntry.of_extents(key, size, placements, client_id, pin, parent)
             self._objects.add_pending(key, entry, now)
-            for job in walking:
-                job.spared.add(entry)
+            if walking:
+                spare(walking, entry, hash(key) & mask)
             started += 1
             results.append((Status.OK, placements))
         if run is not None:

@@ -70,9 +70,11 @@ class RemoveJob:
     removed: int = 0
     done: bool = False
     held: HeldFrees = field(default_factory=HeldFrees)   # extents of what it removed
-    # the objects PENDING when it started or put since (``put_start`` adds them while it
-    # walks): it leaves them, as a call that removed everything at once would have
-    spared: set[ObjectEntry] = field(default_factory=set)
+    # the ids of the objects PENDING when it started, and of those put since in a shard the
+    # walk has still to list (``spare``): it leaves them, as one call would have. Ids, not
+    # entries: an entry gone meanwhile is not kept alive, and its id can only come back as
+    # an object put later, which it leaves too
+    spared: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -127,9 +129,19 @@ class Sweeps(Mutations):
         else:
             job.shards_left = self._shards_to_walk()
             pending = self._objects.pending_key_to_started_s   # committed later: left too
-            job.spared.update(map(self._objects.get, pending))  # type: ignore[arg-type]
+            job.spared.update(map(id, map(self._objects.get, pending)))
             self._jobs.append(job)
         return job
+
+    def spare(self, jobs: list[RemoveJob], entry: ObjectEntry, shard: int) -> None:
+        """``entry`` was just put into ``shard``: the walking ``jobs`` that will still list that
+        shard leave it (a shard listed already is never met again)."""
+        walk = self._walk
+        ahead = (shard - walk.shard) & SHARD_MASK   # 0: the shard the walk is in
+        first = 0 if walk.entries is None else 1    # ... unless it is listed already
+        for job in jobs:
+            if first <= ahead < job.shards_left:
+                job.spared.add(id(entry))
 
     def _run_job(self, job: RemoveJob, entries: list[ObjectEntry], now: float) -> None:
         """Remove the objects of ``entries`` (still in the table) that ``job`` removes."""
@@ -142,7 +154,7 @@ class Sweeps(Mutations):
         found = [i for i, entry in enumerate(entries)
                  if (entry.writer_id is None and (force or entry.lease_expiry_s <= now)
                      and (pattern is None or pattern.search(entry.key) is not None)
-                     and entry not in spared)]
+                     and id(entry) not in spared)]
         return found[:most]
 
     def _remove_found(self, job: RemoveJob, entries: list[ObjectEntry], found: list[int],

@@ -10,6 +10,7 @@ from kvpool_master.core import heldfrees
 from kvpool_master.core.allocator import OFFSET_BITS
 from kvpool_master.core.heldfrees import FREE_STEP_EXTENTS
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.objects import SHARD_MASK
 from kvpool_master.core.segments import SegmentState
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo
@@ -148,8 +149,11 @@ def test_a_job_s_frees_and_a_lost_segment_s_sweep_take_turns(
     assert state_of(core).allocator.free_extents() == [(0, SEGMENT.size_bytes)]
 
 
+@pytest.mark.parametrize("budget_keys", [3, 1024], ids=["shard listed between steps",
+                                                     "a shard a step"])
 @pytest.mark.parametrize("pattern", [None, "key-"], ids=["RemoveAll", "RemoveByRegex"])
-def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | None) -> None:
+def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | None,
+                                                              budget_keys: int) -> None:
     """As one call would: what was READY when the job started goes; what is put (and
     committed) while it walks stays, also under a key it already removed, and so does what
     was PENDING when it started and is committed while it walks."""
@@ -161,9 +165,10 @@ def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | No
     job = core.start_remove(None if pattern is None else compile_key_pattern(pattern), False,
                             2.0)
     later: list[ObjectKey] = []
+    near_left = {True, False} if budget_keys < 6 else {True}   # (6: the entries of a shard)
     step = 0
     while job.shards_left:
-        core.sweep(2.0)
+        core.sweep(2.0, budget_keys)
         step += 1
         if step % 50 == 0:   # puts between the walk's steps, also of keys it removed already
             keys = [ObjectKey(b"key-late-%d" % step), ObjectKey(b"key-%d" % (step % 3000))]
@@ -174,6 +179,17 @@ def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | No
                 later += keys
         if step == 100:
             core.put_end(A, early, 2.0)
+        walk = core._walk
+        if step >= 100 and (walk.entries is None) in near_left:
+            # keys for the shard the walk is in and the next ones, once with that shard
+            # listed (what is put into it now is never met) and once not yet
+            near_left.discard(walk.entries is None)
+            wanted = {(walk.shard + ahead) & SHARD_MASK for ahead in range(3)}
+            near = [key for key in (ObjectKey(b"near-%d-%d" % (step, i)) for i in range(20000))
+                    if hash(key) & SHARD_MASK in wanted][:12]
+            assert core.put_start(A, near, [4000] * len(near), PutOptions(), 2.0)
+            core.put_end(A, near, 2.0)
+            later += near
     while core.sweep(2.0):
         pass
     assert job.done and later
@@ -181,4 +197,4 @@ def test_a_removal_job_leaves_the_objects_put_after_it_started(pattern: str | No
     assert statuses == [Status.OK] * (len(later) + len(early))
     assert core.stats().num_objects == len(later) + len(early)
     assert job.removed == NUM_OBJECTS   # (a key is put again only once removed)
-    assert not job.spared   # let go of once the walk is done
+    assert not job.spared and not near_left   # let go of once the walk is done
