@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, islice
 
 from kvpool_master.core.events import SegmentUnmounted
 from kvpool_master.core.heldfrees import HeldFrees
@@ -151,11 +151,11 @@ class Sweeps(Mutations):
                 most: int) -> list[int]:
         """The positions in ``entries`` of the first ``most`` objects ``job`` removes."""
         pattern, force, spared = job.pattern, job.force, job.spared
-        found = [i for i, entry in enumerate(entries)
-                 if (entry.writer_id is None and (force or entry.lease_expiry_s <= now)
-                     and (pattern is None or pattern.search(entry.key) is not None)
-                     and id(entry) not in spared)]
-        return found[:most]
+        return list(islice((i for i, entry in enumerate(entries)   # (stops at the most-th)
+                            if (entry.writer_id is None
+                                and (force or entry.lease_expiry_s <= now)
+                                and (pattern is None or pattern.search(entry.key) is not None)
+                                and id(entry) not in spared)), most))
 
     def _remove_found(self, job: RemoveJob, entries: list[ObjectEntry], found: list[int],
                       now: float) -> None:
