@@ -48,6 +48,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("histogram_quantile(0.999, sum by (le) "
          "(rate(kvpool_master_loop_lag_seconds_bucket[5m])))", "p99.9"),
         ("kvpool_master_loop_lag_max_seconds", "longest since start")]),
+    ("Work between calls: sweeps and removals", "short", [
+        ("kvpool_sweep_backlog_keys", "table entries still to walk"),
+        ("kvpool_removal_held_extents", "extents removed, not yet freed")]),
     ("State log: compactions, restore", "s", [
         ("kvpool_state_last_compaction_seconds", "last compaction, start to swap"),
         ("kvpool_state_last_compaction_longest_step_seconds", "its longest step"),
