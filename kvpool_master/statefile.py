@@ -401,17 +401,17 @@ class Overlay:
 
     def _apply_run(self, row: list[Any]) -> None:
         """Apply a row of columns (a malformed one is skipped, as a malformed row is)."""
+        chunk = None
         if row[0] == _OBJECTS_REMOVED:
             keys = row[1] if len(row) == 2 and isinstance(row[1], list) else None
-            chunk = None
+            if keys is None or not _BYTES.issuperset(map(type, keys)):
+                return
         else:
             try:
-                chunk = _object_columns(row[1:])
+                chunk = _object_columns(row[1:])   # (its keys are bytes)
             except ValueError:
                 return
             keys = chunk.keys
-        if keys is None or not _BYTES.issuperset(map(type, keys)):
-            return
         first = self._applied + 1
         self._applied += len(keys)
         self.latest.update(zip(keys, range(first, self._applied + 1), strict=True))
