@@ -127,37 +127,47 @@ class ObjectColumns:
         that one; a parent named by position in its chunk keeps naming the same key."""
         if len(chunks) == 1:
             return chunks[0]
-        num_keys = sum(len(c.keys) for c in chunks)
         keys: list[Any] = []
         parent_keys: list[Any] = []
         position: dict[Any, int] = {}
+        # each chunk's segments' positions in the joined list, then one out of range
+        remap: list[int] = []
         sizes, offsets, checksums = array("Q"), array("Q"), array("Q")
         segment_index, parents = array("I"), array("i")
         pins = bytearray()
+        # per chunk: its rows, its parent keys, where its keys, parent keys and remap start
+        # in the joined lists, and how many segments it names
+        bases: list[tuple[int, int, int, int, int, int]] = []
         for c in chunks:
-            num, named = len(c.keys), len(c.parent_keys)
+            num = len(c.keys)
             if {len(c.sizes), len(c.segment_index), len(c.offsets), len(c.checksums),
                     len(c.pins), len(c.parents)} != {num}:
                 raise ValueError("a ragged chunk of columns")
-            # this chunk's segment positions in the joined list; one past its end: invalid
-            remap = np.array([position.setdefault(s, len(position)) for s in c.segment_ids]
-                             + [_NO_INDEX], np.uint32)
-            index = np.asarray(c.segment_index, np.uint32)
-            segment_index.frombytes(remap[np.minimum(index, len(c.segment_ids))].data.cast("B"))
-            parent = np.asarray(c.parents, np.int64)
-            joined = np.where(parent < num, parent + len(keys),
-                              parent - num + num_keys + len(parent_keys))
-            joined[parent == -1] = -1
-            joined[(parent < -1) | (parent >= num + named)] = -2
-            parents.frombytes(joined.astype(np.int32).data.cast("B"))
+            bases.append((num, len(c.parent_keys), len(keys), len(parent_keys), len(remap),
+                          len(c.segment_ids)))
+            remap += [position.setdefault(s, len(position)) for s in c.segment_ids]
+            remap.append(_NO_INDEX)
             keys += c.keys
             parent_keys += c.parent_keys
             sizes += c.sizes
             offsets += c.offsets
             checksums += c.checksums
+            segment_index += c.segment_index
+            parents += c.parents
             pins += c.pins
-        return cls(keys, sizes, list(position), segment_index, offsets, checksums, bytes(pins),
-                   parents, parent_keys)
+        table = np.array(bases, np.int64)
+        num, named, key_base, named_base, remap_base, num_ids = np.repeat(
+            table, table[:, 0], axis=0).T   # each row's chunk's
+        index = np.minimum(np.asarray(segment_index, np.int64), num_ids) + remap_base
+        parent = np.asarray(parents, np.int64)
+        joined = np.where(parent < num, parent + key_base,
+                          parent - num + len(keys) + named_base)
+        joined[parent == -1] = -1
+        joined[(parent < -1) | (parent >= num + named)] = -2
+        return cls(keys, sizes, list(position),
+                   array("I", np.asarray(remap, np.uint32)[index].tobytes()), offsets,
+                   checksums, bytes(pins), array("i", joined.astype(np.int32).tobytes()),
+                   parent_keys)
 
     def rows(self) -> list[list[Any]]:
         """The rows these columns hold (a chunk that fails a check is restored row by row);
