@@ -1,6 +1,7 @@
 """Helpers the tests share: the client worker module, a master's metric, pip into a
 directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, a set-up
-Mooncake drop-in store, and snapshot rows as the columns a snapshot file holds."""
+Mooncake drop-in store, snapshot rows as the columns a snapshot file holds, and the two
+clients of the state-directory tests coming back to a restored core."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from kvpool_wire.types import ClientId
 
 INTEGRATION = Path(__file__).parent / "integration"
 #: the real Mooncake wheel the tests run beside kvpool (PyPI, no CUDA)
@@ -92,3 +95,22 @@ def columns_of_rows(rows: Sequence[Sequence[Any]]) -> Any:
     return ObjectColumns.of_entries([ObjectEntry(key, size, flat[0], flat[1], None, pin, parent,
                                                  checksum)
                                      for key, size, flat, checksum, pin, parent in rows])
+
+
+#: The clients of the state-directory tests, with the capability keys they registered with.
+A, B = ClientId("client-a"), ClientId("client-b")
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def come_back(core: Any, now: float, *segments: Any) -> None:
+    """A and B register again with a restored ``core`` (which gives them their old keys) and
+    mount ``segments`` again."""
+    from kvpool_wire.capability import client_token
+    from kvpool_wire.status import Status
+
+    for client, key in ((A, KEY_A), (B, KEY_B)):
+        assert core.heartbeat(client, now) == Status.UNKNOWN_CLIENT
+        assert core.register_client(client, "h", b"new-key-ignored!", now,
+                                    client_token(key)) == (Status.OK, key)
+    for segment in segments:
+        assert core.mount_segment(segment, now) == Status.OK

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import columns_of_rows
+from helpers import KEY_A, KEY_B, A, B, columns_of_rows, come_back
 
 from kvpool_master.core.events import (
     ObjectCommitted,
@@ -35,8 +35,6 @@ from kvpool_wire.types import (
     SegmentInfo,
 )
 
-A, B = ClientId("client-a"), ClientId("client-b")
-KEY_A, KEY_B = b"a" * 32, b"b" * 32
 SEG_A = SegmentInfo(SegmentId("seg-a"), A, 1 << 20, host_id="h1", shm_name="/kvp-a")
 SEG_B = SegmentInfo(SegmentId("seg-b"), B, 1 << 20, host_id="h2", tcp_endpoint="10.0.0.2:1")
 CONFIG = CoreConfig(client_ttl_s=10.0)
@@ -75,15 +73,6 @@ def readable(core: MasterCore, now: float) -> dict[bytes, tuple]:  # type: ignor
     return {k: (r.size_bytes, r.placements, r.checksum)
             for k, r in zip(keys, core.get_replicas(keys, now), strict=True)
             if r.status == Status.OK}
-
-
-def come_back(core: MasterCore, now: float, *segments: SegmentInfo) -> None:
-    for client, key in ((A, KEY_A), (B, KEY_B)):
-        assert core.heartbeat(client, now) == Status.UNKNOWN_CLIENT
-        assert core.register_client(client, "h", b"new-key-ignored!", now,
-                                    client_token(key)) == (Status.OK, key)
-    for segment in segments:
-        assert core.mount_segment(segment, now) == Status.OK
 
 
 def test_round_trip_restores_clients_segments_and_ready_objects(tmp_path: Path) -> None:
