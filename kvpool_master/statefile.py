@@ -288,7 +288,7 @@ def log_rows(events: Sequence[ev.Event]) -> list[list[Any]]:
     removals as one row of columns (decoded without an object per field), the rest as
     ``event_row`` makes them."""
     if len(events) < _MIN_LOG_RUN:   # no run that long: rows
-        return [row for row in map(event_row, events) if row is not None]
+        return list(filter(None, map(event_row, events)))
     rows: list[list[Any]] = []
     for code, run in groupby(events, _run_code):
         if code:

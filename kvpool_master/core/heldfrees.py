@@ -57,15 +57,19 @@ class _Held:
 class HeldFrees:
     """Extents held to be freed in offset order (see the module rules)."""
 
-    __slots__ = ("_id_to_held", "num_extents")
+    __slots__ = ("_id_to_held",)
 
     def __init__(self) -> None:
         self._id_to_held: dict[SegmentId, _Held] = {}
-        self.num_extents = 0   # held in all, not yet freed
 
     def __bool__(self) -> bool:
         """Whether any extent is held."""
         return bool(self._id_to_held)
+
+    @property
+    def num_extents(self) -> int:
+        """How many extents are held, not yet freed."""
+        return sum(held.num_extents for held in self._id_to_held.values())
 
     def hold(self, extents: list[Extent], segments: SegmentTable) -> None:
         """Hold ``extents`` (allocated, of objects just removed) to be freed later; those on
@@ -89,7 +93,6 @@ class HeldFrees:
             bucket[0].append(extent.offset)
             bucket[1].append(aligned(extent.length))
             held.num_extents += 1
-            self.num_extents += 1
 
     def free_step(self, segments: SegmentTable,
                   budget_extents: int = FREE_STEP_EXTENTS) -> bool:
@@ -100,7 +103,6 @@ class HeldFrees:
         segment_id, held = next(iter(self._id_to_held.items()))
         if segments.id_to_segment.get(segment_id) is not held.state:
             del self._id_to_held[segment_id]   # lost or mounted again: dropped with it
-            self.num_extents -= held.num_extents
             return bool(self._id_to_held)
         queue = held.queue
         if not queue:
@@ -119,9 +121,7 @@ class HeldFrees:
                 operator.or_, map(operator.lshift, offsets[:budget_extents].tolist(),
                                   repeat(OFFSET_BITS)),
                 sizes[:budget_extents].tolist())), segments.next_free_seq())
-            freed = min(len(offsets), budget_extents)
-            held.num_extents -= freed
-            self.num_extents -= freed
+            held.num_extents -= min(len(offsets), budget_extents)
             if len(offsets) > budget_extents:
                 queue[-1] = (offsets[budget_extents:], sizes[budget_extents:], -1)
             else:

@@ -95,6 +95,11 @@ class Mutations:
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
 
+    def spare(self, jobs: list[Any], entry: ObjectEntry, shard: int) -> None:
+        """Tell the removal ``jobs`` still walking of ``entry``, just put into ``shard``: they
+        leave it (``sweeps.py``)."""
+        raise NotImplementedError
+
     # ---- two-phase put -------------------------------------------------------------------
 
     def put_start(self, client_id: ClientId, keys: Sequence[ObjectKey],
@@ -142,7 +147,7 @@ class Mutations:
             and not self._quarantine
         run: _Run | None = None
         walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
-        spare = self.spare  # type: ignore[attr-defined]   # (sweeps.py)
+        spare = self.spare
         for i, key in enumerate(keys):
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
