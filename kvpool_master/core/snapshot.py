@@ -164,10 +164,11 @@ class ObjectColumns:
                           parent - num + len(keys) + named_base)
         joined[parent == -1] = -1
         joined[(parent < -1) | (parent >= num + named)] = -2
-        return cls(keys, sizes, list(position),
-                   array("I", np.asarray(remap, np.uint32)[index].tobytes()), offsets,
-                   checksums, bytes(pins), array("i", joined.astype(np.int32).tobytes()),
-                   parent_keys)
+        # written over the joined columns in place (``index`` and ``parent`` are copies)
+        np.frombuffer(segment_index, np.uint32)[:] = np.asarray(remap, np.uint32)[index]
+        np.frombuffer(parents, np.int32)[:] = joined
+        return cls(keys, sizes, list(position), segment_index, offsets, checksums, bytes(pins),
+                   parents, parent_keys)
 
     def rows(self) -> list[list[Any]]:
         """The rows these columns hold (a chunk that fails a check is restored row by row);
