@@ -19,7 +19,9 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvpool_wire._pb import kvpool_pb2 as pb
+from kvpool_wire.capability import RunSigner
 from kvpool_wire.methods import RPC_METHODS, RpcMethod
+from kvpool_wire.placed import PlacedBatch
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -287,9 +289,23 @@ def _add_columns(columns: Any, replicas_per_key: Iterable[Sequence[Extent]], exp
 
 def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_ms: int,
                      capability_of: Callable[[Extent], bytes], put_id: int,
-                     columns: bool = False, first_index: int = 0) -> pb.PutStartResponse:
+                     columns: bool = False, first_index: int = 0,
+                     run_signer: RunSigner | None = None) -> pb.PutStartResponse:
     """One status and signed replica list per key (capabilities of put ``put_id``), as
-    ``Columns`` when asked for (``first_index``: where these keys start in the batch)."""
+    ``Columns`` when asked for (``first_index``: where these keys start in the batch). The
+    runs of a ``PlacedBatch`` go into the columns as they are, signed by ``run_signer``."""
+    if columns and run_signer is not None and isinstance(results, PlacedBatch) \
+            and results.runs:
+        response = pb.PutStartResponse(statuses=_pb(results.statuses()))
+        target = response.columns
+        size = results.run_size_bytes
+        for segment_id, offsets in results.runs:
+            target.segment_ids.extend([segment_id] * len(offsets))
+            target.offsets.extend(offsets)
+            target.capabilities.extend(run_signer(segment_id, offsets, size))
+        _add_columns(target, (placements for _, placements in results.rest), expiry_ms,
+                     capability_of, put_id, first_index + results.num_run_keys)
+        return response
     response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
     _add_all_replicas(response, (placements for _, placements in results), expiry_ms,
                       capability_of, put_id, columns, first_index)

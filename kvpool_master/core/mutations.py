@@ -34,7 +34,10 @@ Rules of this file:
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +60,7 @@ from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_un
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
+from kvpool_wire.placed import PlacedBatch, PutResult
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -64,6 +68,7 @@ from kvpool_wire.types import (
     ObjectKey,
     Pin,
     PutOptions,
+    SegmentId,
     SegmentInfo,
     Tier,
 )
@@ -71,8 +76,9 @@ from kvpool_wire.types import (
 #: Most replicas one object may ask for.
 MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
-
-PutResult = tuple[Status, tuple[Extent, ...]]
+_INT = {int}
+_BYTES = {bytes}
+_WRITER_OF = operator.attrgetter("writer_id")
 
 
 class Mutations:
@@ -94,6 +100,7 @@ class Mutations:
     defer_upkeep = False  # see the module rules and ``MasterCore.upkeep``
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
+    batch_paths = True  # plain batches go the C-level way (the rules above); tests turn it off
 
     def spare(self, jobs: list[Any], entry: ObjectEntry, shard: int) -> None:
         """Tell the removal ``jobs`` still walking of ``entry``, just put into ``shard``: they
@@ -104,8 +111,9 @@ class Mutations:
 
     def put_start(self, client_id: ClientId, keys: Sequence[ObjectKey],
                   sizes_bytes: Sequence[int], options: PutOptions, now: float,
-                  parent_keys: Sequence[ObjectKey] | None = None) -> list[PutResult]:
-        """Allocate space for new objects; return (status, placements) per key.
+                  parent_keys: Sequence[ObjectKey] | None = None) -> Sequence[PutResult]:
+        """Allocate space for new objects; return (status, placements) per key (a
+        ``PlacedBatch``, or for a refused call a list).
 
         OK with placements (the writer now writes the bytes, then calls put_end); the same
         answer again for a key this client already has PENDING with the same size.
@@ -148,7 +156,13 @@ class Mutations:
         run: _Run | None = None
         walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
         spare = self.spare
-        for i, key in enumerate(keys):
+        placed = 0
+        runs: list[tuple[SegmentId, list[int]]] = []
+        if plain and not walking and self.batch_paths and n > 1:
+            placed, runs, run = self._put_runs(client_id, keys, sizes_bytes, pin, parent_keys,
+                                               now, exhausted)
+        for i in range(placed, n):
+            key = keys[i]
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
             if not (type(key) is bytes and 0 < len(key) <= max_key_bytes):
@@ -208,12 +222,77 @@ class Mutations:
             results.append((Status.OK, placements))
         if run is not None:
             self._end_run(run)
-        self._counters.put_started += started
+        self._counters.put_started += started + placed
         self._counters.put_no_space += no_space
         if segments.needs_sync:
             segments.needs_sync = False
             self._events.append(SyncRequired(segments.free_seq))
-        return results
+        return PlacedBatch(runs, sizes_bytes[0] if placed else 0, results)
+
+    def _put_runs(self, client_id: ClientId, keys: Sequence[ObjectKey],
+                  sizes_bytes: Sequence[int], pin: Pin,
+                  parent_keys: Sequence[ObjectKey] | None, now: float,
+                  exhausted: set[Tier]) -> tuple[int, list[tuple[SegmentId, list[int]]],
+                                                 _Run | None]:
+        """Place the leading keys of a plain batch the C-level way (the module rules), when
+        its keys are well formed, distinct and absent, its sizes one int and its parents
+        well formed or empty: runs carved as the key-by-key loop carves them (``_carve_run``,
+        ``_take`` where a watermark check is due), the entries made by one map and inserted by
+        others. Returns how many keys it placed (0: not such a batch), their (segment id,
+        offsets) runs, and the run the caller goes on with, its next ``_take`` due to check
+        the watermark (else None)."""
+        n = len(keys)
+        size = sizes_bytes[0]
+        max_key_bytes = self._config.max_key_bytes
+        if not (set(map(type, sizes_bytes)) == _INT and size > 0 and sizes_bytes.count(size) == n
+                and set(map(type, keys)) == _BYTES and min(map(len, keys)) > 0
+                and max(map(len, keys)) <= max_key_bytes
+                and (parent_keys is None or (set(map(type, parent_keys)) == _BYTES
+                                             and max(map(len, parent_keys)) <= max_key_bytes))):
+            return 0, [], None
+        objects = self._objects
+        shards = objects.shards
+        key_shards = list(map(shards.__getitem__, map(SHARD_MASK.__and__, map(hash, keys))))
+        if any(map(dict.__contains__, key_shards, keys)) or len(set(keys)) != n:
+            return 0, [], None
+        size_to_int = objects.size_to_int
+        size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
+        used = self._segments.tier_to_used_bytes
+        runs: list[tuple[SegmentId, list[int]]] = []
+        placed = 0
+        run: _Run | None = None
+        while placed < n:
+            run = self._carve_run(size, min(n - placed, RUN_MAX_KEYS))
+            if run is None:
+                break
+            first = self._take(run, now, exhausted)  # a fresh run checks the watermark
+            quiet = min(run.left, run.quiet)  # extents _take would hand out unchecked
+            run.left -= quiet
+            run.quiet -= quiet
+            used[Tier.DRAM] += quiet * run.step_bytes
+            runs.append((first.segment_id, run.offsets[:1 + quiet]))
+            placed += 1 + quiet
+            if run.left:
+                break
+            run = None
+        if not placed:
+            return 0, [], run
+        keys = keys[:placed] if placed < n else keys
+        repeat = itertools.repeat
+        segment_ids = list(itertools.chain.from_iterable(
+            repeat(segment_id, len(offsets)) for segment_id, offsets in runs))
+        offsets = list(itertools.chain.from_iterable(offsets for _, offsets in runs))
+        entries = list(map(ObjectEntry, keys, repeat(size), segment_ids, offsets,
+                           repeat(client_id), repeat(pin), repeat(None)))
+        objects.add_pending_all(key_shards[:placed], keys, entries, now)
+        if parent_keys is not None:  # shared as shared_key shares them, once all are in
+            parents = parent_keys[:placed]
+            found = map(dict.get, map(shards.__getitem__, map(SHARD_MASK.__and__, map(
+                hash, parents))), parents)
+            shared = [entry.key if entry is not None else (parent or None)
+                      for entry, parent in zip(found, parents, strict=True)]
+            deque(map(setattr, entries, repeat("parent_key"), shared), maxlen=0)
+        return placed, runs, run
 
     def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
                 checksums: Sequence[int] | None = None) -> list[Status]:
@@ -227,9 +306,20 @@ class Mutations:
         if self._clients.live(client_id) is None:
             return [Status.UNKNOWN_CLIENT] * n
         objects = self._objects
+        events = self._events if self.object_events else None
+        own = self._own_pending(client_id, keys, checksums) if self.batch_paths else None
+        if own is not None:  # a writer committing its own batch: at once, C-level
+            objects.commit_all(keys, own, checksums)
+            if events is not None:
+                events.extend(ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum,
+                                              entry.pin, entry.parent_key)
+                              for key, entry, checksum
+                              in zip(keys, own, checksums or itertools.repeat(0), strict=False))
+            objects.touch_all(own)
+            self._counters.put_committed += n
+            return [Status.OK] * n
         shards = objects.shards
         mask = SHARD_MASK
-        events = self._events if self.object_events else None
         statuses: list[Status] = []
         committed: list[ObjectEntry] = []
         for i, key in enumerate(keys):
@@ -254,6 +344,23 @@ class Mutations:
         objects.touch_all(committed)
         self._counters.put_committed += len(committed)
         return statuses
+
+    def _own_pending(self, client_id: ClientId, keys: Sequence[ObjectKey],
+                     checksums: Sequence[int] | None) -> list[ObjectEntry] | None:
+        """The entries of ``keys`` when the keys are distinct and each PENDING by
+        ``client_id``, and every checksum a u64; else None. Looked up with C-level maps;
+        changes nothing."""
+        if checksums is not None and checksums and not (
+                set(map(type, checksums)) == _INT and min(checksums) >= 0
+                and max(checksums) <= _MAX_CHECKSUM):
+            return None
+        shards = self._objects.shards
+        entries = list(map(dict.get, map(shards.__getitem__, map(
+            SHARD_MASK.__and__, map(hash, keys))), keys))
+        if None in entries or set(map(_WRITER_OF, entries)) != {client_id} \
+                or len(set(keys)) != len(keys):
+            return None
+        return entries  # type: ignore[return-value]
 
     def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
                    now: float) -> list[Status]:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId
 
@@ -345,6 +345,34 @@ class ObjectTable:
         self.pending_key_to_started_s[key] = now
         if self.dram_order is not None:
             self.dram_add(entry)
+
+    def add_pending_all(self, shards: list[dict[ObjectKey, ObjectEntry]],
+                        keys: Sequence[ObjectKey], entries: list[ObjectEntry],
+                        now: float) -> None:
+        """``add_pending`` of each of ``entries`` (distinct keys, all absent; ``shards`` the
+        shard of each key), in order, with C-level maps: a batch's inserts without a Python
+        step per key."""
+        deque(map(dict.__setitem__, shards, keys, entries), maxlen=0)
+        self.recency.append_all(entries)  # type: ignore[arg-type]
+        self.pending_key_to_started_s.update(zip(keys, itertools.repeat(now)))
+        if self.dram_order is not None:
+            for entry in entries:
+                self.dram_add(entry)
+
+    def commit_all(self, keys: Sequence[ObjectKey], entries: list[ObjectEntry],
+                   checksums: Sequence[int] | None) -> None:
+        """``commit`` of each of ``entries`` (PENDING, distinct, the entries of ``keys``) with
+        its checksum (0 for each when None), with C-level maps."""
+        deque(map(setattr, entries, itertools.repeat("writer_id"), itertools.repeat(None)),
+              maxlen=0)
+        if checksums is not None:  # a PENDING entry's checksum is 0 until its commit
+            deque(map(setattr, entries, itertools.repeat("checksum"), checksums), maxlen=0)
+        deque(map(self.pending_key_to_started_s.__delitem__, keys), maxlen=0)
+        self.ready_bytes += sum(map(_SIZE_OF, entries))
+        if self.child_counts is not None:
+            for entry in entries:
+                if entry.parent_key is not None:
+                    self._count_child(entry.parent_key, 1)
 
     def commit(self, key: ObjectKey, entry: ObjectEntry, checksum: int) -> None:
         """Make a PENDING object READY. The caller makes it most recently used (``touch_all``

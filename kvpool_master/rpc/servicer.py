@@ -436,13 +436,16 @@ class Servicer:
         self._last_put_id += 1
         put_id = self._last_put_id
         signer = self._signer(Op.WRITE, expiry_ms, put_id)
+        run_signer = capability.run_signer(self._core.segment_key, Op.WRITE, expiry_ms,
+                                           self.capability_epoch, put_id)
         columns = request.columns
 
         def step(lo: int, hi: int | None) -> Any:
             results = self._core.put_start(
                 ClientId(client_id), _span(keys, lo, hi), _span(sizes_bytes, lo, hi), options,
                 self._clock.now(), _span(parent_keys, lo, hi) if parent_keys is not None else None)
-            return convert.encode_put_start(results, expiry_ms, signer, put_id, columns, lo)
+            return convert.encode_put_start(results, expiry_ms, signer, put_id, columns, lo,
+                                            run_signer)
 
         return self._in_steps(request, len(keys), step, len(sizes_bytes) == len(keys) and (
             parent_keys is None or len(parent_keys) == len(keys)))
