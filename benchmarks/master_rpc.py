@@ -6,7 +6,9 @@ Measures, over gRPC and over the lean framing, through the client stub (``Master
   in flight (pipelined on the one lean connection / multiplexed on the gRPC channel);
 - batched ``GetReplicas`` (a signed capability per key) and ``PutStart`` + ``PutEnd`` with
   1,000 keys per call, one call at a time: keys/s, decoding the answers included;
-- in process, before the master starts: the master's encoding and the client's decoding of a
+- in process, before the master starts: what serving ``PutStart`` + ``PutEnd`` of 512 keys
+  costs the master per key (``Servicer.serve``: request, core, answer; no transport);
+  the master's encoding and the client's decoding of a
   512-key ``GetReplicas`` answer, per key, nested (a ``Replicas`` per key) and as ``Columns``
   (capabilities given, not signed), and decoding a ``PutStart`` request of 16,384 keys (one
   call at the master's default ``max_batch_keys``, decoded whole on its loop).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -33,6 +36,9 @@ from typing import Any
 import uvloop
 
 from kvpool_client.rpc import MasterRpc
+from kvpool_master.clock import ServingClock
+from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.rpc.servicer import Servicer
 from kvpool_wire import calls, capability, convert
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.status import Status
@@ -205,6 +211,68 @@ def answer_forms() -> dict[str, float]:
     return figures
 
 
+def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
+                rounds: int = 400) -> dict[str, float]:
+    """µs per key the master spends serving ``PutStart`` and ``PutEnd`` of fresh 64 KiB
+    objects (``Servicer.serve`` in process: the request parsed, the core's work, the answer
+    signed and encoded, as columns), ``call_keys`` keys a call, into a table of
+    ``prefill_keys`` objects; the collector run as the master's tick runs it (a full
+    collection and a freeze every 18 k keys, about what a tick sees at this rate, counted)."""
+    core = MasterCore(CoreConfig())
+    core.skip_object_events()  # as a master without --state-dir
+    servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
+                        on_events=lambda events: True, status_document=lambda: "{}")
+
+    def serve(call: calls.Call[Any]) -> Any:
+        answer = servicer.serve(call.method, call.request.SerializeToString(), "lean")
+        return call.decode(call.method.response_type.FromString(answer))
+
+    token = serve(calls.register_client("bench", "h", "", b"")).client_token
+    assert serve(calls.mount_segment("bench", token, SegmentInfo(
+        SegmentId("seg"), ClientId("bench"), 1 << 40))) == Status.OK
+    made = 0
+
+    def payloads(num_keys: int) -> tuple[Any, bytes, Any, bytes]:
+        nonlocal made
+        keys = [b"%064x" % (made + i) for i in range(num_keys)]
+        made += num_keys
+        start = calls.put_start("bench", token, keys, [65536] * num_keys, PutOptions())
+        end = calls.put_end("bench", token, keys)
+        return (start.method, start.request.SerializeToString(), end.method,
+                end.request.SerializeToString())
+
+    for _ in range(prefill_keys // 1000):
+        start_method, start_payload, end_method, end_payload = payloads(1000)
+        servicer.serve(start_method, start_payload, "lean")
+        servicer.serve(end_method, end_payload, "lean")
+    gc.collect()
+    gc.freeze()
+    work = [payloads(call_keys) for _ in range(rounds)]
+    start_s = end_s = gc_s = 0.0
+    tick_rounds = max(1, 18_000 // call_keys)
+    for i, (start_method, start_payload, end_method, end_payload) in enumerate(work):
+        t0 = time.perf_counter()
+        assert isinstance(servicer.serve(start_method, start_payload, "lean"), bytes)
+        t1 = time.perf_counter()
+        assert isinstance(servicer.serve(end_method, end_payload, "lean"), bytes)
+        t2 = time.perf_counter()
+        start_s += t1 - t0
+        end_s += t2 - t1
+        if i % tick_rounds == tick_rounds - 1:
+            gc.collect()
+            gc.freeze()
+            gc_s += time.perf_counter() - t2
+    served = call_keys * rounds
+    return {"served_put_start_us": start_s / served * 1e6,
+            "served_put_end_us": end_s / served * 1e6,
+            "served_collector_us": gc_s / served * 1e6}
+
+
+class _NoMetrics:
+    def rpc_done(self, method: str, transport: str, duration_s: float, failed: bool) -> None:
+        pass
+
+
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
     owner = await populate(address, keys)
@@ -236,6 +304,11 @@ def report(results: dict[str, Any], forms: dict[str, float]) -> None:
           f"{forms['columns_encode_us']:.2f} us / decode {forms['columns_decode_us']:.2f} us; "
           f"signing its capabilities {forms['sign_us']:.2f} us a key; "
           f"a 16,384-key PutStart request decodes in {forms['put_start_16k_decode_ms']:.2f} ms")
+    served = (forms["served_put_start_us"] + forms["served_put_end_us"]
+              + forms["served_collector_us"])
+    print(f"512-key PutStart + PutEnd served in process, per key: PutStart "
+          f"{forms['served_put_start_us']:.2f} us, PutEnd {forms['served_put_end_us']:.2f} us, "
+          f"collector {forms['served_collector_us']:.2f} us: {1 / served:.3f} M keys/s")
     for transport, r in results.items():
         single = r["single_exist"]
         print(f"{transport:5s} single Exist: p50 {single['p50_us']:7.1f} us  "
@@ -265,7 +338,7 @@ def main() -> int:
     args = parser.parse_args()
     if not 0 < args.seconds <= 600:
         parser.error("--seconds must be in (0, 600]")
-    forms = answer_forms()   # in process, before any master runs
+    forms = {**answer_forms(), **served_puts()}   # in process, before any master runs
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         address = args.address

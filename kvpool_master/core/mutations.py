@@ -30,6 +30,12 @@ Rules of this file:
   the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its own
   between requests, so one step never holds a batch's puts and a pass together. Passes for an
   allocation that does not fit still run at once.
+- Batch paths: a call of ``BATCH_MIN_KEYS`` or more plain puts (``_put_runs``) or of a
+  writer's own commits (``_own_pending``) is checked whole with C-level maps and, when it is
+  the common case (well formed, distinct, absent or PENDING by that writer, one size), placed
+  or committed by maps too, with the same effects the key-by-key loop would have, in the same
+  order; anything else, and what a run leaves, goes through the loop. ``batch_paths`` off
+  turns them off (the differential test compares both).
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ from kvpool_wire.types import (
 MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
 _INT = {int}
+#: Fewest keys a call takes the batch paths for (see the module rules): below it their maps'
+#: fixed cost is more than the loop's (``master_core.py``, batches of 1 to 32).
+BATCH_MIN_KEYS = 8
 _BYTES = {bytes}
 _WRITER_OF = operator.attrgetter("writer_id")
 
@@ -158,7 +167,7 @@ class Mutations:
         spare = self.spare
         placed = 0
         runs: list[tuple[SegmentId, list[int]]] = []
-        if plain and not walking and self.batch_paths and n > 1:
+        if plain and not walking and self.batch_paths and n >= BATCH_MIN_KEYS:
             placed, runs, run = self._put_runs(client_id, keys, sizes_bytes, pin, parent_keys,
                                                now, exhausted)
         for i in range(placed, n):
@@ -227,7 +236,7 @@ class Mutations:
         if segments.needs_sync:
             segments.needs_sync = False
             self._events.append(SyncRequired(segments.free_seq))
-        return PlacedBatch(runs, sizes_bytes[0] if placed else 0, results)
+        return PlacedBatch(runs, sizes_bytes[0], results) if placed else results
 
     def _put_runs(self, client_id: ClientId, keys: Sequence[ObjectKey],
                   sizes_bytes: Sequence[int], pin: Pin,
@@ -307,7 +316,8 @@ class Mutations:
             return [Status.UNKNOWN_CLIENT] * n
         objects = self._objects
         events = self._events if self.object_events else None
-        own = self._own_pending(client_id, keys, checksums) if self.batch_paths else None
+        own = self._own_pending(client_id, keys, checksums) \
+            if self.batch_paths and n >= BATCH_MIN_KEYS else None
         if own is not None:  # a writer committing its own batch: at once, C-level
             objects.commit_all(keys, own, checksums)
             if events is not None:
