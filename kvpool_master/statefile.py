@@ -64,6 +64,7 @@ _OBJECTS_COMMITTED, _OBJECTS_REMOVED = 7, 8
 #: Runs shorter than this stay rows: a row of columns has a fixed cost of a few µs to write
 #: (``master_core.py --log-batches``).
 _MIN_LOG_RUN = 16
+_BATCH = -1   # log_rows' code of an ObjectsCommitted (no row code of its own)
 #: The trailer of a snapshot with a tail: this magic, then the tail's offset (u64 LE).
 TAIL_MAGIC = b"KVPTAIL1"
 _TRAILER = struct.Struct("<8sQ")
@@ -287,10 +288,14 @@ def log_rows(events: Sequence[ev.Event]) -> list[list[Any]]:
     """The log rows of ``events``: each run of commits with one replica and each run of
     removals as one row of columns (decoded without an object per field), the rest as
     ``event_row`` makes them."""
-    if len(events) < _MIN_LOG_RUN:   # no run that long: rows
-        return list(filter(None, map(event_row, events)))
+    if len(events) < _MIN_LOG_RUN and ev.ObjectsCommitted not in set(map(type, events)):
+        return list(filter(None, map(event_row, events)))   # no run that long: rows
     rows: list[list[Any]] = []
     for code, run in groupby(events, _run_code):
+        if code == _BATCH:
+            for batch_event in run:
+                rows += _batch_rows(batch_event)
+            continue
         if code:
             batch = list(run)
             if len(batch) >= _MIN_LOG_RUN:
@@ -302,10 +307,22 @@ def log_rows(events: Sequence[ev.Event]) -> list[list[Any]]:
     return rows
 
 
+def _batch_rows(event: ev.ObjectsCommitted) -> list[list[Any]]:
+    """The rows of a batch commit: one row of columns, or a row each when it is short."""
+    if len(event.keys) < _MIN_LOG_RUN:
+        return list(filter(None, map(event_row, event.each())))
+    return [[_OBJECTS_COMMITTED, *_fields(ObjectColumns.of_fields(
+        event.keys, event.sizes_bytes, event.segment_ids, event.offsets, event.checksums,
+        event.pins, event.parent_keys))]]
+
+
 def _run_code(event: ev.Event) -> int:
-    """Which run ``event`` may join: commits with one replica, removals, or none (0)."""
+    """Which run ``event`` may join: commits with one replica, removals, a batch commit (a
+    run of its own), or none (0)."""
     if type(event) is ev.ObjectRemoved:
         return _OBJECT_REMOVED
+    if type(event) is ev.ObjectsCommitted:
+        return _BATCH
     if (isinstance(event, ev.ObjectCommitted) and len(event.placements) == 1
             and event.placements[0].length == event.size_bytes):   # (or ReplicasChanged)
         return _OBJECT_COMMITTED

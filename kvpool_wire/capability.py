@@ -37,6 +37,7 @@ TOKEN_BYTES = 16
 # of one answer (offset, length), and what they share (op, expiry, epoch, put id)
 _EXTENT = struct.Struct("<QQ")
 _TERMS = struct.Struct("<BQQQ")
+_EXTENT_TERMS = struct.Struct("<QQBQQQ")   # both at once (no padding: little-endian)
 _TOKEN_PERSON = b"kvpool-client"
 _PROOF_PERSON = b"kvpool-segment"
 _COPY = hashlib.blake2b.copy
@@ -93,7 +94,7 @@ def run_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, expiry_
     """``capabilities_of_run(segment_id, offsets, length)``: the capability of each extent
     (``segment_id``, offset, ``length``), the same bytes ``extent_signer`` gives each, made
     with C-level maps (a run of plain puts is signed without a Python step per extent)."""
-    terms = _TERMS.pack(int(op), expiry_ms, epoch, put_id)
+    repeat = itertools.repeat
     state_of_segment: dict[SegmentId, hashlib.blake2b | None] = {}
 
     def capabilities_of_run(segment_id: SegmentId, offsets: list[int],
@@ -103,9 +104,9 @@ def run_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, expiry_
         state = state_of_segment[segment_id]
         if state is None:
             return [b""] * len(offsets)
-        macs = list(map(_COPY, itertools.repeat(state, len(offsets))))
-        signed = map(bytes.__add__, map(_EXTENT.pack, offsets, itertools.repeat(length)),
-                     itertools.repeat(terms))
+        macs = list(map(_COPY, repeat(state, len(offsets))))
+        signed = map(_EXTENT_TERMS.pack, offsets, repeat(length), repeat(int(op)),
+                     repeat(expiry_ms), repeat(epoch), repeat(put_id))
         collections.deque(map(_UPDATE, macs, signed), maxlen=0)
         return list(map(_DIGEST, macs))
     return capabilities_of_run

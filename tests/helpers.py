@@ -1,7 +1,8 @@
 """Helpers the tests share: the client worker module, a master's metric, pip into a
 directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, a set-up
-Mooncake drop-in store, snapshot rows as the columns a snapshot file holds, and the two
-clients of the state-directory tests coming back to a restored core."""
+Mooncake drop-in store, snapshot rows as the columns a snapshot file holds, the two
+clients of the state-directory tests coming back to a restored core, and batch commits as
+the commits of their objects."""
 
 from __future__ import annotations
 
@@ -114,3 +115,11 @@ def come_back(core: Any, now: float, *segments: Any) -> None:
                                     client_token(key)) == (Status.OK, key)
     for segment in segments:
         assert core.mount_segment(segment, now) == Status.OK
+
+
+def each_commit(events: Sequence[Any]) -> list[Any]:
+    """``events`` with each batch commit (``ObjectsCommitted``) as the commit of each of its
+    objects, as the key-by-key loop announces them."""
+    from kvpool_master.core.events import ObjectsCommitted
+    return [each for event in events
+            for each in (event.each() if isinstance(event, ObjectsCommitted) else [event])]

@@ -74,6 +74,29 @@ class ObjectCommitted:
     parent_key: ObjectKey | None
 
 
+@dataclass(frozen=True, slots=True)
+class ObjectsCommitted:
+    """Objects of one replica each became READY together (a writer's batch, ``put_end``), as
+    columns: the facts of one ``ObjectCommitted`` per object (``each``), in order, with no
+    object made per key. The lists are never changed once made."""
+
+    keys: list[ObjectKey]
+    sizes_bytes: list[int]
+    segment_ids: list[SegmentId]
+    offsets: list[int]
+    checksums: list[int]
+    pins: list[Pin]
+    parent_keys: list[ObjectKey | None]
+
+    def each(self) -> list[ObjectCommitted]:
+        """One ``ObjectCommitted`` per object, in order."""
+        return [ObjectCommitted(key, size, (Extent(segment_id, offset, size),), checksum, pin,
+                                parent)
+                for key, size, segment_id, offset, checksum, pin, parent in zip(
+                    self.keys, self.sizes_bytes, self.segment_ids, self.offsets,
+                    self.checksums, self.pins, self.parent_keys, strict=True)]
+
+
 @fast_init
 @dataclass(frozen=True, slots=True)
 class ReplicasChanged(ObjectCommitted):
@@ -123,5 +146,5 @@ class SyncRequired:
 
 
 Event = (ClientRegistered | ClientExpired | ClientUnregistered | SegmentMounted
-         | SegmentUnmounted | ObjectCommitted | ReplicasChanged | ObjectRemoved | EvictionPass
-         | PendingReclaimed | SyncRequired)
+         | SegmentUnmounted | ObjectCommitted | ObjectsCommitted | ReplicasChanged | ObjectRemoved
+         | EvictionPass | PendingReclaimed | SyncRequired)

@@ -77,6 +77,7 @@ class MasterCore(Tiering):
         self._upkeep_turn = 0
         self._copies = CopyTable()
         self._jobs: list[RemoveJob] = []
+        self._recent_puts = {}
         self._walk = TableWalk()
 
     @property

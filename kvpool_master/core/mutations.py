@@ -55,6 +55,7 @@ from kvpool_master.core.events import (
     EvictionPass,
     ObjectCommitted,
     ObjectRemoved,
+    ObjectsCommitted,
     PendingReclaimed,
     RemoveReason,
     ReplicasChanged,
@@ -87,7 +88,11 @@ _INT = {int}
 #: fixed cost is more than the loop's (``master_core.py``, batches of 1 to 32).
 BATCH_MIN_KEYS = 8
 _BYTES = {bytes}
-_WRITER_OF = operator.attrgetter("writer_id")
+_WRITER_OF, _MORE_OF, _SIZE_OF, _SEGMENT_OF, _OFFSET_OF, _PIN_OF, _PARENT_OF, _NEWER_OF = (
+    operator.attrgetter(name) for name in ("writer_id", "more", "size_bytes", "segment_id",
+                                           "offset", "pin", "parent_key", "newer"))
+#: Batches of puts whose entries the core keeps for their commit (``_recent_puts``).
+RECENT_PUTS = 64
 
 
 class Mutations:
@@ -105,6 +110,11 @@ class Mutations:
     _events: list[Event]
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
+    # (writer, first key) -> (keys, entries) of the last RECENT_PUTS batches _put_runs placed
+    # whole: a commit of the same keys takes the entries from here once it has checked that
+    # each is still in the table (an entry out of it has ``newer`` None), without a lookup
+    _recent_puts: dict[tuple[ClientId, ObjectKey], tuple[Sequence[ObjectKey],
+                                                         list[ObjectEntry]]]
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
     defer_upkeep = False  # see the module rules and ``MasterCore.upkeep``
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
@@ -294,6 +304,11 @@ class Mutations:
         entries = list(map(ObjectEntry, keys, repeat(size), segment_ids, offsets,
                            repeat(client_id), repeat(pin), repeat(None)))
         objects.add_pending_all(key_shards[:placed], keys, entries, now)
+        if placed == n:  # its commit finds them here (_own_pending)
+            recent = self._recent_puts
+            recent[(client_id, keys[0])] = (keys, entries)
+            if len(recent) > RECENT_PUTS:
+                del recent[next(iter(recent))]
         if parent_keys is not None:  # shared as shared_key shares them, once all are in
             parents = parent_keys[:placed]
             found = map(dict.get, map(shards.__getitem__, map(SHARD_MASK.__and__, map(
@@ -321,10 +336,7 @@ class Mutations:
         if own is not None:  # a writer committing its own batch: at once, C-level
             objects.commit_all(keys, own, checksums)
             if events is not None:
-                events.extend(ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum,
-                                              entry.pin, entry.parent_key)
-                              for key, entry, checksum
-                              in zip(keys, own, checksums or itertools.repeat(0), strict=False))
+                events += self._commit_events(keys, own, checksums)
             objects.touch_all(own)
             self._counters.put_committed += n
             return [Status.OK] * n
@@ -355,6 +367,22 @@ class Mutations:
         self._counters.put_committed += len(committed)
         return statuses
 
+    @staticmethod
+    def _commit_events(keys: Sequence[ObjectKey], entries: list[ObjectEntry],
+                       checksums: Sequence[int] | None) -> list[Event]:
+        """The events of a batch commit: one ``ObjectsCommitted`` when every object has one
+        replica, else an ``ObjectCommitted`` each."""
+        if any(map(_MORE_OF, entries)):
+            return [ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum, entry.pin,
+                                    entry.parent_key)
+                    for key, entry, checksum
+                    in zip(keys, entries, checksums or itertools.repeat(0), strict=False)]
+        return [ObjectsCommitted(
+            list(keys), list(map(_SIZE_OF, entries)), list(map(_SEGMENT_OF, entries)),
+            list(map(_OFFSET_OF, entries)),
+            list(checksums) if checksums is not None else [0] * len(entries),
+            list(map(_PIN_OF, entries)), list(map(_PARENT_OF, entries)))]
+
     def _own_pending(self, client_id: ClientId, keys: Sequence[ObjectKey],
                      checksums: Sequence[int] | None) -> list[ObjectEntry] | None:
         """The entries of ``keys`` when the keys are distinct and each PENDING by
@@ -364,13 +392,19 @@ class Mutations:
                 set(map(type, checksums)) == _INT and min(checksums) >= 0
                 and max(checksums) <= _MAX_CHECKSUM):
             return None
-        shards = self._objects.shards
-        entries = list(map(dict.get, map(shards.__getitem__, map(
-            SHARD_MASK.__and__, map(hash, keys))), keys))
-        if None in entries or set(map(_WRITER_OF, entries)) != {client_id} \
-                or len(set(keys)) != len(keys):
+        entries: list[Any]
+        placed = self._recent_puts.pop((client_id, keys[0]), None)
+        if placed is not None and placed[0] == keys and None not in map(_NEWER_OF, placed[1]):
+            entries = placed[1]  # the batch put_start placed, every entry still in the table
+            distinct = True
+        else:
+            shards = self._objects.shards
+            entries = list(map(dict.get, map(shards.__getitem__, map(
+                SHARD_MASK.__and__, map(hash, keys))), keys))
+            distinct = len(set(keys)) == len(keys)
+        if not distinct or None in entries or set(map(_WRITER_OF, entries)) != {client_id}:
             return None
-        return entries  # type: ignore[return-value]
+        return entries
 
     def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
                    now: float) -> list[Status]:

@@ -20,7 +20,7 @@ def test_a_reused_keyed_state_signs_like_a_fresh_key() -> None:
     assert all(len(c) == capability.CAPABILITY_BYTES for c in signed)
 
 
-def test_an_answers_signer_signs_like_a_fresh_key_and_keys_each_segment_once() -> None:
+def test_an_answers_signers_sign_like_a_fresh_key_and_key_each_segment_once() -> None:
     keys = {"seg-a": os.urandom(capability.KEY_BYTES), "seg-b": os.urandom(capability.KEY_BYTES)}
     looked_up: list[str] = []
 
@@ -40,6 +40,15 @@ def test_an_answers_signer_signs_like_a_fresh_key_and_keys_each_segment_once() -
                             epoch, put_id) if e.segment_id in keys else b"" for e in extents]
         assert signed[0] == signed[4] and len(set(signed[:3])) == 3
         assert sorted(looked_up) == ["gone", "seg-a", "seg-b"]
+        looked_up.clear()
+        capabilities_of_run = capability.run_signer(segment_key, op, expiry_ms, epoch, put_id)
+        for segment_id, offsets, length in (("seg-a", [0, 8192, 0, 2**64 - 1], 4096),
+                                            ("seg-b", [1 << 40], 7), ("gone", [0, 64], 1),
+                                            ("seg-a", [], 4096)):
+            assert capabilities_of_run(SegmentId(segment_id), offsets, length) == [
+                capability_of(Extent(SegmentId(segment_id), offset, length))
+                for offset in offsets]
+        assert sorted(looked_up) == ["gone", "seg-a", "seg-b"]   # once each
 
 
 def test_verify_binds_every_field_and_the_expiry() -> None:

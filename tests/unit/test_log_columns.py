@@ -7,9 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import KEY_A, KEY_B, A, B, come_back
+from helpers import KEY_A, KEY_B, A, B, come_back, each_commit
 
-from kvpool_master.core.events import ObjectCommitted, SegmentMounted, SegmentUnmounted
+from kvpool_master.core.events import (
+    ObjectCommitted,
+    ObjectsCommitted,
+    SegmentMounted,
+    SegmentUnmounted,
+)
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.core.snapshot import ObjectColumns
 from kvpool_master.persist import LOG_NAME, SNAPSHOT_NAME, StateStore
@@ -94,10 +99,13 @@ def test_runs_of_commits_and_removals_are_logged_as_rows_of_columns(tmp_path: Pa
     put(core, [b"between"], 2.0)
     core.remove([ObjectKey(b"short-0")], False, 2.0)
     events = core.take_events()
+    assert isinstance(events[0], ObjectsCommitted)   # the chain's commit, as columns
+    each = each_commit(events)
     rows = log_rows(events)
+    assert rows == log_rows(each)   # a batch commit logs as its objects' commits would
     assert [row[0] for row in rows] == [7, 5] + [5] * 15 + [8, 5, 6]
     assert rows[0][1] == chain and rows[17] == [8, chain[:16]]
-    assert rows[1:17] == [event_row(e) for e in events[20:36]]
+    assert rows[1:17] == [event_row(e) for e in each[20:36]]
     store.append(events)
     store.close()
     [header, _, record] = log_payloads(tmp_path / LOG_NAME)   # (_: the clients, segments)
@@ -109,7 +117,7 @@ def test_a_log_of_rows_of_version_1_still_restores(tmp_path: Path) -> None:
     store, core = started(tmp_path)
     put(core, [b"k%d" % i for i in range(40)], 1.0, parents=[None] + [b"k0"] * 39)
     core.remove([ObjectKey(b"k%d" % i) for i in range(20)], False, 2.0)
-    rows = [row for row in map(event_row, core.take_events()) if row is not None]
+    rows = [row for row in map(event_row, each_commit(core.take_events())) if row is not None]
     store.close()
     path = tmp_path / LOG_NAME
     header, clients_and_segments = log_payloads(path)
