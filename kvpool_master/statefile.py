@@ -42,6 +42,7 @@ from kvpool_master.core.snapshot import (
     Chunk,
     ObjectColumns,
     object_row,
+    one_replica_row,
     segment_row,
 )
 
@@ -310,7 +311,9 @@ def log_rows(events: Sequence[ev.Event]) -> list[list[Any]]:
 def _batch_rows(event: ev.ObjectsCommitted) -> list[list[Any]]:
     """The rows of a batch commit: one row of columns, or a row each when it is short."""
     if len(event.keys) < _MIN_LOG_RUN:
-        return list(filter(None, map(event_row, event.each())))
+        return [[_OBJECT_COMMITTED, *one_replica_row(*fields)] for fields in zip(
+            event.keys, event.sizes_bytes, event.segment_ids, event.offsets, event.checksums,
+            event.pins, event.parent_keys, strict=True)]
     return [[_OBJECTS_COMMITTED, *_fields(ObjectColumns.of_fields(
         event.keys, event.sizes_bytes, event.segment_ids, event.offsets, event.checksums,
         event.pins, event.parent_keys))]]

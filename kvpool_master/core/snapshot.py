@@ -243,6 +243,13 @@ def object_row(key: bytes, size_bytes: int, placements: tuple[Extent, ...], chec
     return _row(key, size_bytes, [], placements, checksum, pin, parent_key)
 
 
+def one_replica_row(key: bytes, size_bytes: int, segment_id: str, offset: int, checksum: int,
+                    pin: int, parent_key: bytes | None) -> ObjectRow:
+    """``object_row`` of an object with one replica, from its fields (no ``Extent``)."""
+    return _row(key, size_bytes, [segment_id, offset, size_bytes], (), checksum, pin,
+                parent_key)
+
+
 def _entry_row(entry: ObjectEntry) -> ObjectRow:
     """``object_row`` of a table entry, from its fields (no ``Extent`` built per object)."""
     return _row(entry.key, entry.size_bytes, [entry.segment_id, entry.offset, entry.size_bytes],
