@@ -14,7 +14,11 @@ Measures, over gRPC and over the lean framing, through the client stub (``Master
   call at the master's default ``max_batch_keys``, decoded whole on its loop).
 Targets: batched >= 1,000,000 keys/s, single p50 <= 150 µs.
 
+``--puts-only`` measures only the lean puts (one and two in flight, ``--seconds`` each and no
+cap on keys); ``--state-dir`` starts the master with a fresh state directory.
+
     .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
+    .venv/bin/python benchmarks/master_rpc.py --puts-only --seconds 8 [--state-dir]
 """
 
 from __future__ import annotations
@@ -150,15 +154,16 @@ async def batched_reads_and_puts(rpc: MasterRpc, name: str, keys: list[bytes],
             "puts_2_in_flight_keys_per_s": await put_throughput(rpc, name, seconds, 2)}
 
 
-async def put_throughput(rpc: MasterRpc, name: str, seconds: float, in_flight: int) -> float:
+async def put_throughput(rpc: MasterRpc, name: str, seconds: float, in_flight: int,
+                         max_keys: int = 100_000) -> float:
     """Keys/s of 1,000-key ``PutStart`` + ``PutEnd`` of fresh keys, ``in_flight`` puts at a
-    time, for ``seconds`` or 100 k keys."""
+    time, for ``seconds`` or ``max_keys`` keys."""
     put_keys = 0
     end = time.perf_counter() + seconds
 
     async def worker(w: int) -> None:
         nonlocal put_keys
-        while time.perf_counter() < end and put_keys < 100_000:
+        while time.perf_counter() < end and put_keys < max_keys:
             fresh = [b"%s-put%d-%d-%08d" % (name.encode(), in_flight, w, put_keys + i)
                      for i in range(BATCH_KEYS)]
             put_keys += BATCH_KEYS
@@ -273,6 +278,23 @@ class _NoMetrics:
         pass
 
 
+async def run_puts(address: str, seconds: float) -> dict[str, float]:
+    """Only puts, over the lean framing: keys/s of 1,000-key ``PutStart`` + ``PutEnd`` of
+    fresh 4 KiB objects for ``seconds`` each, one and two calls in flight, into a segment
+    large enough that nothing is evicted (the master only counts its bytes)."""
+    name = "bench-putter"
+    rpc = MasterRpc(address, use_fast_path=True, timeout_s=30)
+    await rpc.register_client(name, "bench-host", "")
+    segment = SegmentInfo(SegmentId(name + "-seg"), ClientId(name), 1 << 40)
+    assert await rpc.mount_segment(name, segment) == Status.OK
+    beating = asyncio.get_running_loop().create_task(heartbeat_forever(rpc, name))
+    figures = {f"puts_{in_flight}_in_flight_keys_per_s": await put_throughput(
+        rpc, name, seconds, in_flight, max_keys=1 << 62) for in_flight in (1, 2)}
+    beating.cancel()
+    await rpc.close()
+    return figures
+
+
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
     keys = [f"bench-key-{i:08d}".encode() for i in range(num_keys)]
     owner = await populate(address, keys)
@@ -335,23 +357,37 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=20_000, help="objects in the pool")
     parser.add_argument("--address", default="", help="use a running master instead")
     parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument("--puts-only", action="store_true",
+                        help="only the lean puts, for --seconds each, with no cap on keys")
+    parser.add_argument("--state-dir", action="store_true",
+                        help="the master started here persists into a fresh state directory")
     args = parser.parse_args()
     if not 0 < args.seconds <= 600:
         parser.error("--seconds must be in (0, 600]")
-    forms = {**answer_forms(), **served_puts()}   # in process, before any master runs
+    if args.state_dir and args.address:
+        parser.error("--state-dir applies to the master this starts, not to --address")
+    forms = {} if args.puts_only else {**answer_forms(), **served_puts()}   # in process
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         address = args.address
         if not address:
-            proc, ready = start_master(Path(tmp))
+            flags = ("--state-dir", str(Path(tmp) / "state")) if args.state_dir else ()
+            proc, ready = start_master(Path(tmp), *flags)
             address = f"127.0.0.1:{ready['grpc_port']}"
         try:
-            results = uvloop.run(run(address, args.seconds, args.keys))
+            results = uvloop.run(run_puts(address, args.seconds) if args.puts_only
+                                 else run(address, args.seconds, args.keys))
         finally:
             if proc is not None:
                 os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(30)
-    report(results, forms)
+    if args.puts_only:
+        print(f"lean  PutStart + PutEnd x{BATCH_KEYS} for {args.seconds:g} s"
+              f"{' (state directory)' if args.state_dir else ''}: "
+              f"{results['puts_1_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s, 2 in flight "
+              f"{results['puts_2_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s")
+    else:
+        report(results, forms)
     if args.json:
         Path(args.json).write_text(json.dumps({**results, "answer_forms": forms}, indent=2))
     return 0
