@@ -37,6 +37,7 @@ import msgpack
 import numpy as np
 
 from kvpool_master.core import events as ev
+from kvpool_master.core.objects import KEY_TYPES
 from kvpool_master.core.snapshot import (
     RESTORE_CHUNK,
     Chunk,
@@ -180,7 +181,7 @@ def _object_columns(fields: Any) -> ObjectColumns:
     keys, sizes, segment_ids, index, offsets, checksums, pins, parents, parent_keys = fields
     if (not isinstance(keys, list) or not isinstance(segment_ids, list)
             or not isinstance(parent_keys, list) or type(pins) is not bytes
-            or len(pins) != len(keys) or not _BYTES.issuperset(map(type, keys))
+            or len(pins) != len(keys) or not KEY_TYPES.issuperset(map(type, keys))
             or not _STRS.issuperset(map(type, segment_ids))):
         raise ValueError("malformed chunk of columns")
     num_rows = len(keys)
@@ -190,7 +191,6 @@ def _object_columns(fields: Any) -> ObjectColumns:
                          _column("i", parents, num_rows), parent_keys)
 
 
-_BYTES = frozenset({bytes})
 _STRS = frozenset({str})
 assert (array("Q").itemsize, array("I").itemsize, array("i").itemsize) == (8, 4, 4)
 
@@ -424,7 +424,7 @@ class Overlay:
         chunk = None
         if row[0] == _OBJECTS_REMOVED:
             keys = row[1] if len(row) == 2 and isinstance(row[1], list) else None
-            if keys is None or not _BYTES.issuperset(map(type, keys)):
+            if keys is None or not KEY_TYPES.issuperset(map(type, keys)):
                 return
         else:
             try:

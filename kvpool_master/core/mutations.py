@@ -64,7 +64,13 @@ from kvpool_master.core.events import (
 )
 from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
-from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
+from kvpool_master.core.objects import (
+    INT_TYPES,
+    KEY_TYPES,
+    SHARD_MASK,
+    ObjectEntry,
+    ObjectTable,
+)
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
 from kvpool_wire.placed import PlacedBatch, PutResult
@@ -83,11 +89,9 @@ from kvpool_wire.types import (
 #: Most replicas one object may ask for.
 MAX_REPLICAS = 16
 _MAX_CHECKSUM = (1 << 64) - 1
-_INT = {int}
 #: Fewest keys a call takes the batch paths for (see the module rules): below it their maps'
 #: fixed cost is more than the loop's (``master_core.py``, batches of 1 to 32).
 BATCH_MIN_KEYS = 8
-_BYTES = {bytes}
 _WRITER_OF, _MORE_OF, _SIZE_OF, _SEGMENT_OF, _OFFSET_OF, _PIN_OF, _PARENT_OF, _NEWER_OF = (
     operator.attrgetter(name) for name in ("writer_id", "more", "size_bytes", "segment_id",
                                            "offset", "pin", "parent_key", "newer"))
@@ -263,10 +267,10 @@ class Mutations:
         n = len(keys)
         size = sizes_bytes[0]
         max_key_bytes = self._config.max_key_bytes
-        if not (set(map(type, sizes_bytes)) == _INT and size > 0 and sizes_bytes.count(size) == n
-                and set(map(type, keys)) == _BYTES and min(map(len, keys)) > 0
-                and max(map(len, keys)) <= max_key_bytes
-                and (parent_keys is None or (set(map(type, parent_keys)) == _BYTES
+        if not (set(map(type, sizes_bytes)) == INT_TYPES and size > 0
+                and sizes_bytes.count(size) == n and set(map(type, keys)) == KEY_TYPES
+                and min(map(len, keys)) > 0 and max(map(len, keys)) <= max_key_bytes
+                and (parent_keys is None or (set(map(type, parent_keys)) == KEY_TYPES
                                              and max(map(len, parent_keys)) <= max_key_bytes))):
             return 0, [], None
         objects = self._objects
@@ -389,7 +393,7 @@ class Mutations:
         ``client_id``, and every checksum a u64; else None. Looked up with C-level maps;
         changes nothing."""
         if checksums is not None and checksums and not (
-                set(map(type, checksums)) == _INT and min(checksums) >= 0
+                set(map(type, checksums)) == INT_TYPES and min(checksums) >= 0
                 and max(checksums) <= _MAX_CHECKSUM):
             return None
         entries: list[Any]

@@ -38,6 +38,10 @@ from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId
 #: Shards of the key index: ten million objects make about 10 k per shard.
 NUM_SHARDS = 1024
 SHARD_MASK = NUM_SHARDS - 1
+#: ``set(map(type, column))`` of a column of keys, and of ints, when it is well formed: whole
+#: columns (a batch's keys, a snapshot chunk's) are checked with one C-level map.
+KEY_TYPES = frozenset({bytes})
+INT_TYPES = frozenset({int})
 
 
 class ObjectEntry:

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
-from kvpool_master.core.objects import ObjectEntry, ObjectTable
+from kvpool_master.core.objects import INT_TYPES, KEY_TYPES, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
 from kvpool_wire.types import ClientId, Extent, ObjectKey, Pin, SegmentId, SegmentInfo, Tier
 
@@ -111,8 +111,8 @@ class ObjectColumns:
             row_keys, sizes, flats, checksums, pins, parents = zip(*rows, strict=True)
             segment_ids, offsets, lengths = zip(*flats, strict=True)
             if not (_LISTS.issuperset(map(type, flats)) and {*map(len, flats)} == {3}
-                    and lengths == sizes and _BYTES.issuperset(map(type, row_keys))
-                    and _INTS.issuperset(map(type, chain(sizes, offsets, checksums, pins)))):
+                    and lengths == sizes and KEY_TYPES.issuperset(map(type, row_keys))
+                    and INT_TYPES.issuperset(map(type, chain(sizes, offsets, checksums, pins)))):
                 return None
             return cls.of_fields(list(row_keys), sizes, list(segment_ids), offsets, checksums,
                                  pins, list(parents))
@@ -518,7 +518,7 @@ def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
         limits = np.array([usable[s] for s in ids], np.uint64)
         size_col, offset_col = np.asarray(sizes), np.asarray(offsets)
         parent_col, position_col = np.asarray(columns.parents), np.asarray(columns.segment_index)
-        if not (_BYTES.issuperset(map(type, names))
+        if not (KEY_TYPES.issuperset(map(type, names))
                 and min(map(len, names)) > 0 and max(map(len, names)) <= max_key_bytes
                 and max(columns.pins) < _NUM_PINS
                 and parent_col.min() >= -1 and parent_col.max() < len(names)
@@ -542,8 +542,6 @@ def _column_entries(columns: ObjectColumns, infos: dict[SegmentId, SegmentInfo],
     return entries, extents_bytes
 
 
-_BYTES = frozenset({bytes})
-_INTS = frozenset({int})
 _LISTS = frozenset({list, tuple})
 #: The machine words of ``ObjectColumns``: sizes, segment index, offsets, checksums, parents.
 _TYPECODES = ("Q", "I", "Q", "Q", "i")
