@@ -37,7 +37,7 @@ TOKEN_BYTES = 16
 # of one answer (offset, length), and what they share (op, expiry, epoch, put id)
 _EXTENT = struct.Struct("<QQ")
 _TERMS = struct.Struct("<BQQQ")
-_EXTENT_TERMS = struct.Struct("<QQBQQQ")   # both at once (no padding: little-endian)
+_EXTENT_TERMS = struct.Struct(_EXTENT.format + _TERMS.format[1:])   # both at once
 _TOKEN_PERSON = b"kvpool-client"
 _PROOF_PERSON = b"kvpool-segment"
 _COPY = hashlib.blake2b.copy

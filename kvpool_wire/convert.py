@@ -294,8 +294,7 @@ def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_
     """One status and signed replica list per key (capabilities of put ``put_id``), as
     ``Columns`` when asked for (``first_index``: where these keys start in the batch). The
     runs of a ``PlacedBatch`` go into the columns as they are, signed by ``run_signer``."""
-    if columns and run_signer is not None and isinstance(results, PlacedBatch) \
-            and results.runs:
+    if columns and run_signer is not None and isinstance(results, PlacedBatch):
         response = pb.PutStartResponse(statuses=_pb(results.statuses()))
         target = response.columns
         size = results.run_size_bytes

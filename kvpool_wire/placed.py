@@ -13,7 +13,6 @@ Rules of this file:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -68,8 +67,7 @@ class PlacedBatch(Sequence[PutResult]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return len(other) == len(self) and all(
-                a == b for a, b in itertools.zip_longest(self, other))
+            return list(self) == list(other)
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]

@@ -465,6 +465,19 @@ class ObjectTable:
         entry = self.shards[hash(key) & SHARD_MASK].get(key)
         return entry.key if entry is not None else key
 
+    def shards_of(self, keys: Sequence[ObjectKey]) -> list[dict[ObjectKey, ObjectEntry]]:
+        """The shard of each of ``keys`` (hashable), by C-level maps."""
+        return list(map(self.shards.__getitem__, map(SHARD_MASK.__and__, map(hash, keys))))
+
+    def get_all(self, keys: Sequence[ObjectKey]) -> list[ObjectEntry | None]:
+        """``get`` of each of ``keys`` (hashable), by C-level maps."""
+        return list(map(dict.get, self.shards_of(keys), keys))
+
+    def shared_parents(self, parents: Sequence[ObjectKey]) -> list[ObjectKey | None]:
+        """``shared_key`` of each of ``parents``, None for an empty one (no parent)."""
+        return [entry.key if entry is not None else (parent or None)
+                for entry, parent in zip(self.get_all(parents), parents, strict=True)]
+
     def num_children(self, key: ObjectKey) -> int:
         """Return how many READY objects name ``key`` as their parent (prefix-lru only)."""
         counts = self.child_counts
