@@ -208,6 +208,10 @@ def answer_forms() -> dict[str, float]:
     extents = [r.placements[0] for r in results]
     figures["sign_us"] = best_s(lambda: list(map(capability.extent_signer(
         lambda _: b"k" * capability.KEY_BYTES, Op.READ, 1000, 7), extents))) / num_keys * 1e6
+    offsets = [e.offset for e in extents]
+    figures["sign_run_us"] = best_s(lambda: capability.run_signer(
+        lambda _: b"k" * capability.KEY_BYTES, Op.WRITE, 1000, 7, 3)(
+            SegmentId("seg-0"), offsets, 65536)) / num_keys * 1e6
     keys = [b"%064x" % i for i in range(16_384)]
     request = pb.PutStartRequest(client_id="bench", keys=keys, sizes_bytes=[65536] * len(keys),
                                  parent_keys=keys).SerializeToString()
@@ -268,7 +272,7 @@ def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
             gc.freeze()
             gc_s += time.perf_counter() - t2
     served = call_keys * rounds
-    return {"served_put_start_us": start_s / served * 1e6,
+    return {"served_objects": prefill_keys, "served_put_start_us": start_s / served * 1e6,
             "served_put_end_us": end_s / served * 1e6,
             "served_collector_us": gc_s / served * 1e6}
 
@@ -324,11 +328,13 @@ def report(results: dict[str, Any], forms: dict[str, float]) -> None:
     print(f"512-key GetReplicas answer, per key: nested encode {forms['nested_encode_us']:.2f} "
           f"us / decode {forms['nested_decode_us']:.2f} us; columns encode "
           f"{forms['columns_encode_us']:.2f} us / decode {forms['columns_decode_us']:.2f} us; "
-          f"signing its capabilities {forms['sign_us']:.2f} us a key; "
+          f"signing its capabilities {forms['sign_us']:.2f} us a key (a run of one segment's "
+          f"{forms['sign_run_us']:.2f} us); "
           f"a 16,384-key PutStart request decodes in {forms['put_start_16k_decode_ms']:.2f} ms")
     served = (forms["served_put_start_us"] + forms["served_put_end_us"]
               + forms["served_collector_us"])
-    print(f"512-key PutStart + PutEnd served in process, per key: PutStart "
+    print(f"512-key PutStart + PutEnd served in process ({int(forms['served_objects']):,} "
+          f"objects), per key: PutStart "
           f"{forms['served_put_start_us']:.2f} us, PutEnd {forms['served_put_end_us']:.2f} us, "
           f"collector {forms['served_collector_us']:.2f} us: {1 / served:.3f} M keys/s")
     for transport, r in results.items():
@@ -357,6 +363,8 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=20_000, help="objects in the pool")
     parser.add_argument("--address", default="", help="use a running master instead")
     parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument("--served-objects", type=int, default=200_000,
+                        help="objects in the table the in-process put line serves into")
     parser.add_argument("--puts-only", action="store_true",
                         help="only the lean puts, for --seconds each, with no cap on keys")
     parser.add_argument("--state-dir", action="store_true",
@@ -366,7 +374,10 @@ def main() -> int:
         parser.error("--seconds must be in (0, 600]")
     if args.state_dir and args.address:
         parser.error("--state-dir applies to the master this starts, not to --address")
-    forms = {} if args.puts_only else {**answer_forms(), **served_puts()}   # in process
+    if args.served_objects < 0:
+        parser.error("--served-objects must be >= 0")
+    forms = {} if args.puts_only else {   # in process, before any master runs
+        **answer_forms(), **served_puts(prefill_keys=args.served_objects)}
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         address = args.address
