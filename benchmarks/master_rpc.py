@@ -42,7 +42,7 @@ import uvloop
 from kvpool_client.rpc import MasterRpc
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.rpc.servicer import Servicer
+from kvpool_master.rpc.servicer import STEP_KEYS, Servicer
 from kvpool_wire import calls, capability, convert
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.status import Status
@@ -220,13 +220,20 @@ def answer_forms() -> dict[str, float]:
     return figures
 
 
+#: Keys of each call that the second served-puts line finds in the pool already.
+PRESENT_KEYS = 64
+
+
 def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
-                rounds: int = 400) -> dict[str, float]:
+                rounds: int = 400, present_keys: int = 0) -> dict[str, float]:
     """µs per key the master spends serving ``PutStart`` and ``PutEnd`` of fresh 64 KiB
     objects (``Servicer.serve`` in process: the request parsed, the core's work, the answer
     signed and encoded, as columns), ``call_keys`` keys a call, into a table of
     ``prefill_keys`` objects; the collector run as the master's tick runs it (a full
-    collection and a freeze every 18 k keys, about what a tick sees at this rate, counted)."""
+    collection and a freeze every 18 k keys, about what a tick sees at this rate, counted).
+    With ``present_keys``, each call's first keys are objects the table has (a chain whose
+    first blocks the pool holds): they answer ALREADY_EXISTS, and the commit names only the
+    others, as a client's does; the figures stay per key of the call."""
     core = MasterCore(CoreConfig())
     core.skip_object_events()  # as a master without --state-dir
     servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
@@ -241,22 +248,29 @@ def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
         SegmentId("seg"), ClientId("bench"), 1 << 40))) == Status.OK
     made = 0
 
-    def payloads(num_keys: int) -> tuple[Any, bytes, Any, bytes]:
-        nonlocal made
-        keys = [b"%064x" % (made + i) for i in range(num_keys)]
-        made += num_keys
-        start = calls.put_start("bench", token, keys, [65536] * num_keys, PutOptions())
-        end = calls.put_end("bench", token, keys)
+    reused = 0  # the prefill's keys the calls with present keys named so far
+
+    def payloads(num_keys: int, present: int = 0) -> tuple[Any, bytes, Any, bytes]:
+        nonlocal made, reused
+        old = [b"%064x" % (reused + i) for i in range(present)]
+        reused += present
+        fresh = [b"%064x" % (made + i) for i in range(num_keys - present)]
+        made += num_keys - present
+        start = calls.put_start("bench", token, old + fresh, [65536] * num_keys, PutOptions())
+        end = calls.put_end("bench", token, fresh)
         return (start.method, start.request.SerializeToString(), end.method,
                 end.request.SerializeToString())
 
-    for _ in range(prefill_keys // 1000):
-        start_method, start_payload, end_method, end_payload = payloads(1000)
-        servicer.serve(start_method, start_payload, "lean")
-        servicer.serve(end_method, end_payload, "lean")
+    for _ in range(prefill_keys // call_keys):  # calls served in one step (bytes answered)
+        start_method, start_payload, end_method, end_payload = payloads(call_keys)
+        assert isinstance(servicer.serve(start_method, start_payload, "lean"), bytes)
+        assert isinstance(servicer.serve(end_method, end_payload, "lean"), bytes)
     gc.collect()
     gc.freeze()
-    work = [payloads(call_keys) for _ in range(rounds)]
+    if call_keys > STEP_KEYS or present_keys * rounds > made:
+        raise ValueError("calls of at most STEP_KEYS keys; present keys need a prefill of "
+                         "present_keys x rounds objects")
+    work = [payloads(call_keys, present_keys) for _ in range(rounds)]
     start_s = end_s = gc_s = 0.0
     tick_rounds = max(1, 18_000 // call_keys)
     for i, (start_method, start_payload, end_method, end_payload) in enumerate(work):
@@ -337,6 +351,12 @@ def report(results: dict[str, Any], forms: dict[str, float]) -> None:
           f"objects), per key: PutStart "
           f"{forms['served_put_start_us']:.2f} us, PutEnd {forms['served_put_end_us']:.2f} us, "
           f"collector {forms['served_collector_us']:.2f} us: {1 / served:.3f} M keys/s")
+    present = forms["present"]
+    served = (present["served_put_start_us"] + present["served_put_end_us"]
+              + present["served_collector_us"])
+    print(f"  the same with the first {PRESENT_KEYS} keys of each call in the pool already: "
+          f"PutStart {present['served_put_start_us']:.2f} us, PutEnd "
+          f"{present['served_put_end_us']:.2f} us a key of the call: {1 / served:.3f} M keys/s")
     for transport, r in results.items():
         single = r["single_exist"]
         print(f"{transport:5s} single Exist: p50 {single['p50_us']:7.1f} us  "
@@ -376,8 +396,10 @@ def main() -> int:
         parser.error("--state-dir applies to the master this starts, not to --address")
     if args.served_objects < 0:
         parser.error("--served-objects must be >= 0")
-    forms = {} if args.puts_only else {   # in process, before any master runs
-        **answer_forms(), **served_puts(prefill_keys=args.served_objects)}
+    forms: dict[str, Any] = {} if args.puts_only else {   # in process, before any master runs
+        **answer_forms(), **served_puts(prefill_keys=args.served_objects),
+        "present": served_puts(prefill_keys=max(args.served_objects, 400 * PRESENT_KEYS),
+                               present_keys=PRESENT_KEYS)}
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         address = args.address

@@ -298,12 +298,20 @@ def encode_put_start(results: Sequence[tuple[Status, Sequence[Extent]]], expiry_
         response = pb.PutStartResponse(statuses=_pb(results.statuses()))
         target = response.columns
         size = results.run_size_bytes
-        for segment_id, offsets in results.runs:
-            target.segment_ids.extend([segment_id] * len(offsets))
-            target.offsets.extend(offsets)
-            target.capabilities.extend(run_signer(segment_id, offsets, size))
-        _add_columns(target, (placements for _, placements in results.rest), expiry_ms,
-                     capability_of, put_id, first_index + results.num_run_keys)
+        index = first_index
+        for piece in results.pieces:
+            if isinstance(piece, tuple):
+                segment_id, offsets = piece
+                target.segment_ids.extend([segment_id] * len(offsets))
+                target.offsets.extend(offsets)
+                target.capabilities.extend(run_signer(segment_id, offsets, size))
+                index += len(offsets)
+            else:
+                _add_columns(target, (placements for _, placements in piece), expiry_ms,
+                             capability_of, put_id, index)
+                index += len(piece)
+        target.capability_expiry_ms = expiry_ms
+        target.put_id = put_id
         return response
     response = pb.PutStartResponse(statuses=_pb([status for status, _ in results]))
     _add_all_replicas(response, (placements for _, placements in results), expiry_ms,

@@ -1,12 +1,14 @@
 """What ``PutStart`` answers, as the master core makes it: a status and the placements of each
-key, whose leading keys may be runs of plain puts kept as columns.
+key, with runs of plain puts kept as columns.
 
 Rules of this file:
-- A batch of plain puts (one replica, one size) is placed in runs of extents carved back to
-  back from one segment. The core keeps those keys as ``runs``, pairs of (segment id, offsets),
-  all OK with one replica of ``run_size_bytes`` each, and makes no ``Extent`` or tuple per key:
-  the columns encoder reads the offsets as they are and signs them a run at a time
-  (``kvpool_wire.capability.run_signer``). ``rest`` holds the other keys' results, after them.
+- A stretch of plain puts (one replica, one size, absent keys) is placed in runs of extents
+  carved from one segment. The core keeps those keys as runs, pairs of (segment id,
+  offsets), all OK with one replica of ``run_size_bytes`` each, and makes no ``Extent`` or
+  tuple per key: the columns encoder reads the offsets as they are and signs them a run at a
+  time (``kvpool_wire.capability.run_signer``). The other keys' results (a key that exists,
+  one the key-by-key loop placed) are lists between the runs: ``pieces`` holds both, in key
+  order (a run is a tuple, a list of results is a list).
 - Read as a sequence, it is exactly the list of (status, placements) a key-by-key answer would
   be, and compares equal to that list.
 """
@@ -20,29 +22,40 @@ from kvpool_wire.status import Status
 from kvpool_wire.types import Extent, SegmentId
 
 PutResult = tuple[Status, tuple[Extent, ...]]
+#: Keys placed by one run: (segment id, the offset of each key's extent).
+Run = tuple[SegmentId, list[int]]
+#: A piece of a ``PlacedBatch``: a run, or the results of the keys between runs.
+Piece = Run | list[PutResult]
 
 
 class PlacedBatch(Sequence[PutResult]):
-    """Per key (status, placements): first the keys of ``runs``, then ``rest``."""
+    """Per key (status, placements), piece after piece (see the module rules)."""
 
-    __slots__ = ("runs", "run_size_bytes", "num_run_keys", "rest")
+    __slots__ = ("pieces", "run_size_bytes", "num_keys")
 
-    def __init__(self, runs: list[tuple[SegmentId, list[int]]], run_size_bytes: int,
-                 rest: list[PutResult]) -> None:
-        self.runs = runs
+    def __init__(self, pieces: list[Piece], run_size_bytes: int) -> None:
+        self.pieces = pieces
         self.run_size_bytes = run_size_bytes
-        self.num_run_keys = sum(len(offsets) for _, offsets in runs)
-        self.rest = rest
+        self.num_keys = sum(len(piece[1]) if isinstance(piece, tuple) else len(piece)
+                            for piece in pieces)
+
+    @property
+    def runs(self) -> list[Run]:
+        """The runs, in key order."""
+        return [piece for piece in self.pieces if isinstance(piece, tuple)]
 
     def __len__(self) -> int:
-        return self.num_run_keys + len(self.rest)
+        return self.num_keys
 
     def __iter__(self) -> Iterator[PutResult]:
         size = self.run_size_bytes
-        for segment_id, offsets in self.runs:
-            for offset in offsets:
-                yield Status.OK, (Extent(segment_id, offset, size),)
-        yield from self.rest
+        for piece in self.pieces:
+            if isinstance(piece, tuple):
+                segment_id, offsets = piece
+                for offset in offsets:
+                    yield Status.OK, (Extent(segment_id, offset, size),)
+            else:
+                yield from piece
 
     @overload
     def __getitem__(self, index: int) -> PutResult: ...
@@ -54,15 +67,20 @@ class PlacedBatch(Sequence[PutResult]):
         if isinstance(index, slice):
             return list(self)[index]
         if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
+            index += self.num_keys
+        if not 0 <= index < self.num_keys:
             raise IndexError("PlacedBatch index out of range")
-        if index >= self.num_run_keys:
-            return self.rest[index - self.num_run_keys]
-        for segment_id, offsets in self.runs:
-            if index < len(offsets):
-                return Status.OK, (Extent(segment_id, offsets[index], self.run_size_bytes),)
-            index -= len(offsets)
+        for piece in self.pieces:
+            if isinstance(piece, tuple):
+                segment_id, offsets = piece
+                if index < len(offsets):
+                    return Status.OK, (Extent(segment_id, offsets[index],
+                                              self.run_size_bytes),)
+                index -= len(offsets)
+            elif index < len(piece):
+                return piece[index]
+            else:
+                index -= len(piece)
         raise AssertionError("unreachable")
 
     def __eq__(self, other: object) -> bool:
@@ -77,4 +95,10 @@ class PlacedBatch(Sequence[PutResult]):
 
     def statuses(self) -> list[Status]:
         """Each key's status."""
-        return [Status.OK] * self.num_run_keys + [status for status, _ in self.rest]
+        statuses: list[Status] = []
+        for piece in self.pieces:
+            if isinstance(piece, tuple):
+                statuses += [Status.OK] * len(piece[1])
+            else:
+                statuses += [status for status, _ in piece]
+        return statuses

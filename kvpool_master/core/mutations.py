@@ -32,10 +32,11 @@ Rules of this file:
   allocation that does not fit still run at once.
 - Batch paths: a call of ``BATCH_MIN_KEYS`` or more plain puts (``_put_runs``) or of a
   writer's own commits (``_own_pending``) is checked whole with C-level maps and, when it is
-  the common case (well formed, distinct, absent or PENDING by that writer, one size), placed
-  or committed by maps too, with the same effects the key-by-key loop would have, in the same
-  order; anything else, and what a run leaves, goes through the loop. ``batch_paths`` off
-  turns them off (the differential test compares both).
+  the common case (well formed, distinct, one size; PENDING by that writer for a commit),
+  its stretches of ``BATCH_MIN_KEYS`` or more absent keys are placed, or its keys
+  committed, by maps too, with the same effects the key-by-key loop would have, in the same
+  order; anything else (keys the table has, a key after a stretch ran out of room) goes
+  through the loop. ``batch_paths`` off turns them off (the differential test compares both).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from kvpool_master.core.objects import (
 )
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
-from kvpool_wire.placed import PlacedBatch, PutResult
+from kvpool_wire.placed import Piece, PlacedBatch, PutResult, Run
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -81,7 +82,6 @@ from kvpool_wire.types import (
     ObjectKey,
     Pin,
     PutOptions,
-    SegmentId,
     SegmentInfo,
     Tier,
 )
@@ -96,7 +96,7 @@ BATCH_MIN_KEYS = 8
 _WRITER_OF, _MORE_OF, _SIZE_OF, _SEGMENT_OF, _OFFSET_OF, _PIN_OF, _PARENT_OF, _NEWER_OF = (
     operator.attrgetter(name) for name in ("writer_id", "more", "size_bytes", "segment_id",
                                            "offset", "pin", "parent_key", "newer"))
-#: Batches of puts whose entries the core keeps for their commit (``_recent_puts``).
+#: Stretches of puts whose entries the core keeps for their commit (``_recent_puts``).
 RECENT_PUTS = 64
 
 
@@ -115,9 +115,10 @@ class Mutations:
     _events: list[Event]
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
-    # (writer, first key) -> (keys, entries) of the last RECENT_PUTS batches _put_runs placed
-    # whole: a commit of the same keys takes the entries from here once it has checked that
-    # each is still in the table (an entry out of it has ``newer`` None), without a lookup
+    # (writer, first key) -> (keys, entries) of the last RECENT_PUTS stretches _put_runs placed
+    # whole (a whole batch, or the keys of one the pool did not have): a commit of the same
+    # keys takes the entries from here once it has checked that each is still in the table
+    # (an entry out of it has ``newer`` None), without a lookup
     _recent_puts: dict[tuple[ClientId, ObjectKey], tuple[Sequence[ObjectKey],
                                                          list[ObjectEntry]]]
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
@@ -180,12 +181,33 @@ class Mutations:
         run: _Run | None = None
         walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
         spare = self.spare
+        # stretches of absent keys go the batch way (_put_runs); the loop answers the rest
+        pieces: list[Piece] = []
         placed = 0
-        runs: list[tuple[SegmentId, list[int]]] = []
-        if plain and not walking and self.batch_paths and n >= BATCH_MIN_KEYS:
-            placed, runs, run = self._put_runs(client_id, keys, sizes_bytes, pin, parent_keys,
-                                               now, exhausted)
-        for i in range(placed, n):
+        stretches = _Stretches(self._batchable(keys, sizes_bytes, parent_keys)
+                               if plain and not walking and self.batch_paths
+                               and n >= BATCH_MIN_KEYS else None, n)
+        batch_at = stretches.next_from(0)
+        after = 0  # the next key to answer
+        while after < n:
+            i = after
+            if i == batch_at:
+                assert stretches.key_shards is not None
+                end = stretches.end_of(i)
+                got, runs, run = self._put_runs(client_id, keys, sizes_bytes[0], pin,
+                                                parent_keys, stretches.key_shards, i, end, run,
+                                                now, exhausted)
+                # a stretch cut short (no room to carve) leaves its next key to the loop
+                batch_at = stretches.next_from(end if i + got == end else i + got + 1)
+                if got:
+                    if results:
+                        pieces.append(results)
+                        results = []
+                    pieces += runs
+                    placed += got
+                    after = i + got
+                    continue
+            after = i + 1
             key = keys[i]
             size = sizes_bytes[i]
             parent = parent_keys[i] if parent_keys is not None else None
@@ -251,20 +273,18 @@ class Mutations:
         if segments.needs_sync:
             segments.needs_sync = False
             self._events.append(SyncRequired(segments.free_seq))
-        return PlacedBatch(runs, sizes_bytes[0], results) if placed else results
+        if not placed:
+            return results
+        if results:
+            pieces.append(results)
+        return PlacedBatch(pieces, sizes_bytes[0])
 
-    def _put_runs(self, client_id: ClientId, keys: Sequence[ObjectKey],
-                  sizes_bytes: Sequence[int], pin: Pin,
-                  parent_keys: Sequence[ObjectKey] | None, now: float,
-                  exhausted: set[Tier]) -> tuple[int, list[tuple[SegmentId, list[int]]],
-                                                 _Run | None]:
-        """Place the leading keys of a plain batch the C-level way (the module rules), when
-        its keys are well formed, distinct and absent, its sizes one int and its parents
-        well formed or empty: runs carved as the key-by-key loop carves them (``_carve_run``,
-        ``_take`` where a watermark check is due), the entries made by one map and inserted by
-        others. Returns how many keys it placed (0: not such a batch), their (segment id,
-        offsets) runs, and the run the caller goes on with, its next ``_take`` due to check
-        the watermark (else None)."""
+    def _batchable(self, keys: Sequence[ObjectKey], sizes_bytes: Sequence[int],
+                   parent_keys: Sequence[ObjectKey] | None,
+                   ) -> tuple[list[dict[ObjectKey, ObjectEntry]], list[bool]] | None:
+        """(the shard of each key, whether each key is in the table) of a plain batch whose
+        keys are well formed and distinct, its sizes one int and its parents well formed or
+        empty, checked with C-level maps; None for any other (the loop answers it all)."""
         n = len(keys)
         size = sizes_bytes[0]
         max_key_bytes = self._config.max_key_bytes
@@ -272,51 +292,89 @@ class Mutations:
                 and sizes_bytes.count(size) == n and set(map(type, keys)) == KEY_TYPES
                 and min(map(len, keys)) > 0 and max(map(len, keys)) <= max_key_bytes
                 and (parent_keys is None or (set(map(type, parent_keys)) == KEY_TYPES
-                                             and max(map(len, parent_keys)) <= max_key_bytes))):
-            return 0, [], None
-        objects = self._objects
-        key_shards = objects.shards_of(keys)
-        if any(map(dict.__contains__, key_shards, keys)) or len(set(keys)) != n:
-            return 0, [], None
-        size_to_int = objects.size_to_int
+                                             and max(map(len, parent_keys)) <= max_key_bytes))
+                and len(set(keys)) == n):
+            return None
+        key_shards = self._objects.shards_of(keys)
+        return key_shards, list(map(dict.__contains__, key_shards, keys))
+
+    def _put_runs(self, client_id: ClientId, keys: Sequence[ObjectKey], size: int, pin: Pin,
+                  parent_keys: Sequence[ObjectKey] | None,
+                  key_shards: list[dict[ObjectKey, ObjectEntry]], first: int, end: int,
+                  run: _Run | None, now: float,
+                  exhausted: set[Tier]) -> tuple[int, list[Run], _Run | None]:
+        """Place ``keys[first:end]`` (a stretch of a ``_batchable`` batch, all absent) the
+        C-level way: extents taken from ``run`` and the runs carved after it as the key-by-key
+        loop takes and carves them (``_take`` where a watermark check is due, the extents
+        between counted at once), the entries made and inserted by maps, those placed so far
+        before a ``_take`` that runs a watermark pass (which then sees the table the loop
+        would show it: eviction moves what it skips behind the newest entries).
+        Returns how many keys it placed (fewer than the stretch when no run could be carved),
+        their (segment id, offsets) runs, and the run the caller goes on with."""
+        n = len(keys)
+        size_to_int = self._objects.size_to_int
         size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
         used = self._segments.tier_to_used_bytes
-        runs: list[tuple[SegmentId, list[int]]] = []
-        placed = 0
-        run: _Run | None = None
-        while placed < n:
-            run = self._carve_run(size, min(n - placed, RUN_MAX_KEYS))
-            if run is None:
-                break
-            first = self._take(run, now, exhausted)  # a fresh run checks the watermark
-            quiet = min(run.left, run.quiet)  # extents _take would hand out unchecked
+        runs: list[Run] = []
+        entries: list[ObjectEntry] = []
+        count = end - first
+        placed = inserted = 0  # keys placed; how many of them are in the table
+        while placed < count:
+            if run is None or not run.left:
+                run = self._carve_run(size, min(n - first - placed, RUN_MAX_KEYS))
+                if run is None:
+                    break
+            if placed > inserted and self._pass_at_take(run, now, exhausted):
+                entries += self._add_run_entries(client_id, keys, size, pin, parent_keys,
+                                                 key_shards, first + inserted,
+                                                 first + placed, runs, now)
+                inserted = placed
+            begin = len(run.offsets) - run.left
+            segment_id = self._take(run, now, exhausted).segment_id
+            quiet = min(run.left, run.quiet, count - placed - 1)  # handed out unchecked
             run.left -= quiet
             run.quiet -= quiet
             used[Tier.DRAM] += quiet * run.step_bytes
-            runs.append((first.segment_id, run.offsets[:1 + quiet]))
+            runs.append((segment_id, run.offsets[begin:begin + 1 + quiet]))
             placed += 1 + quiet
-            if run.left:
-                break
-            run = None
-        if not placed:
-            return 0, [], run
-        keys = keys[:placed] if placed < n else keys
-        repeat = itertools.repeat
-        segment_ids = list(itertools.chain.from_iterable(
-            repeat(segment_id, len(offsets)) for segment_id, offsets in runs))
-        offsets = list(itertools.chain.from_iterable(offsets for _, offsets in runs))
-        entries = list(map(ObjectEntry, keys, repeat(size), segment_ids, offsets,
-                           repeat(client_id), repeat(pin), repeat(None)))
-        objects.add_pending_all(key_shards[:placed], keys, entries, now)
-        if placed == n:  # its commit finds them here (_own_pending)
+        if placed > inserted:
+            entries += self._add_run_entries(client_id, keys, size, pin, parent_keys,
+                                             key_shards, first + inserted, first + placed,
+                                             runs, now)
+        if placed == count:  # a commit of this stretch finds them here (_own_pending)
             recent = self._recent_puts
-            recent[(client_id, keys[0])] = (keys, entries)
+            recent[(client_id, keys[first])] = (keys if count == n else keys[first:end],
+                                                entries)
             if len(recent) > RECENT_PUTS:
                 del recent[next(iter(recent))]
+        return placed, runs, run
+
+    def _add_run_entries(self, client_id: ClientId, keys: Sequence[ObjectKey], size: int,
+                         pin: Pin, parent_keys: Sequence[ObjectKey] | None,
+                         key_shards: list[dict[ObjectKey, ObjectEntry]], lo: int, hi: int,
+                         runs: list[Run], now: float) -> list[ObjectEntry]:
+        """Make and insert, with C-level maps, the entries of ``keys[lo:hi]``: the keys the
+        last runs of ``runs`` placed."""
+        objects = self._objects
+        repeat = itertools.repeat
+        whole = hi - lo == len(keys)
+        batch = keys if whole else keys[lo:hi]
+        start, left = len(runs), hi - lo
+        while left:  # the runs that placed them: the last ones
+            start -= 1
+            left -= len(runs[start][1])
+        mine = runs[start:]
+        segment_ids = list(itertools.chain.from_iterable(
+            repeat(segment_id, len(run_offsets)) for segment_id, run_offsets in mine))
+        offsets = list(itertools.chain.from_iterable(run_offsets for _, run_offsets in mine))
+        entries = list(map(ObjectEntry, batch, repeat(size), segment_ids, offsets,
+                           repeat(client_id), repeat(pin), repeat(None)))
+        objects.add_pending_all(key_shards if whole else key_shards[lo:hi], batch, entries, now)
         if parent_keys is not None:  # shared once all are in (a chain's parents are in it)
             deque(map(setattr, entries, repeat("parent_key"),
-                      objects.shared_parents(parent_keys[:placed])), maxlen=0)
-        return placed, runs, run
+                      objects.shared_parents(parent_keys if whole else parent_keys[lo:hi])),
+                  maxlen=0)
+        return entries
 
     def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
                 checksums: Sequence[int] | None = None) -> list[Status]:
@@ -521,6 +579,17 @@ class Mutations:
                                  for offset in run.offsets[-run.left:]], seq=-1)
             run.left = 0
 
+    def _pass_at_take(self, run: _Run, now: float, exhausted: set[Tier]) -> bool:
+        """Whether the ``_take`` of the next extent of ``run`` runs a watermark pass (the
+        same checks, made before it)."""
+        if run.quiet or self.defer_upkeep or Tier.DRAM in exhausted:
+            return False
+        used = self._segments.tier_to_used_bytes
+        used[Tier.DRAM] += run.step_bytes
+        due = self._pass_due(Tier.DRAM, now)
+        used[Tier.DRAM] -= run.step_bytes
+        return due
+
     def _carve_run(self, size_bytes: int, count: int) -> _Run | None:
         """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved at
         once from the emptiest DRAM segment (back to back where it can: one allocator and one
@@ -723,6 +792,47 @@ class _Run:
         self.step_bytes = aligned(size_bytes)
         self.left = len(offsets)  # not handed out yet: the last ``left`` offsets
         self.quiet = 0  # extents to hand out before the watermark is checked again
+
+
+class _Stretches:
+    """Where a ``_batchable`` batch's stretches of ``BATCH_MIN_KEYS`` or more absent keys
+    are: those go the batch way (none when the batch is not batchable, ``checked`` None).
+    Asked in key order only."""
+
+    __slots__ = ("key_shards", "bounds", "at")
+
+    def __init__(self, checked: tuple[list[dict[ObjectKey, ObjectEntry]], list[bool]] | None,
+                 n: int) -> None:
+        self.key_shards = checked[0] if checked is not None else None
+        self.bounds: list[tuple[int, int]] = []  # (first, end) of each long absent stretch
+        self.at = 0  # the stretch asked about last
+        if checked is None:
+            return
+        present = checked[1]
+        if not any(present):
+            self.bounds.append((0, n))
+            return
+        first = 0
+        for end in itertools.chain(itertools.compress(range(n), present), (n,)):
+            if end - first >= BATCH_MIN_KEYS:
+                self.bounds.append((first, end))
+            first = end + 1
+
+    def next_from(self, index: int) -> int:
+        """The first key from ``index`` on that starts ``BATCH_MIN_KEYS`` or more absent keys
+        in a row (-1: none)."""
+        bounds = self.bounds
+        while self.at < len(bounds):
+            first, end = bounds[self.at]
+            start = max(first, index)
+            if end - start >= BATCH_MIN_KEYS:
+                return start
+            self.at += 1
+        return -1
+
+    def end_of(self, index: int) -> int:
+        """The end of the stretch ``next_from`` last gave ``index`` in."""
+        return self.bounds[self.at][1]
 
 
 def _same_size_after(sizes_bytes: Sequence[int], i: int) -> int:

@@ -50,15 +50,27 @@ def _core(batch_paths: bool, policy: str, defer: bool) -> MasterCore:
 
 
 def _keys(rng: random.Random, made: list[ObjectKey], n: int) -> list[ObjectKey]:
-    """Fresh keys mostly; sometimes one that exists, one twice, or a malformed one."""
+    """Fresh keys mostly; sometimes one that exists, a leading stretch of keys put before
+    (a chain whose first blocks the pool has), some put before here and there, one twice,
+    or a malformed one."""
     keys = [ObjectKey(b"k%06d" % (len(made) + i)) for i in range(n)]
     made.extend(keys)
+    older = made[:-n]
     roll = rng.random()
-    if roll < 0.08 and len(made) > n:
-        keys[rng.randrange(n)] = rng.choice(made[:-n])
-    elif roll < 0.14 and n > 1:
+    if roll < 0.08 and older:
+        keys[rng.randrange(n)] = rng.choice(older)
+    elif roll < 0.16 and older:
+        lead = rng.randrange(1, n + 1)
+        keys[:lead] = older[-lead:] if len(older) >= lead else older + keys[len(older):lead]
+    elif roll < 0.24 and older:
+        spots = sorted({min(n - 1, at + i) for at in rng.sample(range(n), min(n, 4))
+                        for i in range(rng.choice([1, 2, 9]))})
+        for spot, key in zip(spots, rng.sample(older, min(len(older), len(spots))),
+                             strict=False):
+            keys[spot] = key
+    elif roll < 0.30 and n > 1:
         keys[rng.randrange(n)] = keys[0]
-    elif roll < 0.18:
+    elif roll < 0.34:
         keys[rng.randrange(n)] = ObjectKey(rng.choice([b"", b"x" * 2000]))
     return keys
 
@@ -134,14 +146,16 @@ def _apply(core: MasterCore, call: tuple[str, Any], now: float) -> Any:
 def test_batch_paths_answer_and_change_as_the_loop_does(seed: int, policy: str,
                                                          defer: bool) -> None:
     fast, slow = _core(True, policy, defer), _core(False, policy, defer)
-    runs = 0
+    runs = resumed = 0
     real_put_start = fast.put_start
 
     def counting(*args: Any, **kwargs: Any) -> Sequence[Any]:
-        nonlocal runs
+        nonlocal runs, resumed
         results = real_put_start(*args, **kwargs)
         if isinstance(results, PlacedBatch) and results.runs:
             runs += 1
+            kinds = [isinstance(piece, tuple) for piece in results.pieces]
+            resumed += any(not a and b for a, b in zip(kinds, kinds[1:], strict=False))
         return results
 
     fast.put_start = counting  # type: ignore[method-assign]
@@ -154,6 +168,7 @@ def test_batch_paths_answer_and_change_as_the_loop_does(seed: int, policy: str,
         assert _state(fast) == _state(slow), (step, call[0])
         assert each_commit(fast.take_events()) == slow.take_events(), (step, call[0])
     assert runs >= 5  # the batch paths ran, not only the loop
+    assert resumed >= 1  # and went on after keys the loop answered
 
 
 def _runs_then_rest(core: MasterCore) -> PlacedBatch:
@@ -162,27 +177,50 @@ def _runs_then_rest(core: MasterCore) -> PlacedBatch:
         == Status.OK
     keys = [ObjectKey(b"a%d" % i) for i in range(100)]
     results = core.put_start(WRITERS[0], keys, [4096] * 100, PutOptions(), 1.0)
-    assert isinstance(results, PlacedBatch) and results.num_run_keys and results.rest
+    assert isinstance(results, PlacedBatch) and results.runs \
+        and isinstance(results.pieces[-1], list)
     return results
 
 
-def test_a_placed_batch_reads_as_its_list() -> None:
-    results = _runs_then_rest(_core(True, "lru", False))
+def _runs_between_keys(core: MasterCore) -> PlacedBatch:
+    """A batch of 60 plain puts, five of them keys the pool has (two alone, a stretch of
+    three): runs, the loop's answers, runs again."""
+    assert core.mount_segment(SegmentInfo(SegmentId("s"), WRITERS[0], 200 * 4096), 0.0) \
+        == Status.OK
+    had = [ObjectKey(b"h%d" % i) for i in range(5)]
+    assert [status for status, _ in core.put_start(WRITERS[1], had, [4096] * 5, PutOptions(),
+                                                   1.0)] == [Status.OK] * 5
+    keys = [ObjectKey(b"a%d" % i) for i in range(60)]
+    keys[10:13], keys[30], keys[50] = had[:3], had[3], had[4]
+    results = core.put_start(WRITERS[0], keys, [4096] * 60, PutOptions(), 1.0)
+    assert isinstance(results, PlacedBatch)
+    kinds = [isinstance(piece, tuple) for piece in results.pieces]
+    assert kinds[0] and kinds[-1] and False in kinds
+    assert [i for i, s in enumerate(results.statuses()) if s != Status.OK] == [10, 11, 12, 30,
+                                                                               50]
+    return results
+
+
+@pytest.mark.parametrize("made", [_runs_then_rest, _runs_between_keys])
+def test_a_placed_batch_reads_as_its_list(made: Any) -> None:
+    results = made(_core(True, "lru", False))
     as_list = list(results)
-    assert results == as_list and as_list == results and len(results) == 100
-    assert [results[i] for i in range(-100, 100)] == as_list + as_list
+    n = len(as_list)
+    assert results == as_list and as_list == results and len(results) == n
+    assert [results[i] for i in range(-n, n)] == as_list + as_list
     assert results[3:90:7] == as_list[3:90:7]
     assert results.statuses() == [s for s, _ in as_list]
-    assert Status.NO_SPACE in results.statuses()
+    assert set(results.statuses()) - {Status.OK}
     assert results != as_list[:-1] and results != [(Status.NO_SPACE, ())] + as_list[1:]
     with pytest.raises(IndexError):
-        results[100]
+        results[n]
 
 
-def test_a_placed_batch_encodes_as_its_list() -> None:
+@pytest.mark.parametrize("made", [_runs_then_rest, _runs_between_keys])
+def test_a_placed_batch_encodes_as_its_list(made: Any) -> None:
     """Its runs go into the columns as they are, signed a run at a time: the same answer."""
     core = _core(True, "lru", False)
-    results = _runs_then_rest(core)
+    results = made(core)
     one = capability.extent_signer(core.segment_key, Op.WRITE, 5000, 7, 3)
     run = capability.run_signer(core.segment_key, Op.WRITE, 5000, 7, 3)
     for first_index in (0, 512):
