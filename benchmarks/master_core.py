@@ -453,19 +453,23 @@ def bench_evicting_steps(num_objects: int) -> None:
     from kvpool_master.rpc.servicer import STEP_KEYS
 
     print(f"\nsteps of 1,000-key put batches into a full pool of {num_objects:,} objects, "
-          f"{num_objects:,} puts (ms, p50 / p99 / p99.9 / longest):")
+          f"{num_objects:,} puts (ms, p50 / p99 / p99.9 / longest; then µs a put key, all "
+          "steps together, and µs an evicted object, deferred passes alone):")
     for deferred, step_keys in ((False, 1024), (False, 512), (True, STEP_KEYS)):
         steps, evicted = _evicting_steps(num_objects, deferred, step_keys)
+        total_s = sum(sum(times) for times in steps.values())
         print(f"  passes {'deferred' if deferred else 'inside puts'}, {step_keys:,}-key steps: "
               + "; ".join(f"{kind} {_p(times, 0.5)} / {_p(times, 0.99)} / {_p(times, 0.999)}"
                           f" / {_p(times, 1.0)}" for kind, times in steps.items() if times)
-              + f"; {evicted:,} objects evicted")
+              + f"; {evicted:,} objects evicted; {total_s / num_objects * 1e6:.2f} µs a put key"
+              + (f", {sum(steps['pass']) / evicted * 1e6:.2f} µs an evicted object"
+                 if steps["pass"] and evicted else ""))
 
 
 def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
                     ) -> tuple[dict[str, list[float]], int]:
     """Fill a pool of ``num_objects``, then put as many again; the seconds of each step of
-    the second half by kind, and the objects evicted."""
+    the second half by kind, and the objects evicted in it."""
     gc.collect()
     core = MasterCore(CoreConfig())
     core.register_client(CLIENT, "bench-host", b"k" * 32, 0.0)
@@ -476,9 +480,12 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
     sizes = [4096] * step_keys
     gc.disable()
     try:
+        evicted_before = 0
         for start in range(0, 2 * num_objects, 1000):
             chunk = keys_of(start, 1000)
             timed = start >= num_objects
+            if start == num_objects:
+                evicted_before = core.stats().evicted_objects_total
             for lo in range(0, len(chunk), step_keys):
                 part = chunk[lo:lo + step_keys]
                 started = time.perf_counter()
@@ -498,7 +505,7 @@ def _evicting_steps(num_objects: int, deferred: bool, step_keys: int
             core.take_events()
     finally:
         gc.enable()
-    return steps, core.stats().evicted_objects_total
+    return steps, core.stats().evicted_objects_total - evicted_before
 
 
 def _p(times: list[float], q: float) -> str:

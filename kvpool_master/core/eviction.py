@@ -75,9 +75,11 @@ class _Pass:
 
 def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_bytes: int,
                    now: float, prefix_lru: bool,
-                   max_victims: int = MAX_VICTIMS) -> tuple[list[ObjectKey], bool]:
-    """Return keys to evict, in eviction order, freeing at least ``need_bytes`` of ``tier``,
-    and whether the pass was cut (``max_victims`` taken, or ``MAX_SCANNED`` looked at).
+                   max_victims: int = MAX_VICTIMS,
+                   ) -> tuple[dict[ObjectKey, ObjectEntry], bool]:
+    """Return the objects to evict (key -> entry), in eviction order, freeing at least
+    ``need_bytes`` of ``tier``, and whether the pass was cut (``max_victims`` taken, or
+    ``MAX_SCANNED`` looked at).
 
     Returns fewer when not enough is evictable (possibly none), and at most ``max_victims``:
     a pass never holds the master for long; the next one goes on where it stopped.
@@ -102,7 +104,7 @@ def select_victims(table: ObjectTable, segments: SegmentTable, tier: Tier, need_
     skipped = [entry for entry in state.skipped if entry.key not in victims]
     order.touch_all(skipped if order is table.recency
                     else [entry.dram for entry in skipped if entry.dram is not None])
-    return list(victims), len(victims) >= max_victims or state.cut
+    return victims, len(victims) >= max_victims or state.cut
 
 
 def _scan(table: ObjectTable, order: Recency, segments: SegmentTable,

@@ -30,33 +30,33 @@ Rules of this file:
   the tier is noted in ``relief_due`` and ``relieve`` runs the pass as a step of its own
   between requests, so one step never holds a batch's puts and a pass together. Passes for an
   allocation that does not fit still run at once.
-- Batch paths: a call of ``BATCH_MIN_KEYS`` or more plain puts (``_put_runs``) or of a
-  writer's own commits (``_own_pending``) is checked whole with C-level maps and, when it is
-  the common case (well formed, distinct, one size; PENDING by that writer for a commit),
-  its stretches of ``BATCH_MIN_KEYS`` or more absent keys are placed, or its keys
-  committed, by maps too, with the same effects the key-by-key loop would have, in the same
-  order; anything else (keys the table has, a key after a stretch ran out of room) goes
-  through the loop. ``batch_paths`` off turns them off (the differential test compares both).
+- Batch paths (``batches.py``): a plain batch of puts, a writer's commits and a pass's drops
+  go the C-level way when they are the common case, with the effects the loops below
+  would have; the loops answer the rest.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import operator
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool_master.core.allocator import Allocator, aligned
+from kvpool_master.core.batches import (
+    BATCH_MIN_KEYS,
+    MAX_CHECKSUM,
+    RUN_MAX_KEYS,
+    BatchPaths,
+    CarvedRun,
+    Stretches,
+    commit_event,
+)
 from kvpool_master.core.clients import ClientTable
 from kvpool_master.core.config import CoreConfig
 from kvpool_master.core.events import (
     Event,
     EvictionPass,
-    ObjectCommitted,
     ObjectRemoved,
-    ObjectsCommitted,
     PendingReclaimed,
     RemoveReason,
     ReplicasChanged,
@@ -66,15 +66,13 @@ from kvpool_master.core.events import (
 from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
 from kvpool_master.core.objects import (
-    INT_TYPES,
-    KEY_TYPES,
     SHARD_MASK,
     ObjectEntry,
     ObjectTable,
 )
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
-from kvpool_wire.placed import Piece, PlacedBatch, PutResult, Run
+from kvpool_wire.placed import Piece, PlacedBatch, PutResult
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -88,19 +86,9 @@ from kvpool_wire.types import (
 
 #: Most replicas one object may ask for.
 MAX_REPLICAS = 16
-_MAX_CHECKSUM = (1 << 64) - 1
-#: Fewest keys a call takes the batch paths for (see the module rules): below it their maps'
-#: fixed cost is more than the loop's (``master_core.py``'s single-key puts took 16.6 µs a
-#: call with them against 12.3 µs without).
-BATCH_MIN_KEYS = 8
-_WRITER_OF, _MORE_OF, _SIZE_OF, _SEGMENT_OF, _OFFSET_OF, _PIN_OF, _PARENT_OF, _NEWER_OF = (
-    operator.attrgetter(name) for name in ("writer_id", "more", "size_bytes", "segment_id",
-                                           "offset", "pin", "parent_key", "newer"))
-#: Stretches of puts whose entries the core keeps for their commit (``_recent_puts``).
-RECENT_PUTS = 64
 
 
-class Mutations:
+class Mutations(BatchPaths):
     """Puts, removes and eviction; mixed into ``MasterCore``."""
 
     # Set by MasterCore.__init__.
@@ -115,17 +103,10 @@ class Mutations:
     _events: list[Event]
     _watermark_retry_s: dict[Tier, float]
     _jobs: list[Any]  # removal jobs in progress (sweeps.py)
-    # (writer, first key) -> (keys, entries) of the last RECENT_PUTS stretches _put_runs placed
-    # whole (a whole batch, or the keys of one the pool did not have): a commit of the same
-    # keys takes the entries from here once it has checked that each is still in the table
-    # (an entry out of it has ``newer`` None), without a lookup
-    _recent_puts: dict[tuple[ClientId, ObjectKey], tuple[Sequence[ObjectKey],
-                                                         list[ObjectEntry]]]
     _pass_capped = False  # the last eviction pass was cut (MAX_VICTIMS or MAX_SCANNED)
     defer_upkeep = False  # see the module rules and ``MasterCore.upkeep``
     relief_due: set[Tier]  # tiers a deferred watermark pass is due on
     object_events = True  # commits and removals are events (see MasterCore.skip_object_events)
-    batch_paths = True  # plain batches go the C-level way (the rules above); tests turn it off
 
     def spare(self, jobs: list[Any], entry: ObjectEntry, shard: int) -> None:
         """Tell the removal ``jobs`` still walking of ``entry``, just put into ``shard``: they
@@ -178,13 +159,13 @@ class Mutations:
         # plain puts of one size in a row take their extents from one run (see _carve_run)
         plain = replica_num == 1 and not options.preferred_segment and not same_host_id \
             and not self._quarantine
-        run: _Run | None = None
+        run: CarvedRun | None = None
         walking = [job for job in self._jobs if job.shards_left]   # they leave what is put now
         spare = self.spare
         # stretches of absent keys go the batch way (_put_runs); the loop answers the rest
         pieces: list[Piece] = []
         placed = 0
-        stretches = _Stretches(self._batchable(keys, sizes_bytes, parent_keys)
+        stretches = Stretches(self._batchable(keys, sizes_bytes, parent_keys)
                                if plain and not walking and self.batch_paths
                                and n >= BATCH_MIN_KEYS else None, n)
         batch_at = stretches.next_from(0)
@@ -279,103 +260,6 @@ class Mutations:
             pieces.append(results)
         return PlacedBatch(pieces, sizes_bytes[0])
 
-    def _batchable(self, keys: Sequence[ObjectKey], sizes_bytes: Sequence[int],
-                   parent_keys: Sequence[ObjectKey] | None,
-                   ) -> tuple[list[dict[ObjectKey, ObjectEntry]], list[bool]] | None:
-        """(the shard of each key, whether each key is in the table) of a plain batch whose
-        keys are well formed and distinct, its sizes one int and its parents well formed or
-        empty, checked with C-level maps; None for any other (the loop answers it all)."""
-        n = len(keys)
-        size = sizes_bytes[0]
-        max_key_bytes = self._config.max_key_bytes
-        if not (set(map(type, sizes_bytes)) == INT_TYPES and size > 0
-                and sizes_bytes.count(size) == n and set(map(type, keys)) == KEY_TYPES
-                and min(map(len, keys)) > 0 and max(map(len, keys)) <= max_key_bytes
-                and (parent_keys is None or (set(map(type, parent_keys)) == KEY_TYPES
-                                             and max(map(len, parent_keys)) <= max_key_bytes))
-                and len(set(keys)) == n):
-            return None
-        key_shards = self._objects.shards_of(keys)
-        return key_shards, list(map(dict.__contains__, key_shards, keys))
-
-    def _put_runs(self, client_id: ClientId, keys: Sequence[ObjectKey], size: int, pin: Pin,
-                  parent_keys: Sequence[ObjectKey] | None,
-                  key_shards: list[dict[ObjectKey, ObjectEntry]], first: int, end: int,
-                  run: _Run | None, now: float,
-                  exhausted: set[Tier]) -> tuple[int, list[Run], _Run | None]:
-        """Place ``keys[first:end]`` (a stretch of a ``_batchable`` batch, all absent) the
-        C-level way: extents taken from ``run`` and the runs carved after it as the key-by-key
-        loop takes and carves them (``_take`` where a watermark check is due, the extents
-        between counted at once), the entries made and inserted by maps, those placed so far
-        before a ``_take`` that runs a watermark pass (which then sees the table the loop
-        would show it: eviction moves what it skips behind the newest entries).
-        Returns how many keys it placed (fewer than the stretch when no run could be carved),
-        their (segment id, offsets) runs, and the run the caller goes on with."""
-        n = len(keys)
-        size_to_int = self._objects.size_to_int
-        size = size_to_int.setdefault(size, size) if len(size_to_int) < 4096 else size
-        used = self._segments.tier_to_used_bytes
-        runs: list[Run] = []
-        entries: list[ObjectEntry] = []
-        count = end - first
-        placed = inserted = 0  # keys placed; how many of them are in the table
-        while placed < count:
-            if run is None or not run.left:
-                run = self._carve_run(size, min(n - first - placed, RUN_MAX_KEYS))
-                if run is None:
-                    break
-            if placed > inserted and self._pass_at_take(run, now, exhausted):
-                entries += self._add_run_entries(client_id, keys, size, pin, parent_keys,
-                                                 key_shards, first + inserted,
-                                                 first + placed, runs, now)
-                inserted = placed
-            begin = len(run.offsets) - run.left
-            segment_id = self._take(run, now, exhausted).segment_id
-            quiet = min(run.left, run.quiet, count - placed - 1)  # handed out unchecked
-            run.left -= quiet
-            run.quiet -= quiet
-            used[Tier.DRAM] += quiet * run.step_bytes
-            runs.append((segment_id, run.offsets[begin:begin + 1 + quiet]))
-            placed += 1 + quiet
-        if placed > inserted:
-            entries += self._add_run_entries(client_id, keys, size, pin, parent_keys,
-                                             key_shards, first + inserted, first + placed,
-                                             runs, now)
-        if placed == count:  # a commit of this stretch finds them here (_own_pending)
-            recent = self._recent_puts
-            recent[(client_id, keys[first])] = (keys if count == n else keys[first:end],
-                                                entries)
-            if len(recent) > RECENT_PUTS:
-                del recent[next(iter(recent))]
-        return placed, runs, run
-
-    def _add_run_entries(self, client_id: ClientId, keys: Sequence[ObjectKey], size: int,
-                         pin: Pin, parent_keys: Sequence[ObjectKey] | None,
-                         key_shards: list[dict[ObjectKey, ObjectEntry]], lo: int, hi: int,
-                         runs: list[Run], now: float) -> list[ObjectEntry]:
-        """Make and insert, with C-level maps, the entries of ``keys[lo:hi]``: the keys the
-        last runs of ``runs`` placed."""
-        objects = self._objects
-        repeat = itertools.repeat
-        whole = hi - lo == len(keys)
-        batch = keys if whole else keys[lo:hi]
-        start, left = len(runs), hi - lo
-        while left:  # the runs that placed them: the last ones
-            start -= 1
-            left -= len(runs[start][1])
-        mine = runs[start:]
-        segment_ids = list(itertools.chain.from_iterable(
-            repeat(segment_id, len(run_offsets)) for segment_id, run_offsets in mine))
-        offsets = list(itertools.chain.from_iterable(run_offsets for _, run_offsets in mine))
-        entries = list(map(ObjectEntry, batch, repeat(size), segment_ids, offsets,
-                           repeat(client_id), repeat(pin), repeat(None)))
-        objects.add_pending_all(key_shards if whole else key_shards[lo:hi], batch, entries, now)
-        if parent_keys is not None:  # shared once all are in (a chain's parents are in it)
-            deque(map(setattr, entries, repeat("parent_key"),
-                      objects.shared_parents(parent_keys if whole else parent_keys[lo:hi])),
-                  maxlen=0)
-        return entries
-
     def put_end(self, client_id: ClientId, keys: Sequence[ObjectKey], now: float,
                 checksums: Sequence[int] | None = None) -> list[Status]:
         """Commit PENDING objects: they become READY and visible. OK per key (also for a key
@@ -404,7 +288,7 @@ class Mutations:
         committed: list[ObjectEntry] = []
         for i, key in enumerate(keys):
             checksum = checksums[i] if checksums is not None else 0
-            if type(checksum) is not int or not 0 <= checksum <= _MAX_CHECKSUM:
+            if type(checksum) is not int or not 0 <= checksum <= MAX_CHECKSUM:
                 statuses.append(Status.INVALID_ARGUMENT)
                 continue
             entry = shards[hash(key) & mask].get(key)
@@ -417,44 +301,12 @@ class Mutations:
             else:
                 objects.commit(key, entry, checksum)
                 if events is not None:
-                    events.append(_committed(key, entry, checksum))
+                    events.append(commit_event(key, entry, checksum))
                 committed.append(entry)
                 statuses.append(Status.OK)
         objects.touch_all(committed)
         self._counters.put_committed += len(committed)
         return statuses
-
-    @staticmethod
-    def _commit_events(keys: Sequence[ObjectKey], entries: list[ObjectEntry],
-                       checksums: Sequence[int] | None) -> list[Event]:
-        """The events of a batch commit: one ``ObjectsCommitted`` when every object has one
-        replica, else an ``ObjectCommitted`` each."""
-        if any(map(_MORE_OF, entries)):
-            return list(map(_committed, keys, entries, checksums or itertools.repeat(0)))
-        return [ObjectsCommitted(
-            list(keys), list(map(_SIZE_OF, entries)), list(map(_SEGMENT_OF, entries)),
-            list(map(_OFFSET_OF, entries)),
-            list(checksums) if checksums is not None else [0] * len(entries),
-            list(map(_PIN_OF, entries)), list(map(_PARENT_OF, entries)))]
-
-    def _own_pending(self, client_id: ClientId, keys: Sequence[ObjectKey],
-                     checksums: Sequence[int] | None) -> list[ObjectEntry] | None:
-        """The entries of ``keys`` when the keys are distinct and each PENDING by
-        ``client_id``, and every checksum a u64; else None. Looked up with C-level maps;
-        changes nothing."""
-        if checksums is not None and checksums and not (
-                set(map(type, checksums)) == INT_TYPES and min(checksums) >= 0
-                and max(checksums) <= _MAX_CHECKSUM):
-            return None
-        placed = self._recent_puts.pop((client_id, keys[0]), None)
-        if placed is not None and placed[0] == keys and None not in map(_NEWER_OF, placed[1]):
-            entries = placed[1]  # the batch put_start placed, every entry still in the table
-        else:
-            found = self._objects.get_all(keys)
-            if None in found or len(set(keys)) != len(keys):
-                return None
-            entries = found  # type: ignore[assignment]   # (no None in it)
-        return entries if set(map(_WRITER_OF, entries)) == {client_id} else None
 
     def put_revoke(self, client_id: ClientId, keys: Sequence[ObjectKey],
                    now: float) -> list[Status]:
@@ -515,14 +367,22 @@ class Mutations:
         return Status.NOT_FOUND if ok else Status.INVALID_KEY
 
     def _drop(self, keys: Sequence[ObjectKey], reason: RemoveReason, now: float,
-              hold_until_s: float = 0.0, freed: list[Extent] | None = None) -> None:
+              hold_until_s: float = 0.0, freed: list[Extent] | None = None,
+              entries: list[ObjectEntry] | None = None) -> None:
         """Remove objects (READY or PENDING, all present) and free or park their extents
         (until their read lease ends, and at least until ``hold_until_s``; extents on a
         segment being lost are parked too, in case it is mounted again). With ``freed``, the
         extents that would be freed now are appended to it instead, still allocated (a
-        removal job frees them later, in offset order)."""
-        pop = self._objects.pop
+        removal job frees them later, in offset order). ``entries``: the entries of
+        ``keys`` (distinct), when the caller has them."""
         events = self._events if self.object_events else None
+        if (self.batch_paths and len(keys) >= BATCH_MIN_KEYS and freed is None
+                and hold_until_s <= now and self._objects.dram_order is None):
+            entries = self._unprotected(keys, now, entries)
+            if entries is not None:
+                self._drop_all(keys, entries, reason, events)
+                return
+        pop = self._objects.pop
         to_free: list[Extent] = []
         lapsed = 0
         seq = self._segments.next_free_seq()
@@ -569,7 +429,7 @@ class Mutations:
         self._segments.add(state)
         self._events.append(SegmentMounted(segment))
 
-    def _end_run(self, run: _Run) -> None:
+    def _end_run(self, run: CarvedRun) -> None:
         """Free the extents of ``run`` never handed out (nobody saw them: no free to wait
         for)."""
         if run.left:
@@ -579,18 +439,7 @@ class Mutations:
                                  for offset in run.offsets[-run.left:]], seq=-1)
             run.left = 0
 
-    def _pass_at_take(self, run: _Run, now: float, exhausted: set[Tier]) -> bool:
-        """Whether the ``_take`` of the next extent of ``run`` runs a watermark pass (the
-        same checks, made before it)."""
-        if run.quiet or self.defer_upkeep or Tier.DRAM in exhausted:
-            return False
-        used = self._segments.tier_to_used_bytes
-        used[Tier.DRAM] += run.step_bytes
-        due = self._pass_due(Tier.DRAM, now)
-        used[Tier.DRAM] -= run.step_bytes
-        return due
-
-    def _carve_run(self, size_bytes: int, count: int) -> _Run | None:
+    def _carve_run(self, size_bytes: int, count: int) -> CarvedRun | None:
         """Extents for the next ``count`` plain puts of ``size_bytes`` in a batch, carved at
         once from the emptiest DRAM segment (back to back where it can: one allocator and one
         index update instead of one per key); None when a run is not worth it (``count`` 1) or
@@ -602,13 +451,13 @@ class Mutations:
         if carved is None:
             return None
         state, offsets = carved
-        run = _Run(state, offsets, size_bytes)
+        run = CarvedRun(state, offsets, size_bytes)
         # the tier counts each extent as it is handed out, so watermark passes run exactly
         # where they would for puts placed one at a time
         self._segments.tier_to_used_bytes[Tier.DRAM] -= len(offsets) * run.step_bytes
         return run
 
-    def _take(self, run: _Run, now: float, exhausted: set[Tier]) -> Extent:
+    def _take(self, run: CarvedRun, now: float, exhausted: set[Tier]) -> Extent:
         """The next extent of ``run``; a watermark pass follows, as after any
         allocation (checked only once the tier may be above its high watermark: ``quiet``
         counts the extents that cannot take it there)."""
@@ -709,17 +558,22 @@ class Mutations:
     def _evict_pass(self, tier: Tier, need_bytes: int, now: float) -> int:
         """Evict victims freeing at least ``need_bytes`` of ``tier`` if possible; return the
         bytes of that tier actually freed."""
-        victims, self._pass_capped = select_victims(self._objects, self._segments, tier,
-                                                    need_bytes, now,
-                                                    self._objects.track_children)
-        if not victims:
+        chosen, self._pass_capped = select_victims(self._objects, self._segments, tier,
+                                                   need_bytes, now,
+                                                   self._objects.track_children)
+        if not chosen:
             return 0
+        victims = list(chosen)
         used = self._segments.tier_to_used_bytes
         before = used[tier]
         total_before = sum(used.values())
         # once an SSD segment exists, a victim may live on another tier too
-        kept = self._strip_tier(victims, tier) if self._objects.dram_order is not None else 0
-        self._drop(victims, "evict", now)
+        if self._objects.dram_order is not None:
+            kept = self._strip_tier(victims, tier)
+            self._drop(victims, "evict", now)
+        else:
+            kept = 0
+            self._drop(victims, "evict", now, entries=list(chosen.values()))
         counters = self._counters
         counters.eviction_passes += 1
         counters.evicted_objects += len(victims)
@@ -767,72 +621,6 @@ def _options(options: PutOptions) -> tuple[Pin | None, int]:
         return Pin(options.pin), replica_num
     except ValueError:
         return None, 0
-
-
-#: Most extents one run carves (a batch still spreads over segments in runs this long).
-RUN_MAX_KEYS = 64
-
-
-def _committed(key: ObjectKey, entry: ObjectEntry, checksum: int) -> ObjectCommitted:
-    """The event of ``entry``'s commit under ``key``."""
-    return ObjectCommitted(key, entry.size_bytes, entry.extents(), checksum, entry.pin,
-                           entry.parent_key)
-
-
-class _Run:
-    """Extents carved at once for the plain puts of one batch (``offsets``, back to back
-    where the segment had room for it), handed out in order by ``Mutations._take``."""
-
-    __slots__ = ("state", "offsets", "size_bytes", "step_bytes", "left", "quiet")
-
-    def __init__(self, state: SegmentState, offsets: list[int], size_bytes: int) -> None:
-        self.state = state
-        self.offsets = offsets
-        self.size_bytes = size_bytes
-        self.step_bytes = aligned(size_bytes)
-        self.left = len(offsets)  # not handed out yet: the last ``left`` offsets
-        self.quiet = 0  # extents to hand out before the watermark is checked again
-
-
-class _Stretches:
-    """Where a ``_batchable`` batch's stretches of ``BATCH_MIN_KEYS`` or more absent keys
-    are: those go the batch way (none when the batch is not batchable, ``checked`` None).
-    Asked in key order only."""
-
-    __slots__ = ("key_shards", "bounds", "at")
-
-    def __init__(self, checked: tuple[list[dict[ObjectKey, ObjectEntry]], list[bool]] | None,
-                 n: int) -> None:
-        self.key_shards = checked[0] if checked is not None else None
-        self.bounds: list[tuple[int, int]] = []  # (first, end) of each long absent stretch
-        self.at = 0  # the stretch asked about last
-        if checked is None:
-            return
-        present = checked[1]
-        if not any(present):
-            self.bounds.append((0, n))
-            return
-        first = 0
-        for end in itertools.chain(itertools.compress(range(n), present), (n,)):
-            if end - first >= BATCH_MIN_KEYS:
-                self.bounds.append((first, end))
-            first = end + 1
-
-    def next_from(self, index: int) -> int:
-        """The first key from ``index`` on that starts ``BATCH_MIN_KEYS`` or more absent keys
-        in a row (-1: none)."""
-        bounds = self.bounds
-        while self.at < len(bounds):
-            first, end = bounds[self.at]
-            start = max(first, index)
-            if end - start >= BATCH_MIN_KEYS:
-                return start
-            self.at += 1
-        return -1
-
-    def end_of(self, index: int) -> int:
-        """The end of the stretch ``next_from`` last gave ``index`` in."""
-        return self.bounds[self.at][1]
 
 
 def _same_size_after(sizes_bytes: Sequence[int], i: int) -> int:

@@ -109,6 +109,7 @@ class ObjectEntry:
 
 
 _SIZE_OF = operator.attrgetter("size_bytes")
+_NEWER = operator.attrgetter("newer")
 
 
 class _Link:
@@ -218,6 +219,25 @@ class Recency:
             node.older = last
             node.newer = end
             end.older = node
+
+    def unlink_all(self, nodes: list[Node]) -> None:
+        """``unlink`` of each of ``nodes`` (in this list, distinct): one splice and C-level
+        maps when they lie back to back, oldest first (an eviction pass's victims, mostly)."""
+        if not nodes:
+            return
+        if not all(map(operator.is_, map(_NEWER, itertools.islice(nodes, len(nodes) - 1)),
+                       itertools.islice(nodes, 1, None))):
+            for node in nodes:
+                self.unlink(node)
+            return
+        older = nodes[0].older
+        newer = nodes[-1].newer
+        older.newer = newer  # type: ignore[union-attr]
+        newer.older = older  # type: ignore[union-attr]
+        repeat = itertools.repeat
+        deque(map(setattr, nodes, repeat("older"), repeat(None)), maxlen=0)
+        deque(map(setattr, nodes, repeat("newer"), repeat(None)), maxlen=0)
+        self._count -= len(nodes)
 
     def unlink(self, node: Node) -> None:
         """Take ``node`` (in this list) out of it."""
@@ -431,6 +451,17 @@ class ObjectTable:
         if self.child_counts is not None and entry.parent_key is not None:
             self._count_child(entry.parent_key, -1)
         return entry
+
+    def pop_all_ready(self, keys: Sequence[ObjectKey], entries: list[ObjectEntry]) -> None:
+        """``pop`` of each of ``keys`` (distinct), whose ``entries`` are READY and not in
+        ``dram_order``, with C-level maps (but for the child counts of prefix-lru)."""
+        deque(map(dict.__delitem__, self.shards_of(keys), keys), maxlen=0)
+        self.recency.unlink_all(entries)  # type: ignore[arg-type]
+        self.ready_bytes -= sum(map(_SIZE_OF, entries))
+        if self.child_counts is not None:
+            for entry in entries:
+                if entry.parent_key is not None:
+                    self._count_child(entry.parent_key, -1)
 
     def touch_all(self, entries: list[ObjectEntry]) -> None:
         """Move ``entries`` (read or committed just now, all in the table) to the recent end,
