@@ -460,7 +460,8 @@ class Mutations(BatchPaths):
     def _take(self, run: CarvedRun, now: float, exhausted: set[Tier]) -> Extent:
         """The next extent of ``run``; a watermark pass follows, as after any
         allocation (checked only once the tier may be above its high watermark: ``quiet``
-        counts the extents that cannot take it there)."""
+        counts the extents that cannot take it there; none at all while a deferred pass on
+        the tier is due: until ``relieve`` runs it, a check changes nothing)."""
         step = run.step_bytes
         used = self._segments.tier_to_used_bytes
         used[Tier.DRAM] += step
@@ -471,6 +472,9 @@ class Mutations(BatchPaths):
         else:
             if Tier.DRAM not in exhausted and not self._relieve_watermark(Tier.DRAM, now):
                 exhausted.add(Tier.DRAM)
+            if self.defer_upkeep and Tier.DRAM in self.relief_due:
+                run.quiet = run.left
+                return placement
             # one check to spare: float rounding never lets a crossing go unchecked
             room = (self._config.eviction_high_watermark_ratio
                     * self._segments.tier_to_capacity_bytes[Tier.DRAM] - used[Tier.DRAM])
