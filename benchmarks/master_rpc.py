@@ -28,6 +28,7 @@ import asyncio
 import gc
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -234,18 +235,7 @@ def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
     With ``present_keys``, each call's first keys are objects the table has (a chain whose
     first blocks the pool holds): they answer ALREADY_EXISTS, and the commit names only the
     others, as a client's does; the figures stay per key of the call."""
-    core = MasterCore(CoreConfig())
-    core.skip_object_events()  # as a master without --state-dir
-    servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
-                        on_events=lambda events: True, status_document=lambda: "{}")
-
-    def serve(call: calls.Call[Any]) -> Any:
-        answer = servicer.serve(call.method, call.request.SerializeToString(), "lean")
-        return call.decode(call.method.response_type.FromString(answer))
-
-    token = serve(calls.register_client("bench", "h", "", b"")).client_token
-    assert serve(calls.mount_segment("bench", token, SegmentInfo(
-        SegmentId("seg"), ClientId("bench"), 1 << 40))) == Status.OK
+    servicer, token = _served_master()
     made = 0
 
     reused = 0  # the prefill's keys the calls with present keys named so far
@@ -289,6 +279,62 @@ def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
     return {"served_objects": prefill_keys, "served_put_start_us": start_s / served * 1e6,
             "served_put_end_us": end_s / served * 1e6,
             "served_collector_us": gc_s / served * 1e6}
+
+
+def _served_master() -> tuple[Servicer, bytes]:
+    """A servicer on a core without per-object events (as a master without --state-dir),
+    with the client "bench" registered and a 1 TiB segment of its mounted; and its token."""
+    core = MasterCore(CoreConfig())
+    core.skip_object_events()
+    servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
+                        on_events=lambda events: True, status_document=lambda: "{}")
+
+    def serve(call: calls.Call[Any]) -> Any:
+        answer = servicer.serve(call.method, call.request.SerializeToString(), "lean")
+        return call.decode(call.method.response_type.FromString(answer))
+
+    token: bytes = serve(calls.register_client("bench", "h", "", b"")).client_token
+    assert serve(calls.mount_segment("bench", token, SegmentInfo(
+        SegmentId("seg"), ClientId("bench"), 1 << 40))) == Status.OK
+    return servicer, token
+
+
+def served_reads(objects: int = 200_000, call_keys: int = 512,
+                 rounds: int = 400) -> dict[str, float]:
+    """µs per key the master spends serving ``GetReplicas`` (``Servicer.serve`` in process,
+    as ``served_puts``) of ``call_keys`` distinct random keys a call, under the reader's own
+    leases, from a table of ``objects`` 64 KiB objects; the collector run as in
+    ``served_puts``."""
+    servicer, token = _served_master()
+    for start in range(0, objects, call_keys):
+        keys = [b"%064x" % i for i in range(start, start + call_keys)]
+        for call in (calls.put_start("bench", token, keys, [65536] * call_keys, PutOptions()),
+                     calls.put_end("bench", token, keys)):
+            assert isinstance(servicer.serve(call.method, call.request.SerializeToString(),
+                                             "lean"), bytes)
+    rng = random.Random(7)
+    work = []
+    for _ in range(rounds):
+        keys = list(dict.fromkeys(b"%064x" % rng.randrange(objects) for _ in range(call_keys)))
+        call = calls.get_replicas("bench", keys, token)
+        work.append((call.method, call.request.SerializeToString(), len(keys)))
+    gc.collect()
+    gc.freeze()
+    read_s = gc_s = 0.0
+    served = 0
+    tick_rounds = max(1, 18_000 // call_keys)
+    for i, (method, payload, num_keys) in enumerate(work):
+        t0 = time.perf_counter()
+        assert isinstance(servicer.serve(method, payload, "lean"), bytes)
+        t1 = time.perf_counter()
+        read_s += t1 - t0
+        served += num_keys
+        if i % tick_rounds == tick_rounds - 1:
+            gc.collect()
+            gc.freeze()
+            gc_s += time.perf_counter() - t1
+    return {"served_read_objects": objects, "served_read_us": read_s / served * 1e6,
+            "served_read_collector_us": gc_s / served * 1e6}
 
 
 class _NoMetrics:
@@ -357,6 +403,11 @@ def report(results: dict[str, Any], forms: dict[str, float]) -> None:
     print(f"  the same with the first {PRESENT_KEYS} keys of each call in the pool already: "
           f"PutStart {present['served_put_start_us']:.2f} us, PutEnd "
           f"{present['served_put_end_us']:.2f} us a key of the call: {1 / served:.3f} M keys/s")
+    read_us = forms["served_read_us"] + forms["served_read_collector_us"]
+    print(f"512-key GetReplicas (a reader's leases) served in process "
+          f"({int(forms['served_read_objects']):,} objects), per key: "
+          f"{forms['served_read_us']:.2f} us, collector {forms['served_read_collector_us']:.2f} "
+          f"us: {1 / read_us:.3f} M keys/s")
     for transport, r in results.items():
         single = r["single_exist"]
         print(f"{transport:5s} single Exist: p50 {single['p50_us']:7.1f} us  "
@@ -398,6 +449,7 @@ def main() -> int:
         parser.error("--served-objects must be >= 0")
     forms: dict[str, Any] = {} if args.puts_only else {   # in process, before any master runs
         **answer_forms(), **served_puts(prefill_keys=args.served_objects),
+        **served_reads(max(args.served_objects, 512)),
         "present": served_puts(prefill_keys=max(args.served_objects, 400 * PRESENT_KEYS),
                                present_keys=PRESENT_KEYS)}
     proc = None

@@ -19,9 +19,10 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.capability import RunSigner
+from kvpool_wire.capability import ColumnsSigner, RunSigner
 from kvpool_wire.methods import RPC_METHODS, RpcMethod
 from kvpool_wire.placed import PlacedBatch
+from kvpool_wire.readcolumns import ReadColumns
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -342,11 +343,31 @@ def decode_ended_lease_ids(request: Any) -> list[int]:
 def encode_get_replicas(results: Sequence[ReadResult[Extent]], lease_ttl_s: float,
                         expiry_ms: int, capability_of: Callable[[Extent], bytes],
                         lease_id: int = 0, columns: bool = False,
-                        first_index: int = 0) -> pb.GetReplicasResponse:
+                        first_index: int = 0,
+                        columns_signer: ColumnsSigner | None = None,
+                        ) -> pb.GetReplicasResponse:
     """Per key: status, size, signed replicas (as ``Columns`` when asked for;
     ``first_index``: where these keys start in the batch), checksum; plus the lease every OK
     key holds (``lease_id``: the number its reader ends it by, 0 for a lease nobody can
-    end)."""
+    end). The columns of ``ReadColumns`` go into the answer's as they are, signed by
+    ``columns_signer``."""
+    if columns and columns_signer is not None and isinstance(results, ReadColumns):
+        response = pb.GetReplicasResponse(
+            statuses=_pb(results.statuses), sizes_bytes=results.sizes_bytes,
+            checksums=results.checksums, lease_ttl_ms=round(lease_ttl_s * 1000),
+            lease_id=lease_id)
+        target = response.columns
+        target.segment_ids.extend(results.segment_ids)
+        target.offsets.extend(results.offsets)
+        target.capabilities.extend(columns_signer(results.segment_ids, results.offsets,
+                                                  results.sizes_bytes))
+        for index, placements in sorted(results.more.items()):
+            if len(placements) > 1:
+                target.more_keys.append(first_index + index)
+                _add_replicas(target.more, placements[1:], expiry_ms, capability_of, 0)
+        target.capability_expiry_ms = expiry_ms
+        target.put_id = 0
+        return response
     response = pb.GetReplicasResponse(
         statuses=_pb([r.status for r in results]),
         sizes_bytes=[r.size_bytes for r in results],

@@ -38,16 +38,16 @@ from collections.abc import Sequence
 from kvpool_master.core.allocator import OFFSET_BITS, aligned
 from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
+from kvpool_wire.readcolumns import ReadColumns
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, Extent, ObjectKey, ReadResult
+from kvpool_wire.types import ClientId, Extent, ObjectKey
 
 OK = Status.OK
 NOT_FOUND = Status.NOT_FOUND
 INVALID_KEY = Status.INVALID_KEY
 #: ``entry.holds`` once every hold on it ended: its bytes are protected by nothing (shared).
 NO_HOLDS: dict[str, tuple[int, float, int]] = {}
-_NOT_FOUND_RESULT: ReadResult[Extent] = ReadResult(int(Status.NOT_FOUND))
-_INVALID_KEY_RESULT: ReadResult[Extent] = ReadResult(int(Status.INVALID_KEY))
+_OK, _NOT_FOUND, _INVALID_KEY = int(Status.OK), int(Status.NOT_FOUND), int(Status.INVALID_KEY)
 
 
 class LeaseCounters:
@@ -110,10 +110,10 @@ class OpenLeases:
 def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[ObjectKey],
                  now: float, ttl_s: float, max_key_bytes: int, counters: LeaseCounters,
                  reader: ClientId | None = None, lease_id: int = 0,
-                 covered: list[ObjectKey] | None = None) -> list[ReadResult[Extent]]:
-    """Return one ReadResult per key: OK with placements (leased), NOT_FOUND or INVALID_KEY.
-    With ``reader``, each lease is a share of that reader's hold under ``lease_id``, which it
-    may end; the keys granted are appended to ``covered``."""
+                 covered: list[ObjectKey] | None = None) -> ReadColumns:
+    """Return one ReadResult per key, as ``ReadColumns``: OK with placements (leased),
+    NOT_FOUND or INVALID_KEY. With ``reader``, each lease is a share of that reader's hold
+    under ``lease_id``, which it may end; the keys granted are appended to ``covered``."""
     shards = table.shards
     mask = SHARD_MASK
     touched: list[ObjectEntry] = []
@@ -121,20 +121,28 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
     expiry_s = now + ttl_s
     hold = (lease_id, expiry_s, 1)
     restoring = segments.filtering
-    results: list[ReadResult[Extent]] = []
-    append = results.append
+    results = ReadColumns()
+    refuse = results.refuse
+    statuses, sizes, checksums = results.statuses, results.sizes_bytes, results.checksums
+    segment_ids, offsets, more = results.segment_ids, results.offsets, results.more
     lapsed = 0
     for key in keys:
         entry = shards[hash(key) & mask].get(key)
         if entry is None or entry.writer_id is not None:
-            append(_NOT_FOUND_RESULT if _well_formed(key, max_key_bytes) else _INVALID_KEY_RESULT)
+            refuse(_NOT_FOUND if _well_formed(key, max_key_bytes) else _INVALID_KEY)
             continue
-        placements = entry.extents()
-        if restoring:
-            placements = mounted_placements(segments, placements)
+        if restoring or entry.more:
+            placements = mounted_placements(segments, entry.extents()) if restoring \
+                else entry.extents()
             if not placements:
-                append(_NOT_FOUND_RESULT)
+                refuse(_NOT_FOUND)
                 continue
+            more[len(statuses)] = placements
+            segment_ids.append(placements[0].segment_id)
+            offsets.append(placements[0].offset)
+        else:
+            segment_ids.append(entry.segment_id)
+            offsets.append(entry.offset)
         lease = entry.lease_expiry_s
         if lease < expiry_s:
             if 0.0 < lease <= now:
@@ -154,7 +162,9 @@ def get_replicas(table: ObjectTable, segments: SegmentTable, keys: Sequence[Obje
         elif holds is not None:
             add_timed(entry, holds, hold)
         touch(entry)
-        append(ReadResult(0, entry.size_bytes, placements, entry.checksum))
+        statuses.append(_OK)
+        sizes.append(entry.size_bytes)
+        checksums.append(entry.checksum)
     table.touch_all(touched)
     counters.leases_granted += len(touched)
     counters.leases_lapsed += lapsed

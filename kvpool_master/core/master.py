@@ -241,8 +241,9 @@ class MasterCore(Tiering):
 
     def get_replicas(self, keys: Sequence[ObjectKey], now: float,
                      reader: ClientId | None = None,
-                     lease_id: int = 0) -> list[ReadResult[Extent]]:
-        """Return one ReadResult per key: OK with placements, NOT_FOUND (absent or PENDING),
+                     lease_id: int = 0) -> Sequence[ReadResult[Extent]]:
+        """Return one ReadResult per key (``ReadColumns``, or for a refused call a list): OK
+        with placements, NOT_FOUND (absent or PENDING),
         INVALID_KEY, or INVALID_ARGUMENT for an oversized batch. With ``reader`` (a proven
         client) the leases are its lease ``self.last_lease_id``, which it may end early
         (``end_leases``); a call served in steps passes the lease its first step got as

@@ -526,6 +526,8 @@ class Servicer:
         lease_ttl_s = self._core.config.default_lease_ttl_s
         expiry_ms = self.capability_clock_ms() + int(lease_ttl_s * 1000)
         signer = self._signer(Op.READ, expiry_ms)
+        columns_signer = capability.columns_signer(self._core.segment_key, Op.READ, expiry_ms,
+                                                   self.capability_epoch)
         lease_id = 0  # the reader's lease, numbered by the first step
         columns = request.columns
 
@@ -536,7 +538,7 @@ class Servicer:
             if reader is not None:
                 lease_id = self._core.last_lease_id
             return convert.encode_get_replicas(results, lease_ttl_s, expiry_ms, signer,
-                                               lease_id, columns, lo)
+                                               lease_id, columns, lo, columns_signer)
 
         return self._in_steps(request, len(keys), step, step_keys=READ_STEP_KEYS, writes=False)
 

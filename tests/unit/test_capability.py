@@ -49,6 +49,14 @@ def test_an_answers_signers_sign_like_a_fresh_key_and_key_each_segment_once() ->
                 capability_of(Extent(SegmentId(segment_id), offset, length))
                 for offset in offsets]
         assert sorted(looked_up) == ["gone", "seg-a", "seg-b"]   # once each
+        looked_up.clear()
+        capabilities_of = capability.columns_signer(segment_key, op, expiry_ms, epoch, put_id)
+        with_none = [*extents, Extent(SegmentId(""), 0, 0)]
+        for chosen in (extents, with_none, with_none[::-1], extents[:2], []):
+            assert capabilities_of([e.segment_id for e in chosen], [e.offset for e in chosen],
+                                   [e.length for e in chosen]) == [
+                capability_of(e) if e.segment_id else b"" for e in chosen]
+        assert sorted(looked_up) == ["gone", "seg-a", "seg-b"]   # once each, none for ""
 
 
 def test_verify_binds_every_field_and_the_expiry() -> None:
