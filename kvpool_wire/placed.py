@@ -15,9 +15,9 @@ Rules of this file:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Iterator
 
+from kvpool_wire.aslist import AsList
 from kvpool_wire.status import Status
 from kvpool_wire.types import Extent, SegmentId
 
@@ -28,7 +28,7 @@ Run = tuple[SegmentId, list[int]]
 Piece = Run | list[PutResult]
 
 
-class PlacedBatch(Sequence[PutResult]):
+class PlacedBatch(AsList[PutResult]):
     """Per key (status, placements), piece after piece (see the module rules)."""
 
     __slots__ = ("pieces", "run_size_bytes", "num_keys")
@@ -57,19 +57,7 @@ class PlacedBatch(Sequence[PutResult]):
             else:
                 yield from piece
 
-    @overload
-    def __getitem__(self, index: int) -> PutResult: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[PutResult]: ...
-
-    def __getitem__(self, index: int | slice) -> PutResult | list[PutResult]:
-        if isinstance(index, slice):
-            return list(self)[index]
-        if index < 0:
-            index += self.num_keys
-        if not 0 <= index < self.num_keys:
-            raise IndexError("PlacedBatch index out of range")
+    def _at(self, index: int) -> PutResult:
         for piece in self.pieces:
             if isinstance(piece, tuple):
                 segment_id, offsets = piece
@@ -82,16 +70,6 @@ class PlacedBatch(Sequence[PutResult]):
             else:
                 index -= len(piece)
         raise AssertionError("unreachable")
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"PlacedBatch({list(self)!r})"
 
     def statuses(self) -> list[Status]:
         """Each key's status."""

@@ -14,9 +14,9 @@ Rules of this file:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Iterator
 
+from kvpool_wire.aslist import AsList
 from kvpool_wire.status import Status
 from kvpool_wire.types import Extent, ReadResult, SegmentId
 
@@ -24,7 +24,7 @@ _OK = int(Status.OK)
 _NO_SEGMENT = SegmentId("")
 
 
-class ReadColumns(Sequence[ReadResult[Extent]]):
+class ReadColumns(AsList[ReadResult[Extent]]):
     """Per key: ``statuses``, ``sizes_bytes``, ``checksums``, and the first replica
     (``segment_ids``, ``offsets``; its length is the size), the whole replica tuple in
     ``more`` where it is not that one replica."""
@@ -51,9 +51,9 @@ class ReadColumns(Sequence[ReadResult[Extent]]):
         return len(self.statuses)
 
     def __iter__(self) -> Iterator[ReadResult[Extent]]:
-        return map(self._result, range(len(self.statuses)))
+        return map(self._at, range(len(self.statuses)))
 
-    def _result(self, index: int) -> ReadResult[Extent]:
+    def _at(self, index: int) -> ReadResult[Extent]:
         status, size = self.statuses[index], self.sizes_bytes[index]
         if status != _OK:
             return ReadResult(status)
@@ -61,28 +61,3 @@ class ReadColumns(Sequence[ReadResult[Extent]]):
         if placements is None:
             placements = (Extent(self.segment_ids[index], self.offsets[index], size),)
         return ReadResult(status, size, placements, self.checksums[index])
-
-    @overload
-    def __getitem__(self, index: int) -> ReadResult[Extent]: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[ReadResult[Extent]]: ...
-
-    def __getitem__(self, index: int | slice) -> ReadResult[Extent] | list[ReadResult[Extent]]:
-        if isinstance(index, slice):
-            return [self._result(i) for i in range(len(self.statuses))[index]]
-        if index < 0:
-            index += len(self.statuses)
-        if not 0 <= index < len(self.statuses):
-            raise IndexError("ReadColumns index out of range")
-        return self._result(index)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"ReadColumns({list(self)!r})"

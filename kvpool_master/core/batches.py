@@ -72,7 +72,7 @@ class BatchPaths:
     # (an entry out of it has ``newer`` None), without a lookup
     _recent_puts: dict[tuple[ClientId, ObjectKey], tuple[Sequence[ObjectKey],
                                                          list[ObjectEntry]]]
-    defer_upkeep = False
+    defer_upkeep: bool  # see ``Mutations``
     batch_paths = True  # tests turn it off (the module rules)
 
     # ---- the run machinery, in ``Mutations`` ------------------------------------------------
