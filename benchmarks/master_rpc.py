@@ -7,7 +7,9 @@ Measures, over gRPC and over the lean framing, through the client stub (``Master
 - batched ``GetReplicas`` (a signed capability per key) and ``PutStart`` + ``PutEnd`` with
   1,000 keys per call, one call at a time: keys/s, decoding the answers included;
 - in process, before the master starts: what serving ``PutStart`` + ``PutEnd`` of 512 keys
-  costs the master per key (``Servicer.serve``: request, core, answer; no transport);
+  costs the master per key (``Servicer.serve``: request, core, answer; no transport), of
+  fresh keys and with the first 64 of each call in the pool already, and what serving a
+  512-key ``GetReplicas`` under the reader's own leases costs;
   the master's encoding and the client's decoding of a
   512-key ``GetReplicas`` answer, per key, nested (a ``Replicas`` per key) and as ``Columns``
   (capabilities given, not signed), and decoding a ``PutStart`` request of 16,384 keys (one
