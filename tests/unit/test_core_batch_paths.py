@@ -32,7 +32,7 @@ SIZES = [4096, 65536]
 def _state(core: MasterCore) -> Any:
     objects = core._objects
     entries = [(e.key, e.size_bytes, e.extents(), e.writer_id, e.checksum, e.parent_key,
-                e.pin, e.lease_expiry_s) for e in objects.entries()]
+                e.pin, e.lease_expiry_s, e.holds) for e in objects.entries()]
     segments = sorted((s.info.segment_id, s.allocator.free_bytes)
                       for s in core._segments.id_to_segment.values())
     children = [dict(sorted(c.items())) for c in objects.child_counts or []]
@@ -80,6 +80,7 @@ def _calls(seed: int) -> list[tuple[str, Any]]:
     rng = random.Random(seed)
     made: list[ObjectKey] = []
     started: list[tuple[ClientId, list[ObjectKey]]] = []
+    committed: list[list[ObjectKey]] = []
     calls: list[tuple[str, Any]] = []
     mounted = [SegmentInfo(SegmentId(f"s{i}"), WRITERS[i % 2], rng.choice([40, 64, 96]) * 65536)
                for i in range(3)]
@@ -122,14 +123,22 @@ def _calls(seed: int) -> list[tuple[str, Any]]:
                 if rng.random() < 0.1:
                     checksums[-1] = -1
             calls.append(("put_end", (writer, keys, checksums)))
+            committed.append(keys)
+            for _ in range(rng.choice([0, 0, 1, 2])):   # read at once (READY, in the pool)
+                reads = rng.sample(keys, rng.randrange(1, len(keys) + 1))
+                calls.append(("read", (reads, rng.choice([None, *WRITERS]))))
         elif roll < 0.88 and started:   # revoked, and often committed later all the same
             writer, keys = started[rng.randrange(len(started))]
             calls.append(("revoke", (writer, keys[: rng.randrange(1, len(keys) + 1)])))
         elif roll < 0.92 and made:
             calls.append(("exist", rng.sample(made, min(len(made), 50))))
         elif roll < 0.96 and made:   # leases (a reader's holds, or leases nobody can end)
-            calls.append(("read", (rng.sample(made, min(len(made), 40)),
-                                   rng.choice([None, *WRITERS]))))
+            if committed and rng.random() < 0.7:   # a batch committed (all READY, mostly)
+                batch = rng.choice(committed)
+                reads = rng.sample(batch, rng.randrange(1, len(batch) + 1))
+            else:
+                reads = rng.sample(made, min(len(made), 40))
+            calls.append(("read", (reads, rng.choice([None, *WRITERS]))))
         elif made:   # forced now and then: leased objects go too, their bytes parked
             calls.append(("remove", (rng.sample(made, min(len(made), 20)),
                                      rng.random() < 0.5)))
