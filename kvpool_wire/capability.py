@@ -71,14 +71,10 @@ def extent_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, expi
     its id absorbed once, so a capability costs one state copy, one update and the digest."""
     terms = _TERMS.pack(int(op), expiry_ms, epoch, put_id)
     pack = _EXTENT.pack
-    state_of_segment: dict[SegmentId, hashlib.blake2b | None] = {}
+    state_of_segment = _SegmentStates(segment_key)
 
     def capability_of(extent: Extent) -> bytes:
-        segment_id = extent.segment_id
-        try:
-            state = state_of_segment[segment_id]
-        except KeyError:
-            state = state_of_segment[segment_id] = _segment_state(segment_key, segment_id)
+        state = state_of_segment[extent.segment_id]
         if state is None:
             return b""
         mac = state.copy()
@@ -97,12 +93,10 @@ def run_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, expiry_
     (``segment_id``, offset, ``length``), the same bytes ``extent_signer`` gives each, made
     with C-level maps (a run of plain puts is signed without a Python step per extent)."""
     repeat = itertools.repeat
-    state_of_segment: dict[SegmentId, hashlib.blake2b | None] = {}
+    state_of_segment = _SegmentStates(segment_key)
 
     def capabilities_of_run(segment_id: SegmentId, offsets: list[int],
                             length: int) -> list[bytes]:
-        if segment_id not in state_of_segment:
-            state_of_segment[segment_id] = _segment_state(segment_key, segment_id)
         state = state_of_segment[segment_id]
         if state is None:
             return [b""] * len(offsets)
@@ -149,8 +143,8 @@ def columns_signer(segment_key: Callable[[SegmentId], bytes | None], op: Op, exp
 
 
 class _SegmentStates(dict[str, "hashlib.blake2b | None"]):
-    """Segment id -> its MAC state (``_segment_state``), made when first asked for; None
-    for ``""`` (no replica)."""
+    """Segment id -> its MAC state (``_segment_state``), made when first asked for: each
+    signer of an answer keys each segment once. None for ``""`` (no replica)."""
 
     def __init__(self, segment_key: Callable[[SegmentId], bytes | None]) -> None:
         super().__init__()
