@@ -366,7 +366,6 @@ def encode_get_replicas(results: Sequence[ReadResult[Extent]], lease_ttl_s: floa
                 target.more_keys.append(first_index + index)
                 _add_replicas(target.more, placements[1:], expiry_ms, capability_of, 0)
         target.capability_expiry_ms = expiry_ms
-        target.put_id = 0
         return response
     response = pb.GetReplicasResponse(
         statuses=_pb([r.status for r in results]),

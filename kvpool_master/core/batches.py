@@ -329,6 +329,6 @@ class Stretches:
             self.at += 1
         return -1
 
-    def end_of(self, index: int) -> int:
-        """The end of the stretch ``next_from`` last gave ``index`` in."""
+    def end(self) -> int:
+        """The end of the stretch of the key ``next_from`` gave last."""
         return self.bounds[self.at][1]

@@ -65,11 +65,7 @@ from kvpool_master.core.events import (
 )
 from kvpool_master.core.eviction import select_victims
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters, protected_until
-from kvpool_master.core.objects import (
-    SHARD_MASK,
-    ObjectEntry,
-    ObjectTable,
-)
+from kvpool_master.core.objects import SHARD_MASK, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.stats import Counters
 from kvpool_wire.placed import Piece, PlacedBatch, PutResult
@@ -174,7 +170,7 @@ class Mutations(BatchPaths):
             i = after
             if i == batch_at:
                 assert stretches.key_shards is not None
-                end = stretches.end_of(i)
+                end = stretches.end()
                 got, runs, run = self._put_runs(client_id, keys, sizes_bytes[0], pin,
                                                 parent_keys, stretches.key_shards, i, end, run,
                                                 now, exhausted)
