@@ -232,60 +232,64 @@ def served_puts(prefill_keys: int = 200_000, call_keys: int = 512,
     """µs per key the master spends serving ``PutStart`` and ``PutEnd`` of fresh 64 KiB
     objects (``Servicer.serve`` in process: the request parsed, the core's work, the answer
     signed and encoded, as columns), ``call_keys`` keys a call, into a table of
-    ``prefill_keys`` objects; the collector run as the master's tick runs it (a full
-    collection and a freeze every 18 k keys, about what a tick sees at this rate, counted).
-    With ``present_keys``, each call's first keys are objects the table has (a chain whose
-    first blocks the pool holds): they answer ALREADY_EXISTS, and the commit names only the
-    others, as a client's does; the figures stay per key of the call."""
-    servicer, token = _served_master()
-    made = 0
-
-    reused = 0  # the prefill's keys the calls with present keys named so far
-
-    def payloads(num_keys: int, present: int = 0) -> tuple[Any, bytes, Any, bytes]:
-        nonlocal made, reused
-        old = [b"%064x" % (reused + i) for i in range(present)]
-        reused += present
-        fresh = [b"%064x" % (made + i) for i in range(num_keys - present)]
-        made += num_keys - present
-        start = calls.put_start("bench", token, old + fresh, [65536] * num_keys, PutOptions())
-        end = calls.put_end("bench", token, fresh)
-        return (start.method, start.request.SerializeToString(), end.method,
-                end.request.SerializeToString())
-
-    for _ in range(prefill_keys // call_keys):  # calls served in one step (bytes answered)
-        start_method, start_payload, end_method, end_payload = payloads(call_keys)
-        assert isinstance(servicer.serve(start_method, start_payload, "lean"), bytes)
-        assert isinstance(servicer.serve(end_method, end_payload, "lean"), bytes)
-    gc.collect()
-    gc.freeze()
-    if call_keys > STEP_KEYS or present_keys * rounds > made:
+    ``prefill_keys`` objects; the collector run as the master's tick runs it (see
+    ``_serve_rounds``). With ``present_keys``, each call's first keys are objects the table
+    has (a chain whose first blocks the pool holds): they answer ALREADY_EXISTS, and the
+    commit names only the others, as a client's does; the figures stay per key of the
+    call."""
+    if call_keys > STEP_KEYS or present_keys * rounds > prefill_keys - prefill_keys % call_keys:
         raise ValueError("calls of at most STEP_KEYS keys; present keys need a prefill of "
                          "present_keys x rounds objects")
-    work = [payloads(call_keys, present_keys) for _ in range(rounds)]
-    start_s = end_s = gc_s = 0.0
-    tick_rounds = max(1, 18_000 // call_keys)
-    for i, (start_method, start_payload, end_method, end_payload) in enumerate(work):
-        t0 = time.perf_counter()
-        assert isinstance(servicer.serve(start_method, start_payload, "lean"), bytes)
-        t1 = time.perf_counter()
-        assert isinstance(servicer.serve(end_method, end_payload, "lean"), bytes)
-        t2 = time.perf_counter()
-        start_s += t1 - t0
-        end_s += t2 - t1
-        if i % tick_rounds == tick_rounds - 1:
-            gc.collect()
-            gc.freeze()
-            gc_s += time.perf_counter() - t2
+    servicer, token = _served_master(prefill_keys, call_keys)
+    work = []
+    for r in range(rounds):
+        old = [_key(i) for i in range(r * present_keys, (r + 1) * present_keys)]
+        first = prefill_keys + r * (call_keys - present_keys)
+        fresh = [_key(i) for i in range(first, first + call_keys - present_keys)]
+        work.append([_payload(calls.put_start("bench", token, old + fresh,
+                                              [65536] * call_keys, PutOptions())),
+                     _payload(calls.put_end("bench", token, fresh))])
+    (start_s, end_s), gc_s = _serve_rounds(servicer, work, call_keys)
     served = call_keys * rounds
     return {"served_objects": prefill_keys, "served_put_start_us": start_s / served * 1e6,
             "served_put_end_us": end_s / served * 1e6,
             "served_collector_us": gc_s / served * 1e6}
 
 
-def _served_master() -> tuple[Servicer, bytes]:
+def served_reads(objects: int = 200_000, call_keys: int = 512,
+                 rounds: int = 400) -> dict[str, float]:
+    """µs per key the master spends serving ``GetReplicas`` (``Servicer.serve`` in process,
+    as ``served_puts``) of ``call_keys`` distinct random keys a call, under the reader's own
+    leases, from a table of ``objects`` 64 KiB objects; the collector run as in
+    ``served_puts``."""
+    servicer, token = _served_master(objects, call_keys)
+    rng = random.Random(7)
+    work = []
+    served = 0
+    for _ in range(rounds):
+        keys = list(dict.fromkeys(_key(rng.randrange(objects)) for _ in range(call_keys)))
+        work.append([_payload(calls.get_replicas("bench", keys, token))])
+        served += len(keys)
+    (read_s,), gc_s = _serve_rounds(servicer, work, call_keys)
+    return {"served_read_objects": objects, "served_read_us": read_s / served * 1e6,
+            "served_read_collector_us": gc_s / served * 1e6}
+
+
+def _key(i: int) -> bytes:
+    """The ``i``-th key the served lines use."""
+    return b"%064x" % i
+
+
+def _payload(call: calls.Call[Any]) -> tuple[Any, bytes]:
+    """The method and request bytes of ``call``."""
+    return call.method, call.request.SerializeToString()
+
+
+def _served_master(objects: int, call_keys: int) -> tuple[Servicer, bytes]:
     """A servicer on a core without per-object events (as a master without --state-dir),
-    with the client "bench" registered and a 1 TiB segment of its mounted; and its token."""
+    with the client "bench" registered and a 1 TiB segment of its mounted, holding the
+    ``objects`` 64 KiB objects of keys ``_key(0)`` on, put and committed in ``call_keys``-key
+    calls (each served in one step); and the client's token."""
     core = MasterCore(CoreConfig())
     core.skip_object_events()
     servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
@@ -298,45 +302,36 @@ def _served_master() -> tuple[Servicer, bytes]:
     token: bytes = serve(calls.register_client("bench", "h", "", b"")).client_token
     assert serve(calls.mount_segment("bench", token, SegmentInfo(
         SegmentId("seg"), ClientId("bench"), 1 << 40))) == Status.OK
+    for start in range(0, objects - objects % call_keys, call_keys):
+        keys = [_key(i) for i in range(start, start + call_keys)]
+        for call in (calls.put_start("bench", token, keys, [65536] * call_keys, PutOptions()),
+                     calls.put_end("bench", token, keys)):
+            assert isinstance(servicer.serve(*_payload(call), "lean"), bytes)  # one step
     return servicer, token
 
 
-def served_reads(objects: int = 200_000, call_keys: int = 512,
-                 rounds: int = 400) -> dict[str, float]:
-    """µs per key the master spends serving ``GetReplicas`` (``Servicer.serve`` in process,
-    as ``served_puts``) of ``call_keys`` distinct random keys a call, under the reader's own
-    leases, from a table of ``objects`` 64 KiB objects; the collector run as in
-    ``served_puts``."""
-    servicer, token = _served_master()
-    for start in range(0, objects, call_keys):
-        keys = [b"%064x" % i for i in range(start, start + call_keys)]
-        for call in (calls.put_start("bench", token, keys, [65536] * call_keys, PutOptions()),
-                     calls.put_end("bench", token, keys)):
-            assert isinstance(servicer.serve(call.method, call.request.SerializeToString(),
-                                             "lean"), bytes)
-    rng = random.Random(7)
-    work = []
-    for _ in range(rounds):
-        keys = list(dict.fromkeys(b"%064x" % rng.randrange(objects) for _ in range(call_keys)))
-        call = calls.get_replicas("bench", keys, token)
-        work.append((call.method, call.request.SerializeToString(), len(keys)))
+def _serve_rounds(servicer: Servicer, rounds: list[list[tuple[Any, bytes]]],
+                  call_keys: int) -> tuple[list[float], float]:
+    """Serve each round's calls in turn (each answered in one step); return the seconds
+    spent on the calls at each position of a round, summed over the rounds, and on the
+    collector, run as the master's tick runs it: a full collection and a freeze every
+    18 k keys (about what a tick sees at this rate), counted apart."""
     gc.collect()
     gc.freeze()
-    read_s = gc_s = 0.0
-    served = 0
+    spent = [0.0] * len(rounds[0])
+    gc_s = 0.0
     tick_rounds = max(1, 18_000 // call_keys)
-    for i, (method, payload, num_keys) in enumerate(work):
-        t0 = time.perf_counter()
-        assert isinstance(servicer.serve(method, payload, "lean"), bytes)
-        t1 = time.perf_counter()
-        read_s += t1 - t0
-        served += num_keys
+    for i, work in enumerate(rounds):
+        for position, (method, payload) in enumerate(work):
+            started = time.perf_counter()
+            assert isinstance(servicer.serve(method, payload, "lean"), bytes)
+            spent[position] += time.perf_counter() - started
         if i % tick_rounds == tick_rounds - 1:
+            started = time.perf_counter()
             gc.collect()
             gc.freeze()
-            gc_s += time.perf_counter() - t1
-    return {"served_read_objects": objects, "served_read_us": read_s / served * 1e6,
-            "served_read_collector_us": gc_s / served * 1e6}
+            gc_s += time.perf_counter() - started
+    return spent, gc_s
 
 
 class _NoMetrics:
