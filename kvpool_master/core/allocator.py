@@ -42,55 +42,77 @@ _ALIGN_MASK_U64 = np.uint64(ALIGN_BYTES - 1)
 _EDGE_SHARD_BYTES = 64 << 20
 _MAX_EDGE_SHARDS = 64
 
+#: (index, count) of a partition of the index (see ``share``); ``WHOLE``: the only one.
+Part = tuple[int, int]
+WHOLE: Part = (0, 1)
+
 
 def aligned(size_bytes: int) -> int:
     """Return ``size_bytes`` rounded up to a multiple of ``ALIGN_BYTES``."""
     return (size_bytes + ALIGN_BYTES - 1) & ~(ALIGN_BYTES - 1)
 
 
+def share(size_bytes: int, part: Part = WHOLE) -> tuple[int, int]:
+    """``[start, end)`` of a segment of ``size_bytes`` that partition ``part`` = (index,
+    count) of the index allocates in: the aligned bytes split in ``count`` aligned slices in
+    order, the last one taking the rest (the whole segment for one partition)."""
+    index, count = part
+    usable = size_bytes - size_bytes % ALIGN_BYTES  # a ragged tail is never usable
+    if count == 1:
+        return 0, usable
+    slice_bytes = usable // count // ALIGN_BYTES * ALIGN_BYTES
+    start = index * slice_bytes
+    return start, (start + slice_bytes if index < count - 1 else usable)
+
+
 class Allocator:
-    """Allocates aligned extents of ``[0, size_bytes)``."""
+    """Allocates aligned extents of ``[start_bytes, end_bytes)``: of ``[0, size_bytes)``, or of
+    partition ``part``'s share of it (``share``); ``size_bytes`` is then that share's."""
 
-    __slots__ = ("size_bytes", "used_bytes", "num_extents", "_by_size", "_start_to_size",
-                 "_end_to_start", "_edge_shards", "_edge_scale")
+    __slots__ = ("size_bytes", "start_bytes", "end_bytes", "used_bytes", "num_extents",
+                 "_by_size", "_start_to_size", "_end_to_start", "_edge_shards", "_edge_scale")
 
-    def __init__(self, size_bytes: int) -> None:
+    def __init__(self, size_bytes: int, part: Part = WHOLE) -> None:
         if not 0 < size_bytes <= MAX_SEGMENT_BYTES:
             raise ValueError(f"segment size must be in (0, {MAX_SEGMENT_BYTES}], got {size_bytes}")
-        self.size_bytes = size_bytes - size_bytes % ALIGN_BYTES  # a ragged tail is never usable
+        self.start_bytes, self.end_bytes = share(size_bytes, part)
+        self.size_bytes = self.end_bytes - self.start_bytes
         self.used_bytes = 0
         self.num_extents = 0  # allocated extents
         self._by_size: SortedList = SortedList()
         # free extents by start and by end, each in the dict of its position's shard
-        # (``position * _edge_shards // _edge_scale``)
-        shards = min(_MAX_EDGE_SHARDS, max(1, self.size_bytes // _EDGE_SHARD_BYTES))
+        # (``position * _edge_shards // _edge_scale``; a share uses the shards of its span)
+        shards = min(_MAX_EDGE_SHARDS, max(1, self.end_bytes // _EDGE_SHARD_BYTES))
         self._start_to_size: list[dict[int, int]] = [{} for _ in range(shards)]
         self._end_to_start: list[dict[int, int]] = [{} for _ in range(shards)]
         self._edge_shards = shards
-        self._edge_scale = self.size_bytes + 1
+        self._edge_scale = self.end_bytes + 1
         if self.size_bytes:
-            self._add_free(0, self.size_bytes)
+            self._add_free(self.start_bytes, self.size_bytes)
 
     @classmethod
-    def from_used(cls, size_bytes: int, used: Iterable[tuple[int, int]]) -> Allocator:
+    def from_used(cls, size_bytes: int, used: Iterable[tuple[int, int]],
+                  part: Part = WHOLE) -> Allocator:
         """Return an allocator whose allocated extents are exactly ``used`` ((offset, size)).
 
-        Raises ``ValueError`` when two extents overlap or one lies outside the segment.
+        Raises ``ValueError`` when two extents overlap or one lies outside the segment (or
+        outside ``part``'s share of it).
         """
         pairs = list(used)
         if any(offset < 0 or size <= 0 for offset, size in pairs):
             raise ValueError("extents lie outside the segment")
         return cls.from_columns(size_bytes, [offset for offset, _ in pairs],
-                                [aligned(size) for _, size in pairs])
+                                [aligned(size) for _, size in pairs], part)
 
     @classmethod
-    def from_packed(cls, size_bytes: int, packed: list[int]) -> Allocator:
+    def from_packed(cls, size_bytes: int, packed: list[int], part: Part = WHOLE) -> Allocator:
         """Like ``from_used`` with extents as ``offset << OFFSET_BITS | aligned size``."""
         return cls.from_columns(size_bytes, [p >> OFFSET_BITS for p in packed],
-                                [p & _OFFSET_MASK for p in packed])
+                                [p & _OFFSET_MASK for p in packed], part)
 
     @classmethod
-    def from_columns(cls, size_bytes: int, offsets: Any, sizes_bytes: Any) -> Allocator:
+    def from_columns(cls, size_bytes: int, offsets: Any, sizes_bytes: Any,
+                     part: Part = WHOLE) -> Allocator:
         """Like ``from_used`` with the extents' offsets and aligned sizes as two columns of
         unsigned machine words (numpy arrays, ``array("Q")``s or lists of ints, in any
         order): how a restore rebuilds a segment's allocator from its objects.
@@ -98,7 +120,7 @@ class Allocator:
         The work is numpy's (sort, checks, the gaps between extents), so a restore pays no
         Python step per object here; Python steps only per free extent.
         """
-        allocator = cls(size_bytes)
+        allocator = cls(size_bytes, part)
         try:
             starts = np.asarray(offsets, dtype=np.uint64)
             sizes = np.asarray(sizes_bytes, dtype=np.uint64)
@@ -108,17 +130,18 @@ class Allocator:
             raise ValueError("offsets and sizes must be two columns of one length")
         if not len(starts):
             return allocator
-        limit = allocator.size_bytes
+        first, limit = allocator.start_bytes, allocator.end_bytes
         # bounds first, so that no sum below wraps around
-        if starts.max() >= limit or sizes.max() > limit or not sizes.all() \
-                or ((starts | sizes) & _ALIGN_MASK_U64).any():
+        if starts.max() >= limit or starts.min() < first or sizes.max() > limit \
+                or not sizes.all() or ((starts | sizes) & _ALIGN_MASK_U64).any():
             raise ValueError("extents lie outside the segment or are not aligned")
         order = np.argsort(starts, kind="stable")
         starts, sizes = starts[order], sizes[order]
         ends = starts + sizes
         if ends[-1] > limit or (starts[1:] < ends[:-1]).any():
             raise ValueError("extents overlap or lie outside the segment")
-        before = np.concatenate((np.zeros(1, np.uint64), ends))   # end of what precedes each
+        # the end of what precedes each
+        before = np.concatenate((np.full(1, first, np.uint64), ends))
         gap = before[:-1] < starts
         free_starts = np.concatenate((before[:-1][gap], before[-1:]))
         free_sizes = np.concatenate((starts[gap] - free_starts[:-1],
@@ -208,7 +231,7 @@ class Allocator:
         """
         size = aligned(size_bytes)
         end = offset + size
-        if offset < 0 or size <= 0 or end > self.size_bytes or offset % ALIGN_BYTES:
+        if offset < self.start_bytes or size <= 0 or end > self.end_bytes or offset % ALIGN_BYTES:
             raise ValueError(f"extent ({offset}, {size}) lies outside the segment")
         if self._is_free_edge(offset, end):
             raise ValueError(f"extent ({offset}, {size}) is already free")
@@ -238,7 +261,7 @@ class Allocator:
         extents overlap), before changing anything.
         """
         packed.sort()
-        limit = self.size_bytes
+        first, limit = self.start_bytes, self.end_bytes
         runs: list[tuple[int, int]] = []
         run_start = run_end = -1
         for item in packed:
@@ -248,7 +271,7 @@ class Allocator:
                 continue
             if offset < run_end:
                 raise ValueError(f"extent at {offset} is freed twice")
-            if offset < 0 or offset % ALIGN_BYTES:
+            if offset < first or offset % ALIGN_BYTES:
                 raise ValueError(f"extent at {offset} lies outside the segment")
             if run_end >= 0:
                 runs.append((run_start, run_end))

@@ -12,6 +12,10 @@ from kvpool_wire.types import MAX_KEY_BYTES
 ENGINE_TRANSPORT_POLICIES = ("allow", "refuse", "require")
 
 
+#: Most partitions of one index (README, "Partitions").
+MAX_PARTITIONS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     """Tunables of the core; ``ValueError`` naming the field when one is out of range."""
@@ -29,6 +33,11 @@ class CoreConfig:
     engine_transport: str = "allow"
     ssd_promote_after_hits: int = 1  # reads from SSD only before a DRAM copy is made; 0: never
     copy_task_ttl_s: float = 30.0  # how long a client has for one tier copy it fetched
+    # this core is partition ``partition_index`` of ``partition_count`` of the index (README,
+    # "Partitions"): it allocates in its share of every segment, numbers leases and copy tasks
+    # so that their number names it (``n % partition_count == partition_index``)
+    partition_index: int = 0
+    partition_count: int = 1
 
     def __post_init__(self) -> None:
         for name in ("client_ttl_s", "default_lease_ttl_s", "put_start_discard_timeout_s",
@@ -56,6 +65,19 @@ class CoreConfig:
                 or not 0 <= self.ssd_promote_after_hits <= 1_000_000):
             raise ValueError(f"ssd_promote_after_hits must be in [0, 1000000], "
                              f"got {self.ssd_promote_after_hits!r}")
+        if (not isinstance(self.partition_count, int) or isinstance(self.partition_count, bool)
+                or not 1 <= self.partition_count <= MAX_PARTITIONS):
+            raise ValueError(f"partition_count must be in [1, {MAX_PARTITIONS}], "
+                             f"got {self.partition_count!r}")
+        if (not isinstance(self.partition_index, int) or isinstance(self.partition_index, bool)
+                or not 0 <= self.partition_index < self.partition_count):
+            raise ValueError(f"partition_index must be in [0, partition_count), "
+                             f"got {self.partition_index!r}")
         if self.engine_transport not in ENGINE_TRANSPORT_POLICIES:
             raise ValueError(f"engine_transport must be one of {ENGINE_TRANSPORT_POLICIES}, "
                              f"got {self.engine_transport!r}")
+
+    @property
+    def part(self) -> tuple[int, int]:
+        """(partition_index, partition_count)."""
+        return self.partition_index, self.partition_count

@@ -83,7 +83,7 @@ class HeldFrees:
             held = id_to_held.get(extent.segment_id)
             if held is None or held.state is not state:
                 buckets = max(1, state.allocator.num_extents // _EXTENTS_PER_BUCKET)
-                shift = max(0, state.allocator.size_bytes.bit_length()
+                shift = max(0, state.allocator.end_bytes.bit_length()
                             - min(_SPLIT_BITS, buckets.bit_length()))
                 held = id_to_held[extent.segment_id] = _Held(state, shift)
             key = extent.offset >> held.shift

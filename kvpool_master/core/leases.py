@@ -412,9 +412,10 @@ class DeferredFrees:
     def adopt(self, state: SegmentState) -> list[int]:
         """Move the extents still held on earlier segments with the id of ``state`` (a fresh
         mount) onto it; return them as ``offset << OFFSET_BITS | aligned size`` for its
-        allocator to reserve. Extents beyond its size are dropped (they are not in it)."""
+        allocator to reserve. Extents beyond what its allocator covers are dropped (they are not
+        in it)."""
         segment_id = state.info.segment_id
-        limit = state.allocator.size_bytes
+        first, limit = state.allocator.start_bytes, state.allocator.end_bytes
         if not any(item[2] is not state and item[2].info.segment_id == segment_id
                    for item in self._heap):
             return []
@@ -429,9 +430,12 @@ class DeferredFrees:
                 kept.append(item)
                 continue
             self.num_bytes -= size_bytes
-            if offset >= limit:
+            if offset >= limit or offset + size_bytes <= first:
                 self._forget(tie)
                 continue
+            if offset < first:  # (a partition's share of a segment mounted with a new size)
+                size_bytes -= first - offset
+                offset = first
             size_bytes = min(size_bytes, limit - offset)
             self.num_bytes += size_bytes
             packed.append(offset << OFFSET_BITS | aligned(size_bytes))

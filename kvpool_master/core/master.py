@@ -44,6 +44,7 @@ from kvpool_master.core.snapshot import (
 from kvpool_master.core.stats import CoreStats, Counters, build_stats
 from kvpool_master.core.sweeps import RemoveJob, TableWalk
 from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
+from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
@@ -68,14 +69,16 @@ class MasterCore(Tiering):
         self._deferred = leases.DeferredFrees()
         self._quarantine = leases.DeferredFrees()  # restored free space, see restore()
         self._lease_counters = leases.LeaseCounters()
-        self.last_lease_id = 0  # the number of the latest lease a proven reader took
+        # the number of the latest lease a proven reader took: numbers go up by the count of
+        # partitions from this one's index, so a lease's number names its partition
+        self.last_lease_id = config.partition_index
         self._open_leases = leases.OpenLeases()
         self._counters = Counters()
         self._events: list[Event] = []
         self._watermark_retry_s: dict[Tier, float] = {}
         self.relief_due: set[Tier] = set()
         self._upkeep_turn = 0
-        self._copies = CopyTable()
+        self._copies = CopyTable(config.part)
         self._jobs: list[RemoveJob] = []
         self._recent_puts = {}
         self._walk = TableWalk()
@@ -116,6 +119,24 @@ class MasterCore(Tiering):
         self._counters.clients_registered += 1
         self._events.append(ClientRegistered(client_id, host_id, client.capability_key))
         return Status.OK, client.capability_key
+
+    def join_client(self, client_id: ClientId, host_id: str, capability_key: bytes,
+                    now: float) -> tuple[Status, bytes]:
+        """Register a client partition 0 of a partitioned index registered with
+        ``capability_key`` (the caller checked partition 0's ticket for it): as
+        ``register_client`` with the token of that key. A client this partition knows under
+        another key is an earlier holder of the id, which partition 0 let go: it leaves as an
+        expired client does first."""
+        if registration_error(client_id, host_id, capability_key):
+            return Status.INVALID_ARGUMENT, b""
+        client = self._clients.get(client_id)
+        if client is not None and not hmac.compare_digest(client.capability_key,
+                                                          capability_key):
+            self._drop_client(client_id, now)
+            self._counters.clients_expired += 1
+            self._events.append(ClientExpired(client_id))
+        return self.register_client(client_id, host_id, capability_key, now,
+                                    client_token(capability_key))
 
     def holder_expires_in_s(self, client_id: ClientId, now: float) -> float:
         """Seconds until the holder of ``client_id`` expires unless it heartbeats (or, restored,
@@ -256,7 +277,7 @@ class MasterCore(Tiering):
         covered: list[ObjectKey] | None = None
         if reader is not None:
             if not 0 < lease_id <= self.last_lease_id:
-                self.last_lease_id += 1
+                self.last_lease_id += self._config.partition_count
                 lease_id = self.last_lease_id
             covered = []
         results = leases.get_replicas(self._objects, self._segments, keys, now, ttl_s,
@@ -448,7 +469,7 @@ class MasterCore(Tiering):
         not fresh.
         """
         counts = restore_into(self._clients, self._segments, self._objects, snapshot, now,
-                              grace_s, self._config.max_key_bytes)
+                              grace_s, self._config.max_key_bytes, self._config.part)
         if any(s.info.tier == Tier.SSD for s in self._segments.id_to_segment.values()):
             build_dram_order(self._objects, self._segments)
         until_s = now + self._config.write_capability_ttl_s

@@ -417,11 +417,12 @@ class Mutations(BatchPaths):
         self._events.append(PendingReclaimed(key))
 
     def _mount_fresh(self, segment: SegmentInfo, now: float) -> None:
-        state = SegmentState(segment, Allocator(segment.size_bytes), mounted=True)
+        part = self._config.part
+        state = SegmentState(segment, Allocator(segment.size_bytes, part), mounted=True)
         # Extents still held on an earlier segment of this id stay held on this one.
         held = self._deferred.adopt(state) + self._quarantine.adopt(state)
         if held:
-            state.allocator = Allocator.from_packed(segment.size_bytes, held)
+            state.allocator = Allocator.from_packed(segment.size_bytes, held, part)
         self._segments.add(state)
         self._events.append(SegmentMounted(segment))
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, aligned
+from kvpool_master.core.allocator import ALIGN_BYTES, WHOLE, Allocator, Part, aligned
 from kvpool_master.core.clients import ClientState, ClientTable, registration_error
 from kvpool_master.core.objects import INT_TYPES, KEY_TYPES, ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable, segment_info_error
@@ -328,8 +328,9 @@ _KEY, _SIZE, _SEGMENT_ID, _OFFSET, _CHECKSUM, _PIN, _PARENT_KEY = (
 
 def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
                  snapshot: Snapshot, now: float, grace_s: float,
-                 max_key_bytes: int) -> RestoreCounts:
-    """Load ``snapshot`` into empty tables; return what was restored and dropped."""
+                 max_key_bytes: int, part: Part = WHOLE) -> RestoreCounts:
+    """Load ``snapshot`` into empty tables (of partition ``part``, whose share of each segment
+    its allocators cover); return what was restored and dropped."""
     if clients.id_to_client or segments.id_to_segment or len(objects):
         raise ValueError("restore needs a fresh core")
     deadline_s = now + grace_s
@@ -427,7 +428,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         for s in infos:   # one segment's packed extents alive at a time
             allocators[s] = Allocator.from_columns(infos[s].size_bytes,
                                                    segment_to_offsets.pop(s),
-                                                   segment_to_sizes.pop(s))
+                                                   segment_to_sizes.pop(s), part)
     except ValueError:
         # Overlapping extents: an index that lost a change. Drop every object in an overlap,
         # then rebuild (the slow path; a whole log never takes it).
@@ -438,7 +439,7 @@ def restore_into(clients: ClientTable, segments: SegmentTable, objects: ObjectTa
         segment_to_extents = _extents(objects)
         allocators = {s: Allocator.from_used(info.size_bytes,
                                              [(o, n) for o, n, _ in
-                                              segment_to_extents.get(s, ())])
+                                              segment_to_extents.get(s, ())], part)
                       for s, info in infos.items()}
     for segment_id, info in infos.items():
         segments.add(SegmentState(info, allocators[segment_id], mounted=False,

@@ -81,7 +81,7 @@ class CopyTask:
 class CopyTable:
     """Copy tasks by id, by key and per owner (waiting ones in order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, part: tuple[int, int] = (0, 1)) -> None:
         self.id_to_task: dict[int, CopyTask] = {}
         self.key_to_task: dict[ObjectKey, CopyTask] = {}
         self.owner_to_waiting: dict[ClientId, deque[CopyTask]] = {}
@@ -92,7 +92,8 @@ class CopyTable:
         self.promote_retry_s = 0.0  # no promotion before this (DRAM had no room)
         self.planned_s = -1.0  # when the last pass ran
         self.expired_s = -1.0  # when late tasks were last looked for
-        self._ids = itertools.count(1)
+        index, count = part  # task numbers name their partition, as lease numbers do
+        self._ids = itertools.count(index + count, count)
 
     def add(self, key: ObjectKey, entry: ObjectEntry, source: Extent, target: Extent,
             target_state: SegmentState, owner: ClientId, promote: bool,
