@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvpool_master.config import ENV_PREFIX, OPTIONS, ConfigError, MasterConfig, resolve
+from kvpool_master.partition import StateLayoutError
 
 PROG = "kvpool-master"
 EPILOG = f"""\
@@ -55,9 +56,12 @@ def parse_config(argv: Sequence[str] | None = None,
     return resolve(flags, os.environ if environ is None else environ)
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str, partition: int | None = None) -> None:
+    """Log to stderr at ``level``, one line per record with time and logger (and, for a
+    partition of a partitioned master, its index: the partitions share the stream)."""
+    where = "" if partition is None else f"[p{partition}]"
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(config.log_level)
+    setup_logging(config.log_level, 0 if config.partitions > 1 else None)
     if config.rpc_thread_num:
         logging.getLogger("kvpool.master").info(
             "--rpc_thread_num %d ignored: the master serves every request on one event loop",
@@ -85,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, RuntimeError) as exc:  # grpc reports a port it cannot bind as RuntimeError
         print(f"{PROG}: error: cannot start: {exc}", file=sys.stderr)
         return 1
+    except StateLayoutError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
 if __name__ == "__main__":
     sys.exit(main())

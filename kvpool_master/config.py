@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvpool_master.core.config import MAX_PARTITIONS
 from kvpool_wire.types import MAX_KEY_BYTES, parse_size_bytes
 
 ENV_PREFIX = "KVPOOL_MASTER_"
@@ -74,6 +75,8 @@ class MasterConfig:
     ready_file: str = ""
     config: str = ""
     rpc_thread_num: int = 0
+    partitions: int = 1
+    partition_ports: int = 0
 
     @property
     def tls_enabled(self) -> bool:
@@ -282,6 +285,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("rpc_thread_num", "rpc_thread_num", _int(0, 1_000_000),
            "accepted for Mooncake compatibility and ignored: the master is one event loop, "
            "every request is served atomically on it", "N"),
+    Option("partitions", "partitions", _int(1, MAX_PARTITIONS),
+           "split the index by key across this many processes on this host, one core each: "
+           "this one (partition 0, at --port) and others it starts on free ports, which "
+           "clients learn when they register; metrics at --metrics-port + index, state in "
+           "--state-dir/partition-<index> (README, 'Partitions'; default 1)", "N"),
+    Option("partition_ports", "partition_ports", _int(0, 65535),
+           "with --partitions: partition i >= 1 serves gRPC at PORT + 2(i-1) and the lean "
+           "framing at the port after it, for firewalls and container port lists (0: free "
+           "ports, which clients learn anyway; default 0)", "PORT"),
 )
 OPTION_BY_NAME: dict[str, Option] = {
     spelling: option for option in OPTIONS
@@ -370,6 +382,16 @@ def _check_combination(config: MasterConfig) -> None:
     ports = [p for p in (config.port, config.fast_port, config.metrics_port) if p > 0]
     if len(ports) != len(set(ports)):
         raise ConfigError("port, fast_port and metrics_port must differ")
+    if config.partition_ports:
+        count = config.partitions - 1
+        taken = range(config.partition_ports, config.partition_ports + 2 * count)
+        metrics = range(config.metrics_port + 1, config.metrics_port + 1 + count) \
+            if config.metrics_port > 0 else range(0)
+        if taken.stop - 1 > 65535 or any(p in taken for p in (*ports, *metrics)):
+            raise ConfigError(f"partition_ports {config.partition_ports}: the "
+                              f"{2 * count} ports from it must be free of port, fast_port and "
+                              "the partitions' metrics ports (metrics_port + index), and "
+                              "<= 65535")
 
 
 def load_auth_token(config: MasterConfig) -> str:

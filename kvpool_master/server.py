@@ -29,6 +29,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.gcpause import GcPauses
 from kvpool_master.looplag import LoopLag
 from kvpool_master.metrics import HttpEndpoint, MasterMetrics
+from kvpool_master.partition import SOLE, PartitionTerms, claim_state_dir, state_dir_of
 from kvpool_master.persist import StateStore
 from kvpool_master.rpc.lean import LeanServer
 from kvpool_master.rpc.servicer import BadRequest, InternalError, Servicer
@@ -68,9 +70,11 @@ STATE_RETRY_MIN_S = 0.5
 STATE_RETRY_MAX_S = 30.0
 
 
-def core_config(config: MasterConfig) -> CoreConfig:
-    """The core's settings taken from the daemon's."""
+def core_config(config: MasterConfig, partition: PartitionTerms = SOLE) -> CoreConfig:
+    """The core's settings taken from the daemon's (and its partition's)."""
     return CoreConfig(
+        partition_index=partition.index,
+        partition_count=partition.count,
         client_ttl_s=config.client_ttl_s,
         default_lease_ttl_s=config.default_kv_lease_ttl_ms / 1000,
         put_start_discard_timeout_s=config.put_start_discard_timeout_s,
@@ -109,10 +113,12 @@ class _RestoreProgress:
 class MasterServer:
     """The running daemon: ``await start()``, then ``await serve_until_stopped()``."""
 
-    def __init__(self, config: MasterConfig) -> None:
+    def __init__(self, config: MasterConfig, partition: PartitionTerms = SOLE) -> None:
+        config = replace(config, state_dir=state_dir_of(config.state_dir, partition))
         self.config = config
+        self.partition = partition
         self.clock = ServingClock(stall_threshold_s=STALL_THRESHOLD_S)
-        self.core = MasterCore(core_config(config))
+        self.core = MasterCore(core_config(config, partition))
         self.core.defer_upkeep = True  # eviction passes between requests (upkeep)
         self.master_id = self._master_id(config)
         self.store: StateStore | None = None
@@ -123,7 +129,8 @@ class MasterServer:
         self._auth_token = load_auth_token(config)
         self.servicer = Servicer(self.core, self.clock, self.metrics, master_id=self.master_id,
                                  on_events=self._fan_out,
-                                 status_document=self.metrics.status_json)
+                                 status_document=self.metrics.status_json,
+                                 partition=partition)
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._background: set[asyncio.Task[None]] = set()  # health updates in flight
@@ -191,12 +198,15 @@ class MasterServer:
         if self.store is not None:
             self._compact_wanted = asyncio.Event()
             self._compact_task = asyncio.get_running_loop().create_task(self._compact_loop())
-        log.info("kvpool-master %s serving: grpc %s:%d, lean %s, metrics %s", self.master_id,
+        log.info("kvpool-master %s%s serving: grpc %s:%d, lean %s, metrics %s",
+                 self.master_id, f" (partition {self.partition.index} of "
+                 f"{self.partition.count})" if self.partition.count > 1 else "",
                  self.config.host, self.grpc_port,
                  f"{self.config.host}:{self.fast_port}" if self._lean else "off",
                  f"http://{self.config.metrics_host}:{self.metrics_port}/metrics"
                  if self._http else "off")
-        self._write_ready_file()
+        if self.partition.count == 1:
+            self.write_ready_file()
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
         config = self.config
@@ -314,12 +324,16 @@ class MasterServer:
         os.replace(tmp, path)
         return master_id
 
-    def _write_ready_file(self) -> None:
+    def write_ready_file(self, partitions: list[dict[str, Any]] | None = None) -> None:
+        """Write the ready file (when configured): this process's ports, and with
+        ``partitions`` those of every partition, this one first."""
         if not self.config.ready_file:
             return
-        document = {"grpc_port": self.grpc_port, "fast_port": self.fast_port,
-                    "metrics_port": self.metrics_port, "pid": os.getpid(),
-                    "master_id": self.master_id}
+        document: dict[str, Any] = {
+            "grpc_port": self.grpc_port, "fast_port": self.fast_port,
+            "metrics_port": self.metrics_port, "pid": os.getpid(), "master_id": self.master_id}
+        if partitions is not None:
+            document["partitions"] = partitions
         path = Path(self.config.ready_file)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(document))
@@ -536,6 +550,10 @@ def raise_open_files_limit(max_connections: int) -> None:
 async def run(config: MasterConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
     raise_open_files_limit(config.max_connections)
+    if config.partitions > 1:
+        from kvpool_master.partitioned import run_partitioned
+        return await run_partitioned(config)
+    claim_state_dir(config.state_dir, 1)
     server = MasterServer(config)
     await server.start()
     await server.serve_until_stopped()

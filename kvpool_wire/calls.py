@@ -18,6 +18,7 @@ from typing import Any, Generic, NamedTuple, TypeVar, cast
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.convert import descriptor_of
 from kvpool_wire.methods import RPC_METHODS, RpcMethod
+from kvpool_wire.partitions import PartitionEndpoint
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import (
     ClientId,
@@ -58,6 +59,9 @@ class RegisterAnswer:
     capability_epoch: int
     master_clock_ms: int
     max_batch_keys: int = 0  # 0: the master did not say
+    # a partitioned master: every partition, the answering one (0) first; empty otherwise
+    partitions: tuple[PartitionEndpoint, ...] = ()
+    partition_ticket: bytes = b""
 
 
 _STATUS_BY_INT: dict[int, Status] = {int(s): s for s in Status}
@@ -134,15 +138,20 @@ def _register_answer(r: Any) -> RegisterAnswer:
     return RegisterAnswer(status_of(r.status), r.client_ttl_ms, r.capability_key, r.client_token,
                           r.master_id, r.default_lease_ttl_ms, r.fast_port, r.fast_socket,
                           r.master_pid, r.retry_after_ms, r.capability_epoch, r.master_clock_ms,
-                          r.max_batch_keys)
+                          r.max_batch_keys,
+                          tuple(PartitionEndpoint(p.port, p.fast_port, p.fast_socket, p.master_pid)
+                                for p in r.partitions), r.partition_ticket)
 
 
-def register_client(client_id: str, host_id: str, hostname: str,
-                    client_token: bytes) -> Call[RegisterAnswer]:
-    """Register, or re-register proving ``client_token`` (empty for a new client)."""
+def register_client(client_id: str, host_id: str, hostname: str, client_token: bytes,
+                    capability_key: bytes = b"", partition_ticket: bytes = b""
+                    ) -> Call[RegisterAnswer]:
+    """Register, or re-register proving ``client_token`` (empty for a new client); with
+    ``capability_key`` and ``partition_ticket`` (from partition 0's answer), join a later
+    partition of a partitioned master."""
     return Call(RPC_METHODS["RegisterClient"], pb.RegisterClientRequest(
-        client_id=client_id, host_id=host_id, hostname=hostname, client_token=client_token),
-        _register_answer)
+        client_id=client_id, host_id=host_id, hostname=hostname, client_token=client_token,
+        capability_key=capability_key, partition_ticket=partition_ticket), _register_answer)
 
 
 def heartbeat(client_id: str, client_token: bytes) -> Call[tuple[Status, int, int]]:

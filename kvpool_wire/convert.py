@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.capability import ColumnsSigner, RunSigner
 from kvpool_wire.methods import RPC_METHODS, RpcMethod
+from kvpool_wire.partitions import PartitionEndpoint
 from kvpool_wire.placed import PlacedBatch
 from kvpool_wire.readcolumns import ReadColumns
 from kvpool_wire.status import Status
@@ -76,12 +77,13 @@ def _name(value: str, what: str, *, required: bool = True) -> str:
 
 # --- clients and segments ----------------------------------------------------------------------
 
-def decode_register_client(request: Any) -> tuple[ClientId, str, str, bytes]:
-    """(client_id, host_id, hostname, client_token) of a RegisterClient request."""
+def decode_register_client(request: Any) -> tuple[ClientId, str, str, bytes, bytes, bytes]:
+    """(client_id, host_id, hostname, client_token, capability_key, partition_ticket) of a
+    RegisterClient request (the last two empty but for joining a later partition)."""
     return (ClientId(_name(request.client_id, "client_id")),
             _name(request.host_id, "host_id", required=False),
             _name(request.hostname, "hostname", required=False),
-            request.client_token)
+            request.client_token, request.capability_key, request.partition_ticket)
 
 
 def encode_register_client(status: Status, *, client_ttl_s: float, capability_key: bytes,
@@ -89,9 +91,14 @@ def encode_register_client(status: Status, *, client_ttl_s: float, capability_ke
                            default_lease_ttl_s: float, fast_socket: str = "",
                            master_pid: int = 0, retry_after_s: float = 0.0,
                            master_clock_ms: int = 0, capability_epoch: int = 0,
-                           max_batch_keys: int = 0) -> pb.RegisterClientResponse:
-    """The RegisterClient answer (key and token only when OK)."""
+                           max_batch_keys: int = 0,
+                           partitions: Sequence[PartitionEndpoint] = (),
+                           partition_ticket: bytes = b"") -> pb.RegisterClientResponse:
+    """The RegisterClient answer (key, token and ticket only when OK)."""
     return pb.RegisterClientResponse(
+        partitions=[pb.PartitionEndpoint(port=p.port, fast_port=p.fast_port,
+                                         fast_socket=p.fast_socket, master_pid=p.master_pid)
+                    for p in partitions], partition_ticket=partition_ticket,
         status=_pb(status), client_ttl_ms=round(client_ttl_s * 1000), capability_key=capability_key,
         client_token=client_token, fast_port=max(fast_port, 0), master_id=master_id,
         default_lease_ttl_ms=round(default_lease_ttl_s * 1000), fast_socket=fast_socket,

@@ -56,9 +56,12 @@ from kvpool_master.core.events import Event
 from kvpool_master.core.keyregex import compile_key_pattern
 from kvpool_master.core.master import MasterCore
 from kvpool_master.core.sweeps import RemoveJob
+from kvpool_master.partition import SOLE, PartitionTerms
 from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
+from kvpool_wire.partitions import PartitionEndpoint, ticket_valid
+from kvpool_wire.partitions import ticket as partition_ticket
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo, Tier
 
@@ -151,15 +154,24 @@ class Servicer:
 
     def __init__(self, core: MasterCore, clock: ServingClock, observer: RpcObserver, *,
                  master_id: str, on_events: Callable[[list[Event]], bool],
-                 status_document: Callable[[], str]) -> None:
+                 status_document: Callable[[], str],
+                 partition: PartitionTerms = SOLE) -> None:
         self._core = core
         self._clock = clock
         self._observer = observer
         self._master_id = master_id
         self._on_events = on_events
         self._status_document = status_document
-        self._clock_start_s = time.monotonic()
-        self.capability_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        self.partition = partition
+        if partition.count > 1:  # one epoch and one clock for every partition
+            self._clock_start_s = partition.clock_origin_s
+            self.capability_epoch = partition.epoch
+        else:
+            self._clock_start_s = time.monotonic()
+            self.capability_epoch = int.from_bytes(os.urandom(8), "little") >> 1
+        # partition 0 of several: where every partition serves, once all of them do (until
+        # then registrations answer UNAVAILABLE)
+        self.partition_map: tuple[PartitionEndpoint, ...] = ()
         self._last_put_id = 0
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
@@ -300,7 +312,8 @@ class Servicer:
     # -- signing ----------------------------------------------------------------------------------
 
     def capability_clock_ms(self) -> int:
-        """The capability clock: monotonic milliseconds since this master started."""
+        """The capability clock: monotonic milliseconds since this master started (since
+        partition 0 started, for every partition of a partitioned master)."""
         return int((time.monotonic() - self._clock_start_s) * 1000)
 
     def _signer(self, op: Op, expiry_ms: int, put_id: int = 0) -> Callable[[Extent], bytes]:
@@ -316,10 +329,24 @@ class Servicer:
     # -- clients and segments ---------------------------------------------------------------------
 
     def _register_client(self, request: Any) -> Any:
-        client_id, host_id, _hostname, token = convert.decode_register_client(request)
+        client_id, host_id, _hostname, token, joining_key, ticket = \
+            convert.decode_register_client(request)
         now = self._clock.now()
-        status, key = self._core.register_client(
-            client_id, host_id, os.urandom(capability.KEY_BYTES), now, token)
+        part = self.partition
+        partitions: tuple[PartitionEndpoint, ...] = ()
+        issued = b""
+        if part.index:  # a later partition: only partition 0's ticket registers
+            status, key = (self._core.join_client(client_id, host_id, joining_key, now)
+                           if ticket_valid(part.secret, client_id, joining_key, ticket)
+                           else (Status.PERMISSION_DENIED, b""))
+        elif part.count > 1 and not self.partition_map:
+            status, key = Status.UNAVAILABLE, b""   # the other partitions are starting
+        else:
+            status, key = self._core.register_client(
+                client_id, host_id, os.urandom(capability.KEY_BYTES), now, token)
+            if part.count > 1 and key:
+                partitions = self.partition_map
+                issued = partition_ticket(part.secret, client_id, key)
         retry_after_s = (self._core.holder_expires_in_s(client_id, now)
                          if status == Status.CLIENT_ALREADY_EXISTS else 0.0)
         config = self._core.config
@@ -330,7 +357,7 @@ class Servicer:
             default_lease_ttl_s=config.default_lease_ttl_s, fast_socket=self.fast_socket,
             master_pid=os.getpid(), retry_after_s=retry_after_s,
             master_clock_ms=self.capability_clock_ms(), capability_epoch=self.capability_epoch,
-            max_batch_keys=config.max_batch_keys)
+            max_batch_keys=config.max_batch_keys, partitions=partitions, partition_ticket=issued)
 
     def _heartbeat(self, request: Any) -> Any:
         client_id = convert.decode_client_id(request)

@@ -174,19 +174,35 @@ class AuthResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
-    __slots__ = ("client_id", "host_id", "hostname", "client_token")
+    __slots__ = ("client_id", "host_id", "hostname", "client_token", "capability_key", "partition_ticket")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_TICKET_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_id: str
     hostname: str
     client_token: bytes
-    def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., client_token: _Optional[bytes] = ...) -> None: ...
+    capability_key: bytes
+    partition_ticket: bytes
+    def __init__(self, client_id: _Optional[str] = ..., host_id: _Optional[str] = ..., hostname: _Optional[str] = ..., client_token: _Optional[bytes] = ..., capability_key: _Optional[bytes] = ..., partition_ticket: _Optional[bytes] = ...) -> None: ...
+
+class PartitionEndpoint(_message.Message):
+    __slots__ = ("port", "fast_port", "fast_socket", "master_pid")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    FAST_PORT_FIELD_NUMBER: _ClassVar[int]
+    FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PID_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    fast_port: int
+    fast_socket: str
+    master_pid: int
+    def __init__(self, port: _Optional[int] = ..., fast_port: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid", "client_token", "retry_after_ms", "master_clock_ms", "capability_epoch", "max_batch_keys")
+    __slots__ = ("status", "client_ttl_ms", "capability_key", "fast_port", "master_id", "default_lease_ttl_ms", "fast_socket", "master_pid", "client_token", "retry_after_ms", "master_clock_ms", "capability_epoch", "max_batch_keys", "partitions", "partition_ticket")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +216,8 @@ class RegisterClientResponse(_message.Message):
     MASTER_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_TICKET_FIELD_NUMBER: _ClassVar[int]
     status: Status
     client_ttl_ms: int
     capability_key: bytes
@@ -213,7 +231,9 @@ class RegisterClientResponse(_message.Message):
     master_clock_ms: int
     capability_epoch: int
     max_batch_keys: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ..., client_token: _Optional[bytes] = ..., retry_after_ms: _Optional[int] = ..., master_clock_ms: _Optional[int] = ..., capability_epoch: _Optional[int] = ..., max_batch_keys: _Optional[int] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[PartitionEndpoint]
+    partition_ticket: bytes
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., client_ttl_ms: _Optional[int] = ..., capability_key: _Optional[bytes] = ..., fast_port: _Optional[int] = ..., master_id: _Optional[str] = ..., default_lease_ttl_ms: _Optional[int] = ..., fast_socket: _Optional[str] = ..., master_pid: _Optional[int] = ..., client_token: _Optional[bytes] = ..., retry_after_ms: _Optional[int] = ..., master_clock_ms: _Optional[int] = ..., capability_epoch: _Optional[int] = ..., max_batch_keys: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[PartitionEndpoint, _Mapping]]] = ..., partition_ticket: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "client_token")

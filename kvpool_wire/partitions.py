@@ -1,0 +1,63 @@
+"""A partitioned master: which partition a key belongs to, where partitions serve, and the
+ticket with which partition 0 lets a client join the others (README, "Partitions").
+
+Rules of this file:
+- A key belongs to partition ``crc32(key) % count``: the same on every host and in every
+  language (zlib's CRC-32, the one of gzip and PNG), computed in C a batch at a time.
+- Lease and copy-task numbers name their partition: ``number % count``.
+- Partition 0 registers clients; a partition after it registers a client only with a
+  ticket of partition 0 for the client's id and capability key (a keyed BLAKE2b MAC under
+  the secret the partitions share), so every partition verifies the same key and token and
+  no caller joins as another client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import operator
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TICKET_BYTES = 16
+SECRET_BYTES = 32
+_TICKET_PERSON = b"kvpool-partition"
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionEndpoint:
+    """Where one partition serves, on the host of partition 0: its gRPC port and lean
+    endpoints, as a registration answer gives them."""
+
+    port: int
+    fast_port: int = 0
+    fast_socket: str = ""
+    master_pid: int = 0
+
+
+def partition_of(key: bytes, count: int) -> int:
+    """The partition of ``key`` among ``count``."""
+    return zlib.crc32(key) % count
+
+
+def partitions_of(keys: Sequence[bytes], count: int) -> list[int]:
+    """The partition of each of ``keys`` among ``count`` (C-level maps)."""
+    return list(map(operator.mod, map(zlib.crc32, keys), itertools.repeat(count)))
+
+
+def ticket(secret: bytes, client_id: str, capability_key: bytes) -> bytes:
+    """Partition 0's ticket for ``client_id`` holding ``capability_key``."""
+    mac = hashlib.blake2b(key=secret, digest_size=TICKET_BYTES, person=_TICKET_PERSON)
+    encoded = client_id.encode()
+    mac.update(len(encoded).to_bytes(4, "little") + encoded + capability_key)
+    return mac.digest()
+
+
+def ticket_valid(secret: bytes, client_id: str, capability_key: bytes,
+                 presented: object) -> bool:
+    """Whether ``presented`` is partition 0's ticket for ``client_id`` and ``capability_key``
+    (compared in constant time)."""
+    return (type(presented) is bytes and type(capability_key) is bytes
+            and hmac.compare_digest(ticket(secret, client_id, capability_key), presented))
