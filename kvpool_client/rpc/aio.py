@@ -10,6 +10,7 @@ says.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,7 +30,16 @@ from kvpool_client.rpc.endpoints import (
     split_address,
     ssl_context,
 )
-from kvpool_client.rpc.session import NO_LEAN, After, MasterCalls, MasterSession, TlsConfig
+from kvpool_client.rpc.session import (
+    NO_LEAN,
+    After,
+    LeanEndpoints,
+    MasterCalls,
+    MasterSession,
+    Part,
+    TlsConfig,
+    partition_address,
+)
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call
 from kvpool_wire.framing import FrameDecoder, FrameError, encode_frame, error_reason
@@ -193,49 +203,38 @@ class _LeanConnection(asyncio.Protocol):
             await asyncio.wait([self._lost], timeout=timeout_s)
 
 
-class MasterRpc(MasterCalls):
-    """Asyncio stub of the kvpool master: every named call of ``MasterCalls`` is a coroutine
-    function here; see the module docstring for transports and deadlines."""
+class _Leg:
+    """The transports to one master process (a partition of a partitioned master): its gRPC
+    channel, and its lean connection once the session names its lean endpoints."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
-                 auth_token: str = "", use_fast_path: bool = True,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 session: MasterSession | None = None) -> None:
-        self._address = address
-        self.session = session if session is not None else MasterSession()
+    def __init__(self, stub: MasterRpc, address: str, partition: int) -> None:
+        self._stub = stub
+        self.address = address
         self._host, self._port = split_address(address)
-        self._timeout_s = timeout_s
-        self._tls = tls
-        self._auth_token = auth_token
-        self._use_fast_path = use_fast_path
-        self._max_message_bytes = max_message_bytes
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._partition = partition
         self._channel: grpc.aio.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
-        self._followed = NO_LEAN  # the session's lean endpoints this stub uses
+        self.followed = NO_LEAN  # the session's lean endpoints this leg uses
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._lean: _LeanConnection | None = None
         self._lean_retry_at = 0.0
-        self._grpc_nowait: set[asyncio.Task[list[Status]]] = set()
-        self._closed = False
+        self.grpc_nowait: set[asyncio.Task[list[Status]]] = set()
 
-    @property
-    def address(self) -> str:
-        """The master's gRPC address."""
-        return self._address
+    def _endpoints(self) -> LeanEndpoints:
+        session = self._stub.session
+        if not self._partition:
+            return session.lean
+        partitions = session.partitions
+        if self._partition >= len(partitions):
+            return NO_LEAN
+        endpoint = partitions[self._partition]
+        return LeanEndpoints(endpoint.fast_port, endpoint.fast_socket, endpoint.master_pid)
 
-    @property
-    def fast_port(self) -> int:
-        """The lean-framing port in use (0 while calls go over gRPC)."""
-        return self._followed.port if self._use_fast_path else 0
-
-    # -- transport plumbing -----------------------------------------------------------------------
-
-    def _follow_lean(self) -> None:
-        lean, followed = self.session.lean, self._followed
-        if lean is followed:
+    def follow_lean(self) -> None:
+        lean, followed = self._endpoints(), self.followed
+        if lean == followed:
             return
-        self._followed = lean
+        self.followed = lean
         if (lean.port, lean.socket) != (followed.port, followed.socket):
             self._fast_socket = lean.socket
             if self._lean is not None:
@@ -244,10 +243,10 @@ class MasterRpc(MasterCalls):
 
     def _grpc_callable(self, method: RpcMethod) -> Any:
         if self._channel is None:
-            credentials, options = grpc_channel_args(self._tls, self._max_message_bytes)
-            self._channel = grpc.aio.insecure_channel(self._address, options) \
+            credentials, options = grpc_channel_args(self._stub._tls, self._stub._max_message_bytes)
+            self._channel = grpc.aio.insecure_channel(self.address, options) \
                 if credentials is None else \
-                grpc.aio.secure_channel(self._address, credentials, options)
+                grpc.aio.secure_channel(self.address, credentials, options)
         call = self._grpc_callables.get(method.name)
         if call is None:
             call = self._channel.unary_unary(method.path,
@@ -255,39 +254,31 @@ class MasterRpc(MasterCalls):
             self._grpc_callables[method.name] = call
         return call
 
-    def _lean_connection(self) -> _LeanConnection | None:
-        if self.session.lean is not self._followed:
-            self._follow_lean()
-        if not (self._use_fast_path and self._followed.port) or self._closed:
+    def lean_connection(self) -> _LeanConnection | None:
+        stub = self._stub
+        if self._partition or stub.session.lean is not self.followed:
+            self.follow_lean()
+        if not (stub._use_fast_path and self.followed.port) or stub._closed:
             return None
         loop = asyncio.get_running_loop()
         if self._lean is not None and not self._lean.closed:
             return self._lean
         if loop.time() < self._lean_retry_at:
             return None
-        context = ssl_context(self._tls) if self._tls is not None else None
+        context = ssl_context(stub._tls) if stub._tls is not None else None
         local_sock = None
         if context is None and self._fast_socket:
-            local_sock = connect_local(self._fast_socket, self._followed.master_pid)
+            local_sock = connect_local(self._fast_socket, self.followed.master_pid)
             if local_sock is None:
                 self._fast_socket = ""  # not on the master's host: loopback or network TCP
-        self._lean = _LeanConnection.open(loop, self._host, self._followed.port, context,
-                                          self._auth_token, self._timeout_s,
-                                          self._max_message_bytes, local_sock)
+        self._lean = _LeanConnection.open(loop, self._host, self.followed.port, context,
+                                          stub._auth_token, stub._timeout_s,
+                                          stub._max_message_bytes, local_sock)
         return self._lean
 
-    async def _run(self, call: Call[Any], after: After | None = None) -> Any:
-        sent_s = asyncio.get_running_loop().time()
-        result = call.decode(await self._call(call.method, call.request))
-        return result if after is None else after(result, sent_s)
-
-    async def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
-        # sent together: pipelined on the lean connection, served in order
-        return join(await _settled([self._run(part) for part in parts]))
-
-    async def _call(self, method: RpcMethod, request: Any) -> Any:
+    async def call(self, method: RpcMethod, request: Any) -> Any:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
+        deadline = loop.time() + self._stub._timeout_s
         payload = request.SerializeToString()
         for attempt in range(MAX_ATTEMPTS):
             try:
@@ -301,28 +292,29 @@ class MasterRpc(MasterCalls):
 
     async def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
-        conn = self._lean_connection()
+        conn = self.lean_connection()
         if conn is not None:
-            return await self._lean_call(conn, method, conn.send(method.method_id, payload),
-                                         deadline)
-        if self._grpc_nowait:
+            return await self.lean_call(conn, method, conn.send(method.method_id, payload),
+                                        deadline)
+        if self.grpc_nowait:
             # Commits sent without waiting must land before anything sent after them.
-            await asyncio.wait(list(self._grpc_nowait), timeout=max(deadline - loop.time(), 0))
+            await asyncio.wait(list(self.grpc_nowait), timeout=max(deadline - loop.time(), 0))
         try:
             return await self._grpc_callable(method)(
-                payload, timeout=max(deadline - loop.time(), 0.001), metadata=self._metadata)
+                payload, timeout=max(deadline - loop.time(), 0.001),
+                metadata=self._stub._metadata)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc.code(), exc.details()) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self._closed and (task is None or not task.cancelling()):
+            if self._stub._closed and (task is None or not task.cancelling()):
                 # the channel was closed under the call (not this task cancelled): a failure
                 raise KVPoolError(Status.RPC_FAILED,
                                   f"{method.name}: the stub was closed") from None
             raise
 
-    async def _lean_call(self, conn: _LeanConnection, method: RpcMethod,
-                         future: asyncio.Future[bytes], deadline: float) -> Any:
+    async def lean_call(self, conn: _LeanConnection, method: RpcMethod,
+                        future: asyncio.Future[bytes], deadline: float) -> Any:
         loop = asyncio.get_running_loop()
         # A timer on the future itself: asyncio.wait_for would add a task per call.
         timer = loop.call_at(deadline, _expire, future)
@@ -330,13 +322,99 @@ class MasterRpc(MasterCalls):
             raw = await future
         except _Expired:
             conn.forget(future)
-            raise KVPoolError(Status.TIMEOUT, f"no answer within {self._timeout_s:g} s") from None
+            raise KVPoolError(Status.TIMEOUT,
+                              f"no answer within {self._stub._timeout_s:g} s") from None
         except NotSent:
             self._lean_retry_at = loop.time() + LEAN_RETRY_AFTER_S  # use gRPC meanwhile
             raise
         finally:
             timer.cancel()
         return method.response_type.FromString(raw)
+
+    async def close(self) -> None:
+        if self.grpc_nowait:
+            await asyncio.wait(list(self.grpc_nowait), timeout=self._stub._timeout_s)
+        if self._lean is not None:
+            self._lean.close()
+            await self._lean.wait_closed(self._stub._timeout_s)
+            self._lean = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._grpc_callables.clear()
+
+
+class MasterRpc(MasterCalls):
+    """Asyncio stub of the kvpool master: every named call of ``MasterCalls`` is a coroutine
+    function here; see the module docstring for transports and deadlines. A partitioned
+    master is reached through one ``_Leg`` per partition, on the host of ``address``."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
+                 auth_token: str = "", use_fast_path: bool = True,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 session: MasterSession | None = None) -> None:
+        self._address = address
+        self.session = session if session is not None else MasterSession()
+        self._host, _ = split_address(address)
+        self._timeout_s = timeout_s
+        self._tls = tls
+        self._auth_token = auth_token
+        self._use_fast_path = use_fast_path
+        self._max_message_bytes = max_message_bytes
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._legs: list[_Leg] = [_Leg(self, address, 0)]
+        self._stale: set[asyncio.Task[None]] = set()  # legs of a former map, closing
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        """The master's gRPC address (partition 0's)."""
+        return self._address
+
+    @property
+    def fast_port(self) -> int:
+        """The lean-framing port in use (0 while calls go over gRPC)."""
+        return self._legs[0].followed.port if self._use_fast_path else 0
+
+    # -- transport plumbing -----------------------------------------------------------------------
+
+    def _leg(self, partition: int) -> _Leg:
+        legs = self._legs
+        if not partition:
+            return legs[0]
+        address = partition_address(self._host, self.session.partitions, partition)
+        while len(legs) <= partition:
+            legs.append(_Leg(self, partition_address(self._host, self.session.partitions,
+                                                     len(legs)), len(legs)))
+        leg = legs[partition]
+        if leg.address != address:  # the master restarted elsewhere
+            stale, leg = leg, _Leg(self, address, partition)
+            legs[partition] = leg
+            task = asyncio.get_running_loop().create_task(stale.close())
+            self._stale.add(task)
+            task.add_done_callback(self._stale.discard)
+        return leg
+
+    def _follow_lean(self) -> None:
+        for leg in self._legs:
+            leg.follow_lean()
+
+    async def _run(self, call: Call[Any], after: After | None = None, partition: int = 0) -> Any:
+        sent_s = asyncio.get_running_loop().time()
+        result = call.decode(await self._leg(partition).call(call.method, call.request))
+        return result if after is None else after(result, sent_s)
+
+    async def _run_parts(self, parts: list[Part], join: Callable[[list[Any]], Any]) -> Any:
+        # sent together: pipelined on each lean connection, served in order there
+        return join(await _settled([self._run(call, None, partition)
+                                    for partition, call in parts]))
+
+    async def _then(self, first: Any, then: Callable[[Any], Any]) -> Any:
+        out = then(await first)
+        return await out if inspect.isawaitable(out) else out
+
+    def _now_s(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def put_end_nowait(self, client_id: str, keys: Sequence[bytes],
                        checksums: Sequence[int] | None = None) -> asyncio.Future[list[Status]]:
@@ -347,17 +425,18 @@ class MasterRpc(MasterCalls):
         loop = asyncio.get_running_loop()
         parts, join = self.put_end_calls(client_id, keys, checksums)
         if len(parts) == 1:
-            return self._send_now(parts[0])
-        sent = [self._send_now(part) for part in parts]  # in order
+            return self._send_now(*parts[0])
+        sent = [self._send_now(partition, part) for partition, part in parts]  # in order
 
         async def joined() -> list[Status]:
             return join(await _settled(sent))
         return loop.create_task(joined())
 
-    def _send_now(self, call: Call[list[Status]]) -> asyncio.Future[list[Status]]:
+    def _send_now(self, partition: int, call: Call[list[Status]]) -> asyncio.Future[list[Status]]:
         """``put_end_nowait`` of one call."""
         loop = asyncio.get_running_loop()
-        conn = self._lean_connection()
+        leg = self._leg(partition)
+        conn = leg.lean_connection()
         if conn is not None:
             deadline = loop.time() + self._timeout_s
             # ordered on the connection from here
@@ -365,26 +444,20 @@ class MasterRpc(MasterCalls):
 
             async def finish() -> list[Status]:
                 try:
-                    response = await self._lean_call(conn, call.method, sent, deadline)
+                    response = await leg.lean_call(conn, call.method, sent, deadline)
                 except KVPoolError as exc:
                     raise KVPoolError(exc.status, f"PutEnd: {exc.message}") from None
                 return call.decode(response)
             return loop.create_task(finish())
-        task = loop.create_task(self._run(call))
-        self._grpc_nowait.add(task)
-        task.add_done_callback(self._grpc_nowait.discard)
+        task = loop.create_task(self._run(call, None, partition))
+        leg.grpc_nowait.add(task)
+        task.add_done_callback(leg.grpc_nowait.discard)
         return task
 
     async def close(self) -> None:
-        """Close both transports; waiting calls fail with RPC_FAILED. Idempotent."""
+        """Close every transport; waiting calls fail with RPC_FAILED. Idempotent."""
         self._closed = True
-        if self._grpc_nowait:
-            await asyncio.wait(list(self._grpc_nowait), timeout=self._timeout_s)
-        if self._lean is not None:
-            self._lean.close()
-            await self._lean.wait_closed(self._timeout_s)
-            self._lean = None
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-            self._grpc_callables.clear()
+        for leg in self._legs:
+            await leg.close()
+        if self._stale:
+            await asyncio.wait(list(self._stale), timeout=self._timeout_s)

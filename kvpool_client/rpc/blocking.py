@@ -30,7 +30,16 @@ from kvpool_client.rpc.endpoints import (
     split_address,
 )
 from kvpool_client.rpc.lean_blocking import BlockingLeanConnection
-from kvpool_client.rpc.session import NO_LEAN, After, MasterCalls, MasterSession, TlsConfig
+from kvpool_client.rpc.session import (
+    NO_LEAN,
+    After,
+    LeanEndpoints,
+    MasterCalls,
+    MasterSession,
+    Part,
+    TlsConfig,
+    partition_address,
+)
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call
 from kvpool_wire.methods import DEFAULT_MAX_MESSAGE_BYTES, METHOD_AUTH, RpcMethod
@@ -40,43 +49,39 @@ from kvpool_wire.status import KVPoolError, Status
 MAX_IDLE_CONNECTIONS = 4
 
 
-class BlockingMasterRpc(MasterCalls):
-    """Blocking stub of the kvpool master; see the module docstring."""
+class _Leg:
+    """The transports to one master process (a partition of a partitioned master): a pool
+    of lean connections once the session names its lean endpoints, a gRPC channel."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
-                 auth_token: str = "", use_fast_path: bool = True,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, busy_poll_us: int = 0,
-                 session: MasterSession | None = None) -> None:
-        self._address = address
-        self.session = session if session is not None else MasterSession()
+    def __init__(self, stub: BlockingMasterRpc, address: str, partition: int) -> None:
+        self._stub = stub
+        self.address = address
         self._host, _ = split_address(address)
-        self._timeout_s = timeout_s
-        self._tls = tls
-        self._auth_token = auth_token
-        self._use_fast_path = use_fast_path and tls is None
-        self._max_message_bytes = max_message_bytes
-        self._busy_poll_us = busy_poll_us
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._partition = partition
         self._lock = threading.Lock()
         self._idle: list[BlockingLeanConnection] = []
         self._channel: grpc.Channel | None = None
         self._grpc_callables: dict[str, Any] = {}
-        self._followed = NO_LEAN  # the session's lean endpoints this stub uses
+        self.followed = NO_LEAN  # the session's lean endpoints this leg uses
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._lean_retry_at = 0.0
-        self._closed = False
 
-    @property
-    def address(self) -> str:
-        """The master's gRPC address."""
-        return self._address
+    def _endpoints(self) -> LeanEndpoints:
+        session = self._stub.session
+        if not self._partition:
+            return session.lean
+        partitions = session.partitions
+        if self._partition >= len(partitions):
+            return NO_LEAN
+        endpoint = partitions[self._partition]
+        return LeanEndpoints(endpoint.fast_port, endpoint.fast_socket, endpoint.master_pid)
 
-    def _follow_lean(self) -> None:
+    def follow_lean(self) -> None:
         with self._lock:
-            lean, followed = self.session.lean, self._followed
-            if lean is followed:
+            lean, followed = self._endpoints(), self.followed
+            if lean == followed:
                 return
-            self._followed = lean
+            self.followed = lean
             if (lean.port, lean.socket) == (followed.port, followed.socket):
                 return
             self._fast_socket = lean.socket
@@ -84,24 +89,8 @@ class BlockingMasterRpc(MasterCalls):
         for conn in idle:
             conn.close()
 
-    # -- calls ------------------------------------------------------------------------------------
-
-    def _run(self, call: Call[Any], after: After | None = None) -> Any:
-        sent_s = time.monotonic()
-        result = call.decode(self._call(call.method, call.request))
-        return result if after is None else after(result, sent_s)
-
-    def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
-        results: list[Any] = []
-        for part in parts:
-            try:
-                results.append(self._run(part))
-            except KVPoolError as exc:
-                results.append(exc)
-        return join(results)
-
-    def _call(self, method: RpcMethod, request: Any) -> Any:
-        deadline = time.monotonic() + self._timeout_s
+    def call(self, method: RpcMethod, request: Any) -> Any:
+        deadline = time.monotonic() + self._stub._timeout_s
         payload = request.SerializeToString()
         for attempt in range(MAX_ATTEMPTS):
             try:
@@ -114,11 +103,12 @@ class BlockingMasterRpc(MasterCalls):
         raise AssertionError("unreachable")
 
     def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
-        if self._closed:
+        stub = self._stub
+        if stub._closed:
             raise KVPoolError(Status.RPC_FAILED, "the stub is closed")
-        if self.session.lean is not self._followed:
-            self._follow_lean()
-        if self._use_fast_path and self._followed.port and time.monotonic() >= self._lean_retry_at:
+        if self._partition or stub.session.lean is not self.followed:
+            self.follow_lean()
+        if stub._use_fast_path and self.followed.port and time.monotonic() >= self._lean_retry_at:
             conn = self._checkout(deadline - time.monotonic())
             try:
                 answer = conn.call(method.method_id, payload, deadline - time.monotonic())
@@ -127,7 +117,7 @@ class BlockingMasterRpc(MasterCalls):
             return method.response_type.FromString(answer)
         try:
             return self._grpc_callable(method)(
-                payload, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata)
+                payload, timeout=max(deadline - time.monotonic(), 0.001), metadata=stub._metadata)
         except grpc.RpcError as exc:
             raise grpc_error(exc.code(), exc.details()) from None
 
@@ -143,13 +133,14 @@ class BlockingMasterRpc(MasterCalls):
         if conn.closed:
             return
         with self._lock:
-            if not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
+            if not self._stub._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
                 self._idle.append(conn)
                 return
         conn.close()
 
     def _open(self, timeout_s: float) -> BlockingLeanConnection:
-        lean = self._followed
+        stub = self._stub
+        lean = self.followed
         sock = connect_local(self._fast_socket, lean.master_pid) if self._fast_socket else None
         if sock is None:
             try:
@@ -159,9 +150,9 @@ class BlockingMasterRpc(MasterCalls):
                 self._lean_retry_at = time.monotonic() + LEAN_RETRY_AFTER_S  # gRPC meanwhile
                 raise NotSent(Status.RPC_FAILED, f"cannot reach master lean port "
                                                  f"{self._host}:{lean.port}: {exc}") from None
-        conn = BlockingLeanConnection(sock, self._max_message_bytes, self._busy_poll_us)
-        if self._auth_token:
-            answer = conn.call(METHOD_AUTH, pb.AuthRequest(token=self._auth_token)
+        conn = BlockingLeanConnection(sock, stub._max_message_bytes, stub._busy_poll_us)
+        if stub._auth_token:
+            answer = conn.call(METHOD_AUTH, pb.AuthRequest(token=stub._auth_token)
                                .SerializeToString(), timeout_s)
             if pb.AuthResponse.FromString(answer).status != pb.STATUS_OK:
                 conn.close()
@@ -171,10 +162,11 @@ class BlockingMasterRpc(MasterCalls):
     def _grpc_callable(self, method: RpcMethod) -> Any:
         with self._lock:
             if self._channel is None:
-                credentials, options = grpc_channel_args(self._tls, self._max_message_bytes)
-                self._channel = grpc.insecure_channel(self._address, options) \
+                credentials, options = grpc_channel_args(self._stub._tls,
+                                                         self._stub._max_message_bytes)
+                self._channel = grpc.insecure_channel(self.address, options) \
                     if credentials is None else \
-                    grpc.secure_channel(self._address, credentials, options)
+                    grpc.secure_channel(self.address, credentials, options)
             call = self._grpc_callables.get(method.name)
             if call is None:
                 call = self._channel.unary_unary(
@@ -183,9 +175,7 @@ class BlockingMasterRpc(MasterCalls):
             return call
 
     def close(self) -> None:
-        """Close every connection; later calls fail with RPC_FAILED. Idempotent."""
         with self._lock:
-            self._closed = True
             idle, self._idle = self._idle, []
             channel, self._channel = self._channel, None
             self._grpc_callables.clear()
@@ -193,3 +183,81 @@ class BlockingMasterRpc(MasterCalls):
             conn.close()
         if channel is not None:
             channel.close()
+
+
+class BlockingMasterRpc(MasterCalls):
+    """Blocking stub of the kvpool master; see the module docstring. A partitioned master is
+    reached through one ``_Leg`` per partition, on the host of ``address``."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0, tls: TlsConfig | None = None,
+                 auth_token: str = "", use_fast_path: bool = True,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, busy_poll_us: int = 0,
+                 session: MasterSession | None = None) -> None:
+        self._address = address
+        self.session = session if session is not None else MasterSession()
+        self._host, _ = split_address(address)
+        self._timeout_s = timeout_s
+        self._tls = tls
+        self._auth_token = auth_token
+        self._use_fast_path = use_fast_path and tls is None
+        self._max_message_bytes = max_message_bytes
+        self._busy_poll_us = busy_poll_us
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._legs_lock = threading.Lock()
+        self._legs: list[_Leg] = [_Leg(self, address, 0)]
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        """The master's gRPC address (partition 0's)."""
+        return self._address
+
+    def _leg(self, partition: int) -> _Leg:
+        if not partition:
+            return self._legs[0]
+        address = partition_address(self._host, self.session.partitions, partition)
+        with self._legs_lock:
+            legs = self._legs
+            while len(legs) <= partition:
+                legs.append(_Leg(self, partition_address(self._host, self.session.partitions,
+                                                         len(legs)), len(legs)))
+            leg = legs[partition]
+            if leg.address != address:  # the master restarted elsewhere
+                stale, leg = leg, _Leg(self, address, partition)
+                legs[partition] = leg
+                stale.close()
+            return leg
+
+    def _follow_lean(self) -> None:
+        for leg in list(self._legs):
+            leg.follow_lean()
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def _run(self, call: Call[Any], after: After | None = None, partition: int = 0) -> Any:
+        sent_s = time.monotonic()
+        result = call.decode(self._leg(partition).call(call.method, call.request))
+        return result if after is None else after(result, sent_s)
+
+    def _run_parts(self, parts: list[Part], join: Callable[[list[Any]], Any]) -> Any:
+        results: list[Any] = []
+        for partition, part in parts:
+            try:
+                results.append(self._run(part, None, partition))
+            except KVPoolError as exc:
+                results.append(exc)
+        return join(results)
+
+    def _then(self, first: Any, then: Callable[[Any], Any]) -> Any:
+        return then(first)
+
+    def _now_s(self) -> float:
+        return time.monotonic()
+
+    def close(self) -> None:
+        """Close every connection; later calls fail with RPC_FAILED. Idempotent."""
+        with self._legs_lock:
+            self._closed = True
+            legs = list(self._legs)
+        for leg in legs:
+            leg.close()

@@ -16,7 +16,13 @@ Rules of this file:
   whole, as one step between other clients' calls, so this bounds how long one batch holds
   it. Parts are sent together (the asyncio stub) or in turn (the blocking one); a part that
   fails fails its own keys, and the batch raises only when every part failed, as a single
-  call would.
+  call would (``rpc.joins``).
+- A partitioned master (its registration answer lists the partitions): a batch's keys go
+  to their partitions (``kvpool_wire.partitions``), each partition's in batch order, and
+  the answers are joined at the keys' positions. Registration is partition 0's, then every
+  other partition's with partition 0's ticket; heartbeats, segments, removals of every key
+  and stats go to every partition; ``get_segments`` to partition 0, which knows every
+  segment. Ended leases and copy results go to the partition their number names.
 """
 
 from __future__ import annotations
@@ -25,15 +31,25 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
+from kvpool_client.rpc.joins import (
+    Route,
+    all_ok,
+    joined_exist,
+    joined_lists,
+    joined_prefix,
+    joined_replicas,
+    merged_status,
+    picked,
+    summed,
+)
 from kvpool_wire import calls
 from kvpool_wire.calls import Call, RegisterAnswer
 from kvpool_wire.capability import MasterClock
+from kvpool_wire.partitions import PartitionEndpoint, partitions_of
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import Placement, PutOptions, ReadResult, SegmentInfo
-
-T = TypeVar("T")
+from kvpool_wire.types import PutOptions, SegmentInfo
 
 #: The most keys one call carries until a registration tells the master's limit (its
 #: default ``max_batch_keys``).
@@ -67,14 +83,24 @@ class LeanEndpoints:
 NO_LEAN = LeanEndpoints()
 
 
+def partition_address(host: str, partitions: Sequence[PartitionEndpoint], partition: int) -> str:
+    """The gRPC address of ``partition`` of a partitioned master on ``host`` (that of
+    partition 0, which the client was given); UNAVAILABLE when the master has no such
+    partition any more (the client registers again and learns the new map)."""
+    if partition >= len(partitions):
+        raise KVPoolError(Status.UNAVAILABLE, f"the master has no partition {partition} now")
+    port = partitions[partition].port
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class MasterSession:
     """One client's standing with the master, shared by all of its stubs: the token of its
     latest registration and the best known sample of the master's capability clock (see
     ``kvpool_wire.capability``). ``token`` and ``clock`` are replaced whole, never mutated;
     the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
-    __slots__ = ("token", "clock", "max_call_keys", "lean", "_ended", "_ended_lock",
-                 "on_copy_tasks")
+    __slots__ = ("token", "clock", "max_call_keys", "lean", "partitions", "partition_ticket",
+                 "_ended", "_ended_lock", "on_copy_tasks")
 
     def __init__(self) -> None:
         self.token = b""
@@ -84,6 +110,10 @@ class MasterSession:
         #: the most keys one call carries: the master's max_batch_keys once a registration
         #: said it
         self.max_call_keys = DEFAULT_MAX_CALL_KEYS
+        #: a partitioned master's partitions, as the latest registration listed them (its
+        #: first is partition 0, ``lean`` above); empty for a master of one process
+        self.partitions: tuple[PartitionEndpoint, ...] = ()
+        self.partition_ticket = b""  # partition 0's ticket for joining the others
         # called with the number of tier copies waiting, when a heartbeat says some do
         self.on_copy_tasks: Callable[[int], None] | None = None
         self.clock = MasterClock(0, 0, 0.0)
@@ -134,6 +164,9 @@ class TlsConfig:
 #: ``after(result, sent_s)``: what a call's result becomes, given when its request was sent.
 After = Callable[[Any, float], Any]
 
+#: (partition, call): one call of a batch and where it goes (0: the one master process)
+Part = tuple[int, Call[Any]]
+
 
 class MasterCalls:
     """Every Master call by name. The return values are those documented on each method, as
@@ -141,24 +174,67 @@ class MasterCalls:
 
     session: MasterSession
 
-    def _run(self, call: Call[Any], after: After | None = None) -> Any:
+    def _run(self, call: Call[Any], after: After | None = None, partition: int = 0) -> Any:
         raise NotImplementedError
 
-    def _run_parts(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
+    def _run_parts(self, parts: list[Part], join: Callable[[list[Any]], Any]) -> Any:
         """``join`` of the results of ``parts`` in order, a part that raised KVPoolError as
         that error (see the module rules)."""
         raise NotImplementedError
 
-    def _batch(self, parts: list[Call[Any]], join: Callable[[list[Any]], Any]) -> Any:
-        """Run a batch's calls: one as it is, several joined (see the module rules)."""
-        return self._run(parts[0]) if len(parts) == 1 else self._run_parts(parts, join)
+    def _then(self, first: Any, then: Callable[[Any], Any]) -> Any:
+        """``then(result of first)``, and its result (awaited in the asyncio stub, where
+        ``first`` and what ``then`` returns may be awaitables)."""
+        raise NotImplementedError
 
-    def _spans(self, num_keys: int) -> list[tuple[int, int]]:
-        """``[start, end)`` of each call a batch of ``num_keys`` goes as."""
-        most = self.session.max_call_keys
-        if num_keys <= most:
-            return [(0, num_keys)]
-        return [(start, min(start + most, num_keys)) for start in range(0, num_keys, most)]
+    def _batch(self, parts: list[Part], join: Callable[[list[Any]], Any]) -> Any:
+        """Run a batch's calls: one as it is, several joined (see the module rules)."""
+        if len(parts) == 1:
+            partition, call = parts[0]
+            return self._run(call, None, partition)
+        return self._run_parts(parts, join)
+
+    def _routes(self, keys: Sequence[Any]) -> list[Route]:
+        """The calls a batch of ``keys`` goes as: slices of at most ``max_call_keys`` keys, in
+        order; for a partitioned master each partition's keys (in batch order) cut so."""
+        session = self.session
+        most = session.max_call_keys
+        count = len(session.partitions)
+        num_keys = len(keys)
+        if count <= 1 or not num_keys:
+            if num_keys <= most:
+                return [(0, range(num_keys))]
+            return [(0, range(start, min(start + most, num_keys)))
+                    for start in range(0, num_keys, most)]
+        positions: list[list[int]] = [[] for _ in range(count)]
+        for position, partition in enumerate(partitions_of(keys, count)):
+            positions[partition].append(position)
+        return [(partition, mine[start:start + most])
+                for partition, mine in enumerate(positions)
+                for start in range(0, len(mine), most)]
+
+    def _everywhere(self) -> list[int]:
+        """Every partition (the one master process: [0])."""
+        return list(range(max(1, len(self.session.partitions))))
+
+    def _ended_for(self, routes: list[Route]) -> list[Sequence[int]]:
+        """The ended leases each route's call carries: each partition's with its first call
+        (a lease's number names its partition); those of a partition no call goes to wait."""
+        ended = self.session.take_ended()
+        count = len(self.session.partitions)
+        if count <= 1:
+            return [ended if i == 0 else () for i in range(len(routes))]
+        mine: list[list[int]] = [[] for _ in range(count)]
+        for lease_id in ended:
+            mine[lease_id % count].append(lease_id)
+        out: list[Sequence[int]] = []
+        for partition, _ in routes:
+            out.append(mine[partition])
+            mine[partition] = []
+        left = [lease_id for ids in mine for lease_id in ids]
+        if left:
+            self.session.end_lease(left, [b""])
+        return out
 
     def _follow_lean(self) -> None:
         """Use the session's lean endpoints (``session.lean``, maybe new) from now on."""
@@ -167,9 +243,13 @@ class MasterCalls:
 
     def register_client(self, client_id: str, host_id: str, hostname: str) -> Any:
         """Register (or re-register, proving the session's token) a client -> Registration;
-        raises ClientIdTaken when another client holds the id, KVPoolError unless OK."""
-        return self._run(calls.register_client(client_id, host_id, hostname, self.session.token),
-                         functools.partial(self._registered, client_id))
+        with a partitioned master, at partition 0 and then at each of the others (with the
+        ticket partition 0 gave). Raises ClientIdTaken when another client holds the id,
+        KVPoolError unless OK."""
+        return self._then(
+            self._run(calls.register_client(client_id, host_id, hostname, self.session.token),
+                      functools.partial(self._registered, client_id)),
+            functools.partial(self._join_partitions, client_id, host_id, hostname))
 
     def _registered(self, client_id: str, answer: RegisterAnswer, sent_s: float) -> Registration:
         if answer.status == Status.CLIENT_ALREADY_EXISTS:
@@ -177,20 +257,66 @@ class MasterCalls:
         if answer.status != Status.OK:
             raise KVPoolError(answer.status, f"RegisterClient {client_id!r} refused")
         clock = MasterClock(answer.capability_epoch, answer.master_clock_ms, sent_s)
-        self.session.token = answer.client_token
-        self.session.learn_clock(clock)
+        session = self.session
+        session.token = answer.client_token
+        session.learn_clock(clock)
         if answer.max_batch_keys:
-            self.session.max_call_keys = answer.max_batch_keys
-        self.session.lean = LeanEndpoints(answer.fast_port, answer.fast_socket, answer.master_pid)
+            session.max_call_keys = answer.max_batch_keys
+        session.lean = LeanEndpoints(answer.fast_port, answer.fast_socket, answer.master_pid)
+        session.partitions = answer.partitions if len(answer.partitions) > 1 else ()
+        session.partition_ticket = answer.partition_ticket
         self._follow_lean()
         return Registration(answer.client_ttl_ms / 1000, answer.capability_key, answer.master_id,
                             answer.default_lease_ttl_ms / 1000, answer.fast_port,
                             answer.client_token, clock)
 
+    def _join_partitions(self, client_id: str, host_id: str, hostname: str,
+                         registration: Registration) -> Any:
+        """``registration``, once every later partition registered the client too."""
+        session = self.session
+        if not session.partitions:
+            return registration
+        parts: list[Part] = [
+            (partition, calls.register_client(client_id, host_id, hostname, session.token,
+                                              registration.capability_key,
+                                              session.partition_ticket))
+            for partition in range(1, len(session.partitions))]
+
+        def joined(answers: list[Any]) -> Registration:
+            for partition, answer in enumerate(answers, 1):
+                if isinstance(answer, KVPoolError):
+                    raise answer
+                status = answer.status
+                if status != Status.OK or answer.capability_key != registration.capability_key:
+                    raise KVPoolError(status if status != Status.OK else Status.INTERNAL_ERROR,
+                                      f"partition {partition} refused client {client_id!r}")
+            return registration
+        return self._run_parts(parts, joined)
+
     def heartbeat(self, client_id: str) -> Any:
-        """OK, or UNKNOWN_CLIENT when the master forgot this client (re-register); an OK
-        answer also tightens the session's sample of the master's clock."""
-        return self._run(calls.heartbeat(client_id, self.session.token), self._beaten)
+        """OK, or UNKNOWN_CLIENT when the master (any partition of it) forgot this client
+        (re-register); an OK answer also tightens the session's sample of the master's
+        clock."""
+        call = calls.heartbeat(client_id, self.session.token)
+        if not self.session.partitions:
+            return self._run(call, self._beaten)
+        sent_s = self._now_s()
+
+        def joined(answers: list[Any]) -> Status:
+            answered = [a for a in answers if not isinstance(a, KVPoolError)]
+            if any(answer[0] == Status.UNKNOWN_CLIENT for answer in answered):
+                return Status.UNKNOWN_CLIENT   # re-register (also where the map changed)
+            for answer in answers:
+                if isinstance(answer, KVPoolError):
+                    raise answer
+            status = all_ok([answer[0] for answer in answers])
+            return self._beaten((status, max(answer[1] for answer in answers),
+                                 sum(answer[2] for answer in answers)), sent_s)
+        return self._run_parts([(p, call) for p in self._everywhere()], joined)
+
+    def _now_s(self) -> float:
+        """The clock ``After`` callbacks get their send time on."""
+        raise NotImplementedError
 
     def _beaten(self, answer: tuple[Status, int, int], sent_s: float) -> Status:
         status, master_clock_ms, copies_waiting = answer
@@ -205,28 +331,49 @@ class MasterCalls:
                    max_tasks: int, wait_s: float = 0.0) -> Any:
         """Report tier copies made and fetch more -> list of ``calls.CopyTask``; with
         ``wait_s``, the master may hold the answer that long until some wait (keep it well
-        under the stub's timeout)."""
-        return self._run(calls.copy_tasks(client_id, self.session.token, done, max_tasks,
-                                          wait_s))
+        under the stub's timeout). A partitioned master is asked on every partition, each
+        told of its own tasks (a task's number names its partition), none waiting."""
+        token = self.session.token
+        count = len(self.session.partitions)
+        if count <= 1:
+            return self._run(calls.copy_tasks(client_id, token, done, max_tasks, wait_s))
+        mine: list[list[tuple[int, Status]]] = [[] for _ in range(count)]
+        for task_id, status in done:
+            mine[task_id % count].append((task_id, status))
+        parts: list[Part] = [(p, calls.copy_tasks(client_id, token, mine[p], max_tasks))
+                             for p in range(count)]
+        return self._run_parts(parts, _joined_tasks)
 
     def unregister_client(self, client_id: str) -> Any:
         """Graceful close -> OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""
-        return self._run(calls.unregister_client(client_id, self.session.token))
+        return self._everywhere_call(calls.unregister_client(client_id, self.session.token))
+
+    def _everywhere_call(self, call: Call[Any]) -> Any:
+        """``call`` on every partition -> OK when each answered OK, else the first other
+        status."""
+        if not self.session.partitions:
+            return self._run(call)
+        return self._run_parts([(p, call) for p in self._everywhere()], all_ok)
 
     def mount_segment(self, client_id: str, segment: SegmentInfo) -> Any:
-        """Mount (or identically remount) a segment this client owns -> Status."""
-        return self._run(calls.mount_segment(client_id, self.session.token, segment))
+        """Mount (or identically remount) a segment this client owns -> Status (on every
+        partition of a partitioned master: each allocates in its share of it)."""
+        return self._everywhere_call(calls.mount_segment(client_id, self.session.token, segment))
 
     def unmount_segment(self, client_id: str, segment_id: str) -> Any:
         """Unmount a segment (its objects are dropped) -> Status."""
-        return self._run(calls.unmount_segment(client_id, self.session.token, segment_id))
+        return self._everywhere_call(calls.unmount_segment(client_id, self.session.token,
+                                                           segment_id))
 
     def get_segments(self, segment_ids: Sequence[str]) -> Any:
         """-> descriptors of the given segments (None where unknown, or where their part of
-        a long list failed)."""
-        spans = self._spans(len(segment_ids))
-        return self._batch([calls.get_segments(segment_ids[a:b]) for a, b in spans],
-                           functools.partial(joined_lists, spans, lambda _: None))
+        a long list failed); every partition knows every segment: partition 0 answers."""
+        most = self.session.max_call_keys
+        routes: list[Route] = [(0, range(start, min(start + most, len(segment_ids))))
+                               for start in range(0, len(segment_ids), most)] or [(0, range(0))]
+        return self._batch([(0, calls.get_segments(picked(segment_ids, positions)))
+                            for _, positions in routes],
+                           functools.partial(joined_lists, routes, lambda _: None))
 
     # -- objects ----------------------------------------------------------------------------------
 
@@ -234,12 +381,13 @@ class MasterCalls:
                   options: PutOptions, parent_keys: Sequence[bytes] | None = None) -> Any:
         """Allocate space per key -> [(OK, placements) | (ALREADY_EXISTS | NO_SPACE | ..., ())]."""
         session = self.session
-        ended = session.take_ended()
-        spans = self._spans(len(keys))
-        return self._batch([calls.put_start(client_id, session.token, keys[a:b], sizes_bytes[a:b],
-                                            options, parent_keys[a:b] if parent_keys else None,
-                                            ended if a == 0 else ()) for a, b in spans],
-                           functools.partial(joined_lists, spans, lambda s: (s, ())))
+        routes = self._routes(keys)
+        ended = self._ended_for(routes)
+        return self._batch([(partition, calls.put_start(
+            client_id, session.token, picked(keys, positions), picked(sizes_bytes, positions),
+            options, picked(parent_keys, positions) if parent_keys else None, ended[i]))
+            for i, (partition, positions) in enumerate(routes)],
+            functools.partial(joined_lists, routes, lambda s: (s, ())))
 
     def put_end(self, client_id: str, keys: Sequence[bytes],
                 checksums: Sequence[int] | None = None) -> Any:
@@ -248,132 +396,93 @@ class MasterCalls:
 
     def put_end_calls(self, client_id: str, keys: Sequence[bytes],
                       checksums: Sequence[int] | None = None
-                      ) -> tuple[list[Call[list[Status]]], Callable[[list[Any]], list[Status]]]:
+                      ) -> tuple[list[Part], Callable[[list[Any]], list[Status]]]:
         """The calls a commit of ``keys`` goes as, and how their answers join."""
         token = self.session.token
-        spans = self._spans(len(keys))
-        return ([calls.put_end(client_id, token, keys[a:b], checksums[a:b] if checksums else None)
-                 for a, b in spans], functools.partial(joined_lists, spans, lambda s: s))
+        routes = self._routes(keys)
+        return ([(partition, calls.put_end(client_id, token, picked(keys, positions),
+                                           picked(checksums, positions) if checksums else None))
+                 for partition, positions in routes],
+                functools.partial(joined_lists, routes, lambda s: s))
 
     def put_revoke(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """Abandon PENDING keys (after a failed transfer) -> OK per key or why not."""
         token = self.session.token
-        spans = self._spans(len(keys))
-        return self._batch([calls.put_revoke(client_id, token, keys[a:b]) for a, b in spans],
-                           functools.partial(joined_lists, spans, lambda s: s))
+        routes = self._routes(keys)
+        return self._batch([(partition, calls.put_revoke(client_id, token,
+                                                         picked(keys, positions)))
+                            for partition, positions in routes],
+                           functools.partial(joined_lists, routes, lambda s: s))
 
     def get_replicas(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> ReplicasAnswer (per key where its bytes are, with a read lease, or NOT_FOUND;
         lease_ttl_s; lease_ids). The lease counts from when this call was sent: reads must
         finish within lease_ttl_s; ``session.end_lease(lease_ids, keys)`` once they did."""
         session = self.session
-        ended = session.take_ended()
-        spans = self._spans(len(keys))
-        return self._batch([calls.get_replicas(client_id, keys[a:b], session.token,
-                                               ended if a == 0 else ()) for a, b in spans],
-                           functools.partial(_joined_replicas, spans))
+        routes = self._routes(keys)
+        ended = self._ended_for(routes)
+        return self._batch([(partition, calls.get_replicas(client_id, picked(keys, positions),
+                                                           session.token, ended[i]))
+                            for i, (partition, positions) in enumerate(routes)],
+                           functools.partial(joined_replicas, routes))
 
     def exist(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> (per key OK or NOT_FOUND, its size in bytes, 0 when absent)."""
-        spans = self._spans(len(keys))
-        return self._batch([calls.exist(client_id, keys[a:b]) for a, b in spans],
-                           functools.partial(_joined_exist, spans))
+        routes = self._routes(keys)
+        return self._batch([(partition, calls.exist(client_id, picked(keys, positions)))
+                            for partition, positions in routes],
+                           functools.partial(joined_exist, routes))
 
     def tiers(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> per key the tier of its fastest replica, None when it does not exist."""
-        spans = self._spans(len(keys))
-        return self._batch([calls.tiers(client_id, keys[a:b]) for a, b in spans],
-                           functools.partial(joined_lists, spans, lambda _: None))
+        routes = self._routes(keys)
+        return self._batch([(partition, calls.tiers(client_id, picked(keys, positions)))
+                            for partition, positions in routes],
+                           functools.partial(joined_lists, routes, lambda _: None))
 
     def query_prefix(self, client_id: str, keys: Sequence[bytes]) -> Any:
         """-> the number of leading keys that are READY (each is leased). Raises unless OK."""
-        spans = self._spans(len(keys))
-        return self._batch([calls.query_prefix(client_id, keys[a:b]) for a, b in spans],
-                           functools.partial(_joined_prefix, spans))
+        routes = self._routes(keys)
+        return self._batch([(partition, calls.query_prefix(client_id, picked(keys, positions)))
+                            for partition, positions in routes],
+                           functools.partial(joined_prefix, routes))
 
     def remove(self, client_id: str, keys: Sequence[bytes], force: bool = False) -> Any:
         """Remove keys -> OK | NOT_FOUND | HAS_LEASE (unless force) | ... per key."""
         session = self.session
-        ended = session.take_ended()
-        spans = self._spans(len(keys))
-        return self._batch([calls.remove(client_id, keys[a:b], force, session.token,
-                                         ended if a == 0 else ()) for a, b in spans],
-                           functools.partial(joined_lists, spans, lambda s: s))
+        routes = self._routes(keys)
+        ended = self._ended_for(routes)
+        return self._batch([(partition, calls.remove(client_id, picked(keys, positions), force,
+                                                     session.token, ended[i]))
+                            for i, (partition, positions) in enumerate(routes)],
+                           functools.partial(joined_lists, routes, lambda s: s))
 
     def remove_all(self, client_id: str, force: bool = False) -> Any:
         """Remove every removable object -> how many. Raises unless OK."""
-        return self._run(calls.remove_all(client_id, force))
+        return self._counted(calls.remove_all(client_id, force))
 
     def remove_by_regex(self, client_id: str, pattern: str, force: bool = False) -> Any:
         """Remove objects whose key matches ``pattern`` -> how many (INVALID_ARGUMENT for a
         bad pattern)."""
-        return self._run(calls.remove_by_regex(client_id, pattern, force))
+        return self._counted(calls.remove_by_regex(client_id, pattern, force))
+
+    def _counted(self, call: Call[int]) -> Any:
+        """``call`` on every partition -> the sum of the counts."""
+        if not self.session.partitions:
+            return self._run(call)
+        return self._run_parts([(p, call) for p in self._everywhere()], summed)
 
     def get_stats(self) -> Any:
-        """-> the master's /status document (clients, segments, capacity, usage, objects)."""
-        return self._run(calls.get_stats())
+        """-> the master's /status document (clients, segments, capacity, usage, objects);
+        a partitioned master's partitions' merged (``joins.merged_status``)."""
+        if not self.session.partitions:
+            return self._run(calls.get_stats())
+        return self._run_parts([(p, calls.get_stats()) for p in self._everywhere()],
+                               merged_status)
 
 
-# -- joining the answers of a batch sent as several calls ---------------------------------------
-
-def _check_parts(results: list[Any]) -> None:
-    """Raise the first error when every part failed (the batch failed as one call would)."""
-    if all(isinstance(r, KVPoolError) for r in results):
-        raise results[0]
-
-
-def joined_lists(spans: list[tuple[int, int]], failed: Callable[[Status], Any],
-                 results: list[Any]) -> list[Any]:
-    """The per-key lists of the parts, in order; ``failed(status)`` for each key of a part
-    that raised."""
-    _check_parts(results)
-    out: list[Any] = []
-    for part, (a, b) in zip(results, spans, strict=True):
-        out.extend([failed(part.status)] * (b - a) if isinstance(part, KVPoolError) else part)
-    return out
-
-
-def _joined_exist(spans: list[tuple[int, int]],
-                  results: list[Any]) -> tuple[list[Status], list[int]]:
-    _check_parts(results)
-    statuses: list[Status] = []
-    sizes: list[int] = []
-    for part, (a, b) in zip(results, spans, strict=True):
-        if isinstance(part, KVPoolError):
-            statuses.extend([part.status] * (b - a))
-            sizes.extend([0] * (b - a))
-        else:
-            statuses.extend(part[0])
-            sizes.extend(part[1])
-    return statuses, sizes
-
-
-def _joined_prefix(spans: list[tuple[int, int]], results: list[Any]) -> int:
-    """The leading keys found: a part counts only when every part before it found all of its
-    keys (sent together, later parts may lease keys past the first miss; their leases run
-    out); a part that failed ends the count, and fails the call when it is the first."""
-    if isinstance(results[0], KVPoolError):
-        raise results[0]
-    found = 0
-    for part, (a, b) in zip(results, spans, strict=True):
-        if isinstance(part, KVPoolError):
-            break
-        found += int(part)
-        if part < b - a:
-            break
-    return found
-
-
-def _joined_replicas(spans: list[tuple[int, int]], results: list[Any]) -> calls.ReplicasAnswer:
-    """One answer: the results in order, the shortest lease, every lease's id."""
-    _check_parts(results)
-    out: list[ReadResult[Placement]] = []
-    lease_ids: list[int] = []
-    lease_ttl_s = min(r.lease_ttl_s for r in results if not isinstance(r, KVPoolError))
-    for part, (a, b) in zip(results, spans, strict=True):
-        if isinstance(part, KVPoolError):
-            out.extend([ReadResult(part.status, 0, (), 0)] * (b - a))
-        else:
-            out.extend(part.results)
-            lease_ids.extend(part.lease_ids)
-    return calls.ReplicasAnswer(out, lease_ttl_s, tuple(lease_ids))
+def _joined_tasks(lists: list[Any]) -> list[calls.CopyTask]:
+    """The tasks every partition handed out (raises when every one failed)."""
+    if all(isinstance(tasks, KVPoolError) for tasks in lists):
+        raise lists[0]
+    return [task for tasks in lists if not isinstance(tasks, KVPoolError) for task in tasks]

@@ -506,7 +506,7 @@ def test_single_ops_run_on_the_calling_thread_over_a_blocking_connection(
         assert client.get("direct") == b"bytes" and client.exists("direct")
         # PutStart, PutEnd, GetReplicas, Exist: each on this thread's blocking connection
         assert callers == [threading.get_ident()] * 4
-        assert client._path is not None and client._path.rpc._idle
+        assert client._path is not None and client._path.rpc._legs[0]._idle
     # Pipelined commits travel on the loop's connection: later calls must queue behind them.
     with KVPoolClient(make_config(master, commit_nowait=True)) as client:
         callers.clear()

@@ -40,9 +40,9 @@ def test_clients_on_the_host_call_over_the_unix_socket(master: Any, lean_socket:
         rpc = client.async_client.member.rpc
         name = b"\0" + reply.fast_socket.encode()
         # calls run on the loop, and single ops run on the calling thread: both connections
-        assert rpc._lean._transport.get_extra_info("peername") == name
+        assert rpc._legs[0]._lean._transport.get_extra_info("peername") == name
         assert client._path is not None  # the sync client's calls: the blocking stub's pool
-        assert client._path.rpc._idle[0]._sock.getpeername() == name
+        assert client._path.rpc._legs[0]._idle[0]._sock.getpeername() == name
         print(f"client's lean connections' peer: {name!r}")
 
 
@@ -63,10 +63,11 @@ def test_local_socket_off_keeps_clients_on_tcp(start_master: Any, lean_socket: A
     with _client(master) as client:
         client.put("over-tcp", b"payload")
         assert client.get("over-tcp") == b"payload"
-        rpc = client.async_client.member.rpc
-        assert rpc._lean._transport.get_extra_info("peername") == ("127.0.0.1", master.fast_port)
+        lean = client.async_client.member.rpc._legs[0]._lean
+        assert lean._transport.get_extra_info("peername") == ("127.0.0.1", master.fast_port)
         assert client._path is not None
-        assert client._path.rpc._idle[0]._sock.getpeername() == ("127.0.0.1", master.fast_port)
+        pool = client._path.rpc._legs[0]._idle
+        assert pool[0]._sock.getpeername() == ("127.0.0.1", master.fast_port)
 
 
 async def test_no_unix_socket_is_served_with_tls(start_master: Any, pki: dict[str, str]) -> None:
@@ -75,7 +76,7 @@ async def test_no_unix_socket_is_served_with_tls(start_master: Any, pki: dict[st
     rpc = MasterRpc(master.address, tls=TlsConfig(ca_path=pki["ca.crt"]))
     try:
         await rpc.register_client("t", "h", "")
-        assert rpc._fast_socket == ""
+        assert rpc._legs[0]._fast_socket == ""
     finally:
         await rpc.close()
 

@@ -1,4 +1,4 @@
-"""The answers of a batch sent as several calls, joined (``rpc.session``): a part that failed
+"""The answers of a batch sent as several calls, joined (``rpc.joins``): a part that failed
 fails its own keys, the batch raises only when every part failed, and a prefix query counts
 across parts only up to the first miss."""
 
@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_client.rpc.session import (
-    _joined_exist,
-    _joined_prefix,
-    _joined_replicas,
-    joined_lists,
-)
+from kvpool_client.rpc.joins import joined_exist, joined_lists, joined_prefix, joined_replicas
 from kvpool_wire.calls import ReplicasAnswer
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, ReadResult, SegmentId
@@ -36,13 +31,13 @@ def test_the_batch_raises_when_every_part_failed() -> None:
         joined_lists(SPANS, lambda s: s, [first, TIMEOUT, TIMEOUT])
     assert raised.value is first
     with pytest.raises(KVPoolError):
-        _joined_exist(SPANS, [first, TIMEOUT, TIMEOUT])
+        joined_exist(SPANS, [first, TIMEOUT, TIMEOUT])
     with pytest.raises(KVPoolError):
-        _joined_replicas(SPANS, [first, TIMEOUT, TIMEOUT])
+        joined_replicas(SPANS, [first, TIMEOUT, TIMEOUT])
 
 
 def test_exist_joins_statuses_and_sizes() -> None:
-    joined = _joined_exist(SPANS, [([Status.OK] * 3, [1, 2, 3]), TIMEOUT,
+    joined = joined_exist(SPANS, [([Status.OK] * 3, [1, 2, 3]), TIMEOUT,
                                    ([Status.NOT_FOUND], [0])])
     assert joined == ([Status.OK] * 3 + [Status.TIMEOUT] * 3 + [Status.NOT_FOUND],
                       [1, 2, 3, 0, 0, 0, 0])
@@ -53,7 +48,7 @@ def test_replicas_join_results_keep_every_lease_and_the_shortest_ttl() -> None:
         return ReplicasAnswer([ReadResult(Status.OK, 10, (Placement(SegmentId("s"), offset + i,
                                                                     10),), 0)
                                for i in range(n)], ttl_s, (lease_id,))
-    joined = _joined_replicas(SPANS, [answer(0, 3, 5.0, 7), TIMEOUT, answer(6, 1, 4.5, 9)])
+    joined = joined_replicas(SPANS, [answer(0, 3, 5.0, 7), TIMEOUT, answer(6, 1, 4.5, 9)])
     assert [r.status for r in joined.results] == [Status.OK] * 3 + [Status.TIMEOUT] * 3 + \
         [Status.OK]
     assert [r.placements[0].offset for r in joined.results if r.placements] == [0, 1, 2, 6]
@@ -61,9 +56,9 @@ def test_replicas_join_results_keep_every_lease_and_the_shortest_ttl() -> None:
 
 
 def test_a_prefix_counts_across_parts_up_to_the_first_miss() -> None:
-    assert _joined_prefix(SPANS, [3, 3, 1]) == 7
-    assert _joined_prefix(SPANS, [3, 2, 1]) == 5        # a miss in part 2: part 3 not counted
-    assert _joined_prefix(SPANS, [1, 3, 1]) == 1
-    assert _joined_prefix(SPANS, [3, TIMEOUT, 1]) == 3  # a failed part ends the count
+    assert joined_prefix(SPANS, [3, 3, 1]) == 7
+    assert joined_prefix(SPANS, [3, 2, 1]) == 5        # a miss in part 2: part 3 not counted
+    assert joined_prefix(SPANS, [1, 3, 1]) == 1
+    assert joined_prefix(SPANS, [3, TIMEOUT, 1]) == 3  # a failed part ends the count
     with pytest.raises(KVPoolError):
-        _joined_prefix(SPANS, [TIMEOUT, 3, 1])          # ... and the call when it is the first
+        joined_prefix(SPANS, [TIMEOUT, 3, 1])          # ... and the call when it is the first
