@@ -17,10 +17,12 @@ Measures, over gRPC and over the lean framing, through the client stub (``Master
 Targets: batched >= 1,000,000 keys/s, single p50 <= 150 µs.
 
 ``--puts-only`` measures only the lean puts (one and two in flight, ``--seconds`` each and no
-cap on keys); ``--state-dir`` starts the master with a fresh state directory.
+cap on keys); ``--state-dir`` starts the master with a fresh state directory,
+``--partitions N`` with N partitions (the client splits each call among them).
 
     .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
     .venv/bin/python benchmarks/master_rpc.py --puts-only --seconds 8 [--state-dir]
+        [--partitions 2]
 """
 
 from __future__ import annotations
@@ -437,11 +439,17 @@ def main() -> int:
                         help="only the lean puts, for --seconds each, with no cap on keys")
     parser.add_argument("--state-dir", action="store_true",
                         help="the master started here persists into a fresh state directory")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="start the master with this many partitions (README, "
+                             "'Partitions')")
     args = parser.parse_args()
     if not 0 < args.seconds <= 600:
         parser.error("--seconds must be in (0, 600]")
-    if args.state_dir and args.address:
-        parser.error("--state-dir applies to the master this starts, not to --address")
+    if (args.state_dir or args.partitions != 1) and args.address:
+        parser.error("--state-dir and --partitions apply to the master this starts, not to "
+                     "--address")
+    if not 1 <= args.partitions <= 64:
+        parser.error("--partitions must be in [1, 64]")
     if args.served_objects < 0:
         parser.error("--served-objects must be >= 0")
     forms: dict[str, Any] = {} if args.puts_only else {   # in process, before any master runs
@@ -454,7 +462,7 @@ def main() -> int:
         address = args.address
         if not address:
             flags = ("--state-dir", str(Path(tmp) / "state")) if args.state_dir else ()
-            proc, ready = start_master(Path(tmp), *flags)
+            proc, ready = start_master(Path(tmp), *flags, "--partitions", str(args.partitions))
             address = f"127.0.0.1:{ready['grpc_port']}"
         try:
             results = uvloop.run(run_puts(address, args.seconds) if args.puts_only
@@ -465,7 +473,8 @@ def main() -> int:
                 proc.wait(30)
     if args.puts_only:
         print(f"lean  PutStart + PutEnd x{BATCH_KEYS} for {args.seconds:g} s"
-              f"{' (state directory)' if args.state_dir else ''}: "
+              f"{' (state directory)' if args.state_dir else ''}"
+              f"{f', {args.partitions} partitions' if args.partitions > 1 else ''}: "
               f"{results['puts_1_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s, 2 in flight "
               f"{results['puts_2_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s")
     else:

@@ -50,6 +50,8 @@ class MasterProcess:
         self.fast_port = int(ready["fast_port"])
         self.metrics_port = int(ready["metrics_port"])
         self.master_id = str(ready.get("master_id", ""))
+        #: a partitioned master: every partition's ports and pid, this process's first
+        self.partitions: list[dict[str, Any]] = list(ready.get("partitions", []))
         self.log_path = log_path
         self.workdir = workdir
 
@@ -82,6 +84,28 @@ class MasterProcess:
         if self.proc.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
         self.proc.wait(10)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited one that nobody reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def stop_pid(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a process that is not this one's child to be gone, then
+    SIGKILL it; True when it had gone by itself."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return False
 
 
 def launch_master(workdir: Path, *args: str, env: dict[str, str] | None = None,
@@ -201,6 +225,8 @@ def start_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartMast
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGCONT)  # in case a test left it stopped
                 process.stop(timeout_s=10)
+            for partition in process.partitions[1:]:   # they stop with partition 0; if not:
+                stop_pid(int(partition["pid"]), timeout_s=15)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -123,3 +124,26 @@ def each_commit(events: Sequence[Any]) -> list[Any]:
     from kvpool_master.core.events import ObjectsCommitted
     return [each for event in events
             for each in (event.each() if isinstance(event, ObjectsCommitted) else [event])]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        held = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise AssertionError("no run of free ports found")

@@ -3,10 +3,10 @@ what a firewall between workers lets through. Real master, real clients, 127.0.0
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
+from helpers import free_ports
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -19,29 +19,6 @@ def make_config(master: Any, **changes: Any) -> ClientConfig:
                               "transport": "tcp"}  # bytes between the two cross the port
     values.update(changes)
     return ClientConfig.from_dict(values)
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise AssertionError("no run of free ports found")
 
 
 def port_of(client: KVPoolClient) -> int:

@@ -1,0 +1,215 @@
+"""A partitioned master (``--partitions``), real processes on 127.0.0.1: clients in two
+processes write and read each other's keys through every partition, each partition holding
+its share of the keys and of each segment; a later partition registers nobody without
+partition 0's ticket; the partitions stop together whichever of them goes; a partitioned
+state directory restores under the same count and is refused under another; a client that
+dies expires on every partition (README, "Partitions")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import launch_master, pid_alive, stop_pid
+from helpers import client_worker, free_ports
+
+from kvpool_client.client import KVPoolClient
+from kvpool_client.config import ClientConfig
+from kvpool_client.rpc import MasterRpc
+from kvpool_wire import calls
+from kvpool_wire.partitions import partition_of
+from kvpool_wire.status import Status
+
+cw = client_worker()
+SIZE = 10_000
+
+
+def status_of(partition: dict[str, Any]) -> dict[str, Any]:
+    """One partition's /status document."""
+    url = f"http://127.0.0.1:{partition['metrics_port']}/status"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def wait_until(check: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return bool(check())
+
+
+def config(master: Any, **changes: Any) -> ClientConfig:
+    return ClientConfig.from_dict({"master_server_address": master.address,
+                                   "global_segment_size": "32mb", "rpc_timeout_s": 5, **changes})
+
+
+def test_clients_of_a_partitioned_master_read_each_others_keys(start_master: Any) -> None:
+    master = start_master("--partitions", "3")
+    assert len(master.partitions) == 3 and master.partitions[0]["pid"] == master.pid
+    assert len({p["grpc_port"] for p in master.partitions}) == 3
+    keys = [f"part-{i}" for i in range(300)]
+    worker = cw.Worker({"master_server_address": master.address, "global_segment_size": "32mb"})
+    try:
+        assert worker.call("put", keys=keys, size=SIZE)["statuses"] == ["OK"] * len(keys)
+        for transport in ("auto", "tcp"):
+            with KVPoolClient(config(master, transport=transport)) as reader:
+                assert reader.get_batch(keys + ["absent"]) == \
+                    [cw.payload(k, SIZE) for k in keys] + [None]
+                assert reader.batch_exists(keys[:5] + ["absent"]) == [True] * 5 + [False]
+                # a chain: the prefix ends at the first key some partition lacks
+                assert reader.query_prefix(keys[:40] + ["absent"] + keys[40:50]) == 40
+                reader.put(f"from-{transport}", cw.payload(f"from-{transport}", SIZE))
+                assert worker.call("check", keys=[f"from-{transport}"], size=SIZE)["results"] \
+                    == ["ok"]
+        # each partition holds the keys of its share, on its share of every segment
+        owners = [partition_of(k.encode(), 3) for k in keys]
+        documents = [status_of(p) for p in master.partitions]
+        # (the readers' keys went with their segments when they left)
+        assert [d["objects"]["ready"] for d in documents] == [owners.count(p) for p in range(3)]
+        assert all(d["clients"] == 1 for d in documents)
+        capacities = [d["capacity_bytes"]["DRAM"] for d in documents]
+        assert sum(capacities) == 32 << 20 and max(capacities) - min(capacities) < 1 << 20
+
+        async def merged() -> dict[str, Any]:
+            rpc = MasterRpc(master.address)
+            try:
+                await rpc.register_client("stats-reader", "h", "")
+                document = await rpc.get_stats()
+                removed = await rpc.remove_by_regex("stats-reader", "^part-1", force=True)
+                await rpc.unregister_client("stats-reader")
+                return {"document": document, "removed": removed}
+            finally:
+                await rpc.close()
+        answer = asyncio.run(merged())
+        assert answer["document"]["partitions"] == 3
+        assert answer["document"]["objects"]["ready"] == len(keys)
+        assert answer["document"]["capacity_bytes"]["DRAM"] == 32 << 20
+        assert answer["removed"] == sum(k.startswith("part-1") for k in keys)
+        results = worker.call("check", keys=keys, size=SIZE)["results"]
+        assert results == ["missing" if k.startswith("part-1") else "ok" for k in keys]
+    finally:
+        worker.stop()
+
+
+def test_a_later_partition_registers_nobody_without_partition_0s_ticket(
+        start_master: Any) -> None:
+    master = start_master("--partitions", "2")
+
+    async def register(port: int, **joining: bytes) -> Any:
+        rpc = MasterRpc(f"127.0.0.1:{port}", use_fast_path=False)
+        try:
+            call = calls.register_client("intruder", "h", "", b"", **joining)
+            return await rpc._run(call)
+        finally:
+            await rpc.close()
+    later = master.partitions[1]["grpc_port"]
+    assert asyncio.run(register(later)).status == Status.PERMISSION_DENIED
+    assert asyncio.run(register(later, capability_key=b"k" * 32,
+                                partition_ticket=b"t" * 16)).status == Status.PERMISSION_DENIED
+    assert status_of(master.partitions[1])["clients"] == 0
+    first = asyncio.run(register(master.grpc_port))
+    assert first.status == Status.OK and len(first.partitions) == 2
+    joined = asyncio.run(register(later, capability_key=first.capability_key,
+                                  partition_ticket=first.partition_ticket))
+    assert joined.status == Status.OK and joined.client_token == first.client_token
+
+
+@pytest.mark.parametrize("killed", ["later", "first", "term"])
+def test_the_partitions_stop_together(start_master: Any, killed: str) -> None:
+    master = start_master("--partitions", "3")
+    later = [int(p["pid"]) for p in master.partitions[1:]]
+    assert all(pid_alive(pid) for pid in later)
+    if killed == "later":   # one partition dies: the master stops, exit code 1
+        os.kill(later[0], signal.SIGKILL)
+        assert master.proc.wait(30) == 1
+        assert "partition 1 exited" in master.log()
+    elif killed == "first":  # partition 0 dies: the others see their stdin close
+        os.kill(master.pid, signal.SIGKILL)
+        master.proc.wait(10)
+    else:
+        assert master.stop(timeout_s=30) == 0
+    assert all(stop_pid(pid, timeout_s=30) for pid in later)   # gone by themselves
+
+
+def test_a_partitioned_state_directory_restores_under_its_count_only(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    workdir = tmp_path / "masters"
+    keys = [f"kept-{i}" for i in range(60)]
+    master = launch_master(workdir, "--partitions", "2", "--state-dir", str(state),
+                           "--restore-grace", "30")
+    worker = None
+    try:
+        worker = cw.Worker({"master_server_address": master.address,
+                            "global_segment_size": "16mb", "rpc_timeout_s": 5})
+        assert worker.call("put", keys=keys, size=SIZE)["statuses"] == ["OK"] * len(keys)
+        assert master.stop(timeout_s=30) == 0
+        assert sorted(os.listdir(state)) == ["partition-0", "partition-1", "partitions"]
+        with pytest.raises(RuntimeError, match="--partitions 2"):
+            launch_master(workdir, "--partitions", "3", "--state-dir", str(state),
+                          "--port", "0")
+        with pytest.raises(RuntimeError, match="--partitions 2"):
+            launch_master(workdir, "--state-dir", str(state))
+        # the same count: both partitions restore their share; the owner comes back to it
+        master = launch_master(workdir, "--partitions", "2", "--state-dir", str(state),
+                               "--restore-grace", "30", "--port", str(master.grpc_port))
+        assert wait_until(lambda: worker.call("check", keys=keys[:1], size=SIZE)["results"]
+                          == ["ok"], 30)
+        assert worker.call("check", keys=keys, size=SIZE)["results"] == ["ok"] * len(keys)
+        documents = [status_of(p) for p in master.partitions]
+        assert sum(d["objects"]["ready"] for d in documents) == len(keys)
+        assert all(d["objects"]["ready"] > 0 for d in documents)
+    finally:
+        if worker is not None:
+            worker.stop()
+        master.stop(timeout_s=30)
+        for partition in master.partitions[1:]:
+            stop_pid(int(partition["pid"]), timeout_s=15)
+
+
+def test_a_client_that_dies_expires_on_every_partition(start_master: Any) -> None:
+    master = start_master("--partitions", "2", "--client-ttl", "1")
+    worker = cw.Worker({"master_server_address": master.address, "global_segment_size": "16mb",
+                        "heartbeat_interval_s": 0.2})
+    keys = [f"gone-{i}" for i in range(40)]
+    try:
+        assert worker.call("put", keys=keys, size=SIZE)["statuses"] == ["OK"] * len(keys)
+        assert all(status_of(p)["clients"] == 1 for p in master.partitions)
+        assert all(status_of(p)["objects"]["ready"] > 0 for p in master.partitions)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.proc.wait(10)
+    finally:
+        worker.stop()
+    assert wait_until(lambda: all(status_of(p)["clients"] == 0 and
+                                  status_of(p)["objects"]["ready"] == 0
+                                  for p in master.partitions), 20)
+
+
+def test_partitions_serve_on_fixed_ports_when_given(start_master: Any) -> None:
+    base = free_ports(4)
+    master = start_master("--partitions", "3", "--partition-ports", str(base))
+    assert [(p["grpc_port"], p["fast_port"]) for p in master.partitions[1:]] == \
+        [(base, base + 1), (base + 2, base + 3)]
+    with KVPoolClient(config(master)) as client:
+        client.put_batch([f"fixed-{i}" for i in range(30)], [b"v"] * 30)
+        assert client.get_batch([f"fixed-{i}" for i in range(30)]) == [b"v"] * 30
+
+
+@pytest.mark.parametrize("flags", [["--partitions", "0"], ["--partitions", "65"],
+                                   ["--partitions", "two"],
+                                   ["--partitions", "2", "--partition-ports", "50051"]])
+def test_bad_partition_settings_are_refused(flags: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvpool_master.cli", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "partition" in done.stderr
