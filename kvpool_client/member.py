@@ -198,7 +198,8 @@ class Member:
         if ssd_segments:
             copier = TierCopier(client_id, partial(master.blocking_stub, session), segments,
                                 ssd_segments, config.ssd_copy_threads, metrics,
-                                min(config.ssd_poll_interval_s, config.rpc_timeout_s / 2))
+                                min(config.ssd_poll_interval_s, config.rpc_timeout_s / 2),
+                                partitions=lambda: len(session.partitions))
             session.on_copy_tasks = copier.poke
             copier.start()
             undo.push_async_callback(off_loop, copier.stop)

@@ -7,7 +7,10 @@ Rules of this file:
   the last batch and waits there (up to ``wait_s``) until tasks come, so a burst of puts is
   met within the master's pass interval, not a poll interval, while an idle copier costs one
   call per ``wait_s``. A master that answers at once (it does not wait) gets the same pace
-  from a local wait, which a heartbeat saying copies wait cuts short.
+  from a local wait, which a heartbeat saying copies wait cuts short. A partitioned master
+  hands out the copies of each partition's objects: the copier keeps one such call, on a
+  thread of its own, at each partition (``partitions()`` says how many; a thread starts for
+  each partition the master has when the copier starts or a heartbeat pokes it).
 - Both ends of a copy are this client's own segments: no capability, no network. The copies
   of one batch run on ``ssd_copy_threads`` threads, so several SSD writes are in flight.
 - A copy is started only within the time the master gave (``start_within_s`` from when the
@@ -49,58 +52,82 @@ class TierCopier:
 
     def __init__(self, client_id: str, stub: Callable[[], object],
                  dram: Mapping[str, LocalSegment], ssd: Mapping[str, SsdSegment],
-                 threads: int, metrics: ClientMetrics, wait_s: float = 2.0) -> None:
+                 threads: int, metrics: ClientMetrics, wait_s: float = 2.0,
+                 partitions: Callable[[], int] = lambda: 1) -> None:
         self._client_id = client_id
         self._stub = stub
         self._dram = dram
         self._ssd = ssd
         self._metrics = metrics
         self._wait_s = wait_s
-        self._wake = threading.Event()
+        self._partitions = partitions
+        self._wakes: list[threading.Event] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self._stopping = False
         self._pool = concurrent.futures.ThreadPoolExecutor(threads,
                                                            thread_name_prefix="kvpool-tier-io")
-        self._thread = threading.Thread(target=self._main, name=f"kvpool-tier-{client_id}",
-                                        daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._ensure_loops()
+
+    def _ensure_loops(self) -> None:
+        """A fetching thread for each partition the master has now."""
+        with self._lock:
+            while not self._stopping and len(self._threads) < max(1, self._partitions()):
+                partition = len(self._threads)
+                self._wakes.append(threading.Event())
+                thread = threading.Thread(target=self._main, args=(partition,), daemon=True,
+                                          name=f"kvpool-tier-{self._client_id}-{partition}")
+                self._threads.append(thread)
+                thread.start()
 
     def poke(self, waiting: int = 1) -> None:
         """Copies wait at the master (a heartbeat said so)."""
         if waiting:
-            self._wake.set()
+            self._ensure_loops()
+            for wake in list(self._wakes):
+                wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop fetching; wait for the copies in flight (idempotent). A call waiting at the
         master is answered at once by a call that fetches nothing."""
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
+        with self._lock:
+            self._stopping = True
+            threads = list(self._threads)
+        for wake in self._wakes:
+            wake.set()
+        if any(thread.is_alive() for thread in threads):
             rpc = self._stub()
             try:
-                rpc.copy_tasks(self._client_id, [], 0)  # type: ignore[attr-defined]
+                for partition, thread in enumerate(threads):
+                    if thread.is_alive():
+                        rpc.copy_tasks(self._client_id, [], 0,  # type: ignore[attr-defined]
+                                       partition=partition)
             except KVPoolError as exc:
                 logger.debug("ending the copier's wait failed: %s", exc)
             finally:
                 rpc.close()  # type: ignore[attr-defined]
-            self._thread.join(timeout_s)
+            for thread in threads:
+                thread.join(timeout_s)
         self._pool.shutdown(wait=True)
 
-    def _main(self) -> None:
+    def _main(self, partition: int) -> None:
         rpc = self._stub()
+        wake = self._wakes[partition]
         done: list[tuple[int, Status]] = []
         try:
             while not self._stopping:
                 asked_s = time.monotonic()
                 try:
                     tasks = rpc.copy_tasks(self._client_id, done,  # type: ignore[attr-defined]
-                                           MAX_TASKS_PER_CALL, self._wait_s)
+                                           MAX_TASKS_PER_CALL, self._wait_s,
+                                           partition=partition)
                 except KVPoolError as exc:
                     logger.debug("CopyTasks failed: %s", exc)
                     done = []
-                    self._wake.wait(RETRY_AFTER_S)
-                    self._wake.clear()
+                    wake.wait(RETRY_AFTER_S)
+                    wake.clear()
                     continue
                 done = []
                 if tasks:
@@ -112,10 +139,11 @@ class TierCopier:
                     continue
                 left_s = self._wait_s - (time.monotonic() - asked_s)
                 if left_s > self._wait_s / 2:  # answered at once: a master that does not wait
-                    self._wake.wait(left_s)
-                self._wake.clear()
+                    wake.wait(left_s)
+                wake.clear()
             if done:  # copies not made (stopping): their targets are freed at once
-                rpc.copy_tasks(self._client_id, done, 0)  # type: ignore[attr-defined]
+                rpc.copy_tasks(self._client_id, done, 0,  # type: ignore[attr-defined]
+                               partition=partition)
         except KVPoolError as exc:
             logger.debug("reporting the last tier copies failed: %s", exc)
         except Exception:  # a bug must stop the copies, never the client

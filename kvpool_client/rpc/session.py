@@ -328,19 +328,23 @@ class MasterCalls:
         return status
 
     def copy_tasks(self, client_id: str, done: Sequence[tuple[int, Status]],
-                   max_tasks: int, wait_s: float = 0.0) -> Any:
+                   max_tasks: int, wait_s: float = 0.0, partition: int | None = None) -> Any:
         """Report tier copies made and fetch more -> list of ``calls.CopyTask``; with
         ``wait_s``, the master may hold the answer that long until some wait (keep it well
-        under the stub's timeout). A partitioned master is asked on every partition, each
-        told of its own tasks (a task's number names its partition), none waiting."""
+        under the stub's timeout). With ``partition``, of that partition of a partitioned
+        master (``done`` its tasks); else of every partition, each told of its own tasks (a
+        task's number names its partition) and asked for its share of ``max_tasks``, none
+        waiting."""
         token = self.session.token
         count = len(self.session.partitions)
-        if count <= 1:
-            return self._run(calls.copy_tasks(client_id, token, done, max_tasks, wait_s))
+        if count <= 1 or partition is not None:
+            return self._run(calls.copy_tasks(client_id, token, done, max_tasks, wait_s), None,
+                             partition or 0)
         mine: list[list[tuple[int, Status]]] = [[] for _ in range(count)]
         for task_id, status in done:
             mine[task_id % count].append((task_id, status))
-        parts: list[Part] = [(p, calls.copy_tasks(client_id, token, mine[p], max_tasks))
+        share = -(-max_tasks // count)
+        parts: list[Part] = [(p, calls.copy_tasks(client_id, token, mine[p], share))
                              for p in range(count)]
         return self._run_parts(parts, _joined_tasks)
 

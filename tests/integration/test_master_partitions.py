@@ -213,3 +213,29 @@ def test_bad_partition_settings_are_refused(flags: list[str]) -> None:
     done = subprocess.run([sys.executable, "-m", "kvpool_master.cli", *flags],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "partition" in done.stderr
+
+
+def test_each_partition_moves_its_objects_to_the_ssd_tier_and_back(start_master: Any,
+                                                                     tmp_path: Path) -> None:
+    master = start_master("--partitions", "2", eviction_high_watermark_ratio=0.8,
+                          eviction_ratio=0.2)
+    size = 256 << 10
+    owner = cw.Worker({"master_server_address": master.address, "global_segment_size": 4 << 20,
+                       "checksum": True, "ssd_path": str(tmp_path / "ssd"),
+                       "ssd_segment_size": 64 << 20})
+    reader = cw.Worker({"master_server_address": master.address, "global_segment_size": 0})
+    try:
+        keys = [f"tiered-{i}" for i in range(48)]   # three times DRAM
+        for key in keys:
+            assert owner.call("put", keys=[key], size=size)["statuses"] == ["OK"]
+            time.sleep(0.02)
+        assert wait_until(lambda: all(status_of(p)["used_bytes"]["SSD"] >= 8 * size
+                                      for p in master.partitions), 20)
+        tiers = owner.call("tiers", keys=keys)["tiers"]
+        kept = [k for k, t in zip(keys, tiers, strict=True) if t is not None]
+        assert len(kept) >= 40 and "SSD" in tiers
+        assert set(reader.call("check", keys=kept, size=size)["results"]) == {"ok"}
+        assert owner.call("ssd")["failed"] == 0 and owner.call("ssd")["done"] > 0
+    finally:
+        owner.stop()
+        reader.stop()
