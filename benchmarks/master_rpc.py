@@ -341,21 +341,45 @@ class _NoMetrics:
         pass
 
 
-async def run_puts(address: str, seconds: float) -> dict[str, float]:
+async def run_puts(address: str, seconds: float,
+                   master_pids: list[int] | None = None) -> dict[str, float]:
     """Only puts, over the lean framing: keys/s of 1,000-key ``PutStart`` + ``PutEnd`` of
     fresh 4 KiB objects for ``seconds`` each, one and two calls in flight, into a segment
-    large enough that nothing is evicted (the master only counts its bytes)."""
+    large enough that nothing is evicted (the master only counts its bytes); with
+    ``master_pids`` (the master's processes: every partition's), also the CPU seconds they
+    and this process spent per million keys, from /proc."""
     name = "bench-putter"
     rpc = MasterRpc(address, use_fast_path=True, timeout_s=30)
     await rpc.register_client(name, "bench-host", "")
     segment = SegmentInfo(SegmentId(name + "-seg"), ClientId(name), 1 << 40)
     assert await rpc.mount_segment(name, segment) == Status.OK
     beating = asyncio.get_running_loop().create_task(heartbeat_forever(rpc, name))
-    figures = {f"puts_{in_flight}_in_flight_keys_per_s": await put_throughput(
-        rpc, name, seconds, in_flight, max_keys=1 << 62) for in_flight in (1, 2)}
+    figures: dict[str, float] = {}
+    for in_flight in (1, 2):
+        masters_s, mine_s = _cpu_s(master_pids or []), _cpu_s([os.getpid()])
+        started = time.perf_counter()
+        rate = await put_throughput(rpc, name, seconds, in_flight, max_keys=1 << 62)
+        millions = rate * (time.perf_counter() - started) / 1e6
+        figures[f"puts_{in_flight}_in_flight_keys_per_s"] = rate
+        if master_pids:
+            figures[f"puts_{in_flight}_master_cpu_s_per_m_keys"] = \
+                (_cpu_s(master_pids) - masters_s) / millions
+            figures[f"puts_{in_flight}_client_cpu_s_per_m_keys"] = \
+                (_cpu_s([os.getpid()]) - mine_s) / millions
     beating.cancel()
     await rpc.close()
     return figures
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` spent so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])   # utime, stime
+    return total / ticks
 
 
 async def run(address: str, seconds: float, num_keys: int) -> dict[str, Any]:
@@ -465,7 +489,9 @@ def main() -> int:
             proc, ready = start_master(Path(tmp), *flags, "--partitions", str(args.partitions))
             address = f"127.0.0.1:{ready['grpc_port']}"
         try:
-            results = uvloop.run(run_puts(address, args.seconds) if args.puts_only
+            pids = [int(p["pid"]) for p in ready.get("partitions", [])] or [ready["pid"]] \
+                if proc is not None else None
+            results = uvloop.run(run_puts(address, args.seconds, pids) if args.puts_only
                                  else run(address, args.seconds, args.keys))
         finally:
             if proc is not None:
@@ -477,6 +503,13 @@ def main() -> int:
               f"{f', {args.partitions} partitions' if args.partitions > 1 else ''}: "
               f"{results['puts_1_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s, 2 in flight "
               f"{results['puts_2_in_flight_keys_per_s'] / 1e6:6.3f} M keys/s")
+        if "puts_2_master_cpu_s_per_m_keys" in results:
+            master_s = results["puts_2_master_cpu_s_per_m_keys"]
+            print(f"  2 in flight: the master's processes spent {master_s:.2f} CPU s per M keys "
+                  f"({1 / master_s:.3f} M keys per CPU second: on {args.partitions} free "
+                  f"core(s), one per partition, the master's work allows at most "
+                  f"{args.partitions / master_s:.3f} M keys/s), this client "
+                  f"{results['puts_2_client_cpu_s_per_m_keys']:.2f} CPU s per M keys")
     else:
         report(results, forms)
     if args.json:
