@@ -14,7 +14,11 @@ answered UNKNOWN_CLIENT (a false expiry: every client heartbeats on time) and th
 ``kvpool_clients_expired_total``. Every process listens on 127.0.0.1 and is stopped by pid.
 
     .venv/bin/python benchmarks/master_scale.py [--clients 1000] [--procs 4] [--objects 1000000]
-        [--seconds 60] [--client-ttl 10] [--state]
+        [--seconds 60] [--client-ttl 10] [--state] [--partitions N]
+
+With ``--partitions N`` the master runs N partitions (README, "Partitions"): each client
+registers with, mounts on and heartbeats every partition, and the figures of the master
+(expiries, evictions, memory, collector pauses) are summed or taken over all of them.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def main() -> int:
                     help="the master persists its index (--state-dir in a temporary "
                          "directory, log at info level: its compaction lines), so state-log "
                          "compactions run under the load")
+    ap.add_argument("--partitions", type=int, default=1,
+                    help="run the master as this many partitions")
     ap.add_argument("--_worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
@@ -158,7 +164,9 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         state = ["--state-dir", f"{tmp}/state", "--log-level", "info"] if args.state else []
-        master, ready = start_master(Path(tmp), "--client-ttl", str(args.client_ttl), *state)
+        master, ready = start_master(Path(tmp), "--client-ttl", str(args.client_ttl), *state,
+                                     "--partitions", str(args.partitions))
+        partitions = ready.get("partitions") or [ready]
         procs: list[subprocess.Popen[str]] = []
         try:
             address = f"127.0.0.1:{ready['grpc_port']}"
@@ -166,7 +174,7 @@ def main() -> int:
             loop = asyncio.new_event_loop()
             keep_alive = loop.run_until_complete(_fill(address, args.objects))
             print(f"filled {args.objects:,} objects in {time.monotonic() - started:.1f} s; "
-                  f"master RSS {_rss_bytes(master.pid) / 2**30:.2f} GiB", flush=True)
+                  f"master RSS {_master_rss(partitions) / 2**30:.2f} GiB", flush=True)
             per = args.clients // args.procs
             for index in range(args.procs):
                 procs.append(subprocess.Popen(
@@ -196,14 +204,17 @@ def main() -> int:
                 for key in ("heartbeat", "put_batch", "get_batch"):
                     merged[key] += part[key]
                 merged["false_expiries"] += part["false_expiries"]
-            with urllib.request.urlopen(f"http://127.0.0.1:{ready['metrics_port']}/metrics",
-                                        timeout=10) as response:
-                metrics = response.read().decode()
-            expired = next(line.split()[-1] for line in metrics.splitlines()
-                           if line.startswith("kvpool_clients_expired_total"))
-            evicted = next(line.split()[-1] for line in metrics.splitlines()
-                           if line.startswith("kvpool_evicted_objects_total"))
-            print(f"{per * args.procs} clients in {args.procs} processes, "
+            metrics = ""
+            for partition in partitions:
+                url = f"http://127.0.0.1:{partition['metrics_port']}/metrics"
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    metrics += response.read().decode()
+            expired = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                          if line.startswith("kvpool_clients_expired_total"))
+            evicted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                          if line.startswith("kvpool_evicted_objects_total"))
+            print(f"{per * args.procs} clients in {args.procs} processes"
+                  f"{f', {args.partitions} partitions' if args.partitions > 1 else ''}, "
                   f"{args.procs * args.mixers} of them putting and getting, "
                   f"{args.seconds:g} s, client_ttl {args.client_ttl:g} s, "
                   f"{args.objects:,} objects to start with")
@@ -217,12 +228,12 @@ def main() -> int:
             longest = max((float(line.split()[-1]) for line in metrics.splitlines()
                            if line.startswith("kvpool_master_gc_longest_pause_seconds")),
                           default=0.0)
-            print(f"  master RSS at the end {_rss_bytes(master.pid) / 2**30:.2f} GiB, "
-                  f"peak {_rss_bytes(master.pid, 'VmHWM') / 2**30:.2f} GiB; its longest "
+            print(f"  master RSS at the end {_master_rss(partitions) / 2**30:.2f} GiB, "
+                  f"peak {_master_rss(partitions, 'VmHWM') / 2**30:.2f} GiB; its longest "
                   f"collector pause {longest * 1e3:.1f} ms")
             print(f"  false expiries (heartbeats answered UNKNOWN_CLIENT): "
-                  f"{merged['false_expiries']}; kvpool_clients_expired_total {expired}; "
-                  f"objects evicted {evicted}")
+                  f"{merged['false_expiries']}; kvpool_clients_expired_total {expired:g}; "
+                  f"objects evicted {evicted:g}")
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -233,6 +244,11 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 master.kill()
     return 0
+
+
+def _master_rss(partitions: list[dict[str, Any]], field: str = "VmRSS") -> int:
+    """The memory of every process of the master (each partition's), summed."""
+    return sum(_rss_bytes(int(p["pid"]), field) for p in partitions)
 
 
 def _rss_bytes(pid: int, field: str = "VmRSS") -> int:
