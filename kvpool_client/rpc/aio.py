@@ -33,12 +33,11 @@ from kvpool_client.rpc.endpoints import (
 from kvpool_client.rpc.session import (
     NO_LEAN,
     After,
-    LeanEndpoints,
     MasterCalls,
     MasterSession,
     Part,
     TlsConfig,
-    partition_address,
+    leg_for,
 )
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call
@@ -220,19 +219,9 @@ class _Leg:
         self._lean_retry_at = 0.0
         self.grpc_nowait: set[asyncio.Task[list[Status]]] = set()
 
-    def _endpoints(self) -> LeanEndpoints:
-        session = self._stub.session
-        if not self._partition:
-            return session.lean
-        partitions = session.partitions
-        if self._partition >= len(partitions):
-            return NO_LEAN
-        endpoint = partitions[self._partition]
-        return LeanEndpoints(endpoint.fast_port, endpoint.fast_socket, endpoint.master_pid)
-
     def follow_lean(self) -> None:
-        lean, followed = self._endpoints(), self.followed
-        if lean == followed:
+        lean, followed = self._stub.session.lean_of(self._partition), self.followed
+        if lean is followed:
             return
         self.followed = lean
         if (lean.port, lean.socket) != (followed.port, followed.socket):
@@ -256,7 +245,7 @@ class _Leg:
 
     def lean_connection(self) -> _LeanConnection | None:
         stub = self._stub
-        if self._partition or stub.session.lean is not self.followed:
+        if stub.session.lean_of(self._partition) is not self.followed:
             self.follow_lean()
         if not (stub._use_fast_path and self.followed.port) or stub._closed:
             return None
@@ -379,17 +368,11 @@ class MasterRpc(MasterCalls):
     # -- transport plumbing -----------------------------------------------------------------------
 
     def _leg(self, partition: int) -> _Leg:
-        legs = self._legs
         if not partition:
-            return legs[0]
-        address = partition_address(self._host, self.session.partitions, partition)
-        while len(legs) <= partition:
-            legs.append(_Leg(self, partition_address(self._host, self.session.partitions,
-                                                     len(legs)), len(legs)))
-        leg = legs[partition]
-        if leg.address != address:  # the master restarted elsewhere
-            stale, leg = leg, _Leg(self, address, partition)
-            legs[partition] = leg
+            return self._legs[0]
+        leg, stale = leg_for(self._legs, partition, self._host, self.session.partitions,
+                             lambda address, index: _Leg(self, address, index))
+        if stale is not None:
             task = asyncio.get_running_loop().create_task(stale.close())
             self._stale.add(task)
             task.add_done_callback(self._stale.discard)

@@ -33,12 +33,11 @@ from kvpool_client.rpc.lean_blocking import BlockingLeanConnection
 from kvpool_client.rpc.session import (
     NO_LEAN,
     After,
-    LeanEndpoints,
     MasterCalls,
     MasterSession,
     Part,
     TlsConfig,
-    partition_address,
+    leg_for,
 )
 from kvpool_wire._pb import kvpool_pb2 as pb
 from kvpool_wire.calls import Call
@@ -66,20 +65,10 @@ class _Leg:
         self._fast_socket = ""  # the master's abstract Unix socket, while it is reachable
         self._lean_retry_at = 0.0
 
-    def _endpoints(self) -> LeanEndpoints:
-        session = self._stub.session
-        if not self._partition:
-            return session.lean
-        partitions = session.partitions
-        if self._partition >= len(partitions):
-            return NO_LEAN
-        endpoint = partitions[self._partition]
-        return LeanEndpoints(endpoint.fast_port, endpoint.fast_socket, endpoint.master_pid)
-
     def follow_lean(self) -> None:
         with self._lock:
-            lean, followed = self._endpoints(), self.followed
-            if lean == followed:
+            lean, followed = self._stub.session.lean_of(self._partition), self.followed
+            if lean is followed:
                 return
             self.followed = lean
             if (lean.port, lean.socket) == (followed.port, followed.socket):
@@ -106,7 +95,7 @@ class _Leg:
         stub = self._stub
         if stub._closed:
             raise KVPoolError(Status.RPC_FAILED, "the stub is closed")
-        if self._partition or stub.session.lean is not self.followed:
+        if stub.session.lean_of(self._partition) is not self.followed:
             self.follow_lean()
         if stub._use_fast_path and self.followed.port and time.monotonic() >= self._lean_retry_at:
             conn = self._checkout(deadline - time.monotonic())
@@ -215,18 +204,12 @@ class BlockingMasterRpc(MasterCalls):
     def _leg(self, partition: int) -> _Leg:
         if not partition:
             return self._legs[0]
-        address = partition_address(self._host, self.session.partitions, partition)
         with self._legs_lock:
-            legs = self._legs
-            while len(legs) <= partition:
-                legs.append(_Leg(self, partition_address(self._host, self.session.partitions,
-                                                         len(legs)), len(legs)))
-            leg = legs[partition]
-            if leg.address != address:  # the master restarted elsewhere
-                stale, leg = leg, _Leg(self, address, partition)
-                legs[partition] = leg
-                stale.close()
-            return leg
+            leg, stale = leg_for(self._legs, partition, self._host, self.session.partitions,
+                                 lambda address, index: _Leg(self, address, index))
+        if stale is not None:
+            stale.close()
+        return leg
 
     def _follow_lean(self) -> None:
         for leg in list(self._legs):

@@ -31,7 +31,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kvpool_client.rpc.joins import (
     Route,
@@ -83,6 +83,30 @@ class LeanEndpoints:
 NO_LEAN = LeanEndpoints()
 
 
+class _Leg(Protocol):
+    address: str
+
+
+L = TypeVar("L", bound=_Leg)
+
+
+def leg_for(legs: list[L], partition: int, host: str,
+            partitions: Sequence[PartitionEndpoint],
+            make: Callable[[str, int], L]) -> tuple[L, L | None]:
+    """``legs[partition]`` (a stub's transports to one partition, ``make(address, partition)``
+    makes one), made for every partition up to it as needed, or made again when the
+    partition's address changed (the master restarted elsewhere); and the leg that replaced
+    one had (the caller closes it), or None."""
+    address = partition_address(host, partitions, partition)
+    while len(legs) <= partition:
+        legs.append(make(partition_address(host, partitions, len(legs)), len(legs)))
+    leg = legs[partition]
+    if leg.address == address:
+        return leg, None
+    legs[partition] = make(address, partition)
+    return legs[partition], leg
+
+
 def partition_address(host: str, partitions: Sequence[PartitionEndpoint], partition: int) -> str:
     """The gRPC address of ``partition`` of a partitioned master on ``host`` (that of
     partition 0, which the client was given); UNAVAILABLE when the master has no such
@@ -100,7 +124,7 @@ class MasterSession:
     the leases waiting to be ended are a list behind a lock (any thread reads and sends)."""
 
     __slots__ = ("token", "clock", "max_call_keys", "lean", "partitions", "partition_ticket",
-                 "_ended", "_ended_lock", "on_copy_tasks")
+                 "_partition_leans", "_ended", "_ended_lock", "on_copy_tasks")
 
     def __init__(self) -> None:
         self.token = b""
@@ -114,6 +138,7 @@ class MasterSession:
         #: first is partition 0, ``lean`` above); empty for a master of one process
         self.partitions: tuple[PartitionEndpoint, ...] = ()
         self.partition_ticket = b""  # partition 0's ticket for joining the others
+        self._partition_leans: tuple[LeanEndpoints, ...] = ()
         # called with the number of tier copies waiting, when a heartbeat says some do
         self.on_copy_tasks: Callable[[int], None] | None = None
         self.clock = MasterClock(0, 0, 0.0)
@@ -135,6 +160,21 @@ class MasterSession:
         with self._ended_lock:
             ended, self._ended = self._ended, []
         return ended
+
+    def learn_partitions(self, partitions: tuple[PartitionEndpoint, ...], ticket: bytes) -> None:
+        """A registration's partitions (none, or one, for a master of one process)."""
+        self.partitions = partitions if len(partitions) > 1 else ()
+        self.partition_ticket = ticket
+        self._partition_leans = tuple(LeanEndpoints(p.fast_port, p.fast_socket, p.master_pid)
+                                      for p in self.partitions)
+
+    def lean_of(self, partition: int) -> LeanEndpoints:
+        """The lean endpoints of ``partition`` (0: ``lean``; NO_LEAN for one the master does
+        not have), the same object until a registration changes them."""
+        if not partition:
+            return self.lean
+        leans = self._partition_leans
+        return leans[partition] if partition < len(leans) else NO_LEAN
 
     def learn_clock(self, sample: MasterClock) -> None:
         """Keep the tighter of the known clock and ``sample`` (``sample`` on a new epoch)."""
@@ -263,8 +303,7 @@ class MasterCalls:
         if answer.max_batch_keys:
             session.max_call_keys = answer.max_batch_keys
         session.lean = LeanEndpoints(answer.fast_port, answer.fast_socket, answer.master_pid)
-        session.partitions = answer.partitions if len(answer.partitions) > 1 else ()
-        session.partition_ticket = answer.partition_ticket
+        session.learn_partitions(answer.partitions, answer.partition_ticket)
         self._follow_lean()
         return Registration(answer.client_ttl_ms / 1000, answer.capability_key, answer.master_id,
                             answer.default_lease_ttl_ms / 1000, answer.fast_port,

@@ -18,7 +18,12 @@ Rules of this file:
   changes nothing. Handlers only see proven callers.
 - Capabilities carry this master's ``capability_epoch`` (random at every start) and expire on
   its capability clock (monotonic ms since start), which every registration and heartbeat
-  answer reports; a PutStart's WRITE capabilities name a fresh ``put_id``.
+  answer reports; a PutStart's WRITE capabilities name a fresh ``put_id``. The partitions of
+  a partitioned master share one epoch and one clock (``partition.py``).
+- A partitioned master (README, "Partitions"): partition 0 registers clients, once
+  ``partition_map`` is set (UNAVAILABLE before), and answers with the map and a ticket for
+  the client's key; a later partition registers only a client presenting such a ticket
+  (PERMISSION_DENIED otherwise), under that key (``core.join_client``).
 - The leases a ``GetReplicas`` says its reader ended are ended once its answer went out
   (``finish``, which the lean transport calls after writing, and any next call or tick
   before it runs); those a ``PutStart`` or ``Remove`` carries, before them (they may need the

@@ -251,8 +251,8 @@ class _Routing(MasterCalls):
 
     def __init__(self, partitions: int, most: int) -> None:
         self.session = MasterSession()
-        self.session.partitions = tuple(PartitionEndpoint(p) for p in range(partitions)) \
-            if partitions > 1 else ()
+        self.session.learn_partitions(tuple(PartitionEndpoint(p) for p in range(partitions)),
+                                      b"")
         self.session.max_call_keys = most
 
 
