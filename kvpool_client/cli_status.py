@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
 def render(document: dict[str, Any], address: str) -> str:
     """The status document as text for a terminal."""
     doc = dict(document)
-    lines = [f"kvpool master {address}"]
+    partitions = doc.pop("partitions", 1)
+    lines = [f"kvpool master {address}" + (f" ({partitions} partitions, summed)"
+                                           if partitions > 1 else "")]
     segments = doc.pop("segments", {}) or {}
     lines.append(f"clients: {doc.pop('clients', '?')}   segments: "
                  f"{segments.get('mounted', '?')} mounted, {segments.get('restored', 0)} restored")

@@ -55,6 +55,8 @@ class MasterMetrics:
         self._clock = clock
         self._master_id = master_id
         self._started_wall_s = time.time()
+        #: a partition of a partitioned master: what /status says of it (``partition``)
+        self.partition_info: Callable[[], dict[str, Any]] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # per call: plain counters, exported at scrape time (a prometheus_client child's
@@ -147,6 +149,8 @@ class MasterMetrics:
         document["uptime_s"] = round(time.time() - self._started_wall_s, 3)
         document["stalled_s"] = round(self._clock.stalled_s, 3)
         document["settings"] = self._settings
+        if self.partition_info is not None:
+            document["partition"] = self.partition_info()
         return document
 
     def mounted_segment_ids(self) -> list[str]:

@@ -29,7 +29,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,8 @@ class MasterServer:
                                  on_events=self._fan_out,
                                  status_document=self.metrics.status_json,
                                  partition=partition)
+        if partition.count > 1:
+            self.metrics.partition_info = self._partition_info
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._background: set[asyncio.Task[None]] = set()  # health updates in flight
@@ -303,6 +305,13 @@ class MasterServer:
                  report.num_conflicting_objects, report.truncated_log_bytes,
                  self.config.restore_grace_s, self.config.write_capability_ttl_s)
         self.metrics.watch_store(self.store, report, restore_s)
+
+    def _partition_info(self) -> dict[str, Any]:
+        """/status of a partition: its index and their count, and for partition 0 where
+        every partition serves (as registrations give it; a caller that did not register
+        learns the others from it)."""
+        return {"index": self.partition.index, "count": self.partition.count,
+                "endpoints": [asdict(e) for e in self.servicer.partition_map]}
 
     @staticmethod
     def _master_id(config: MasterConfig) -> str:

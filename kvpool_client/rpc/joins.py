@@ -164,6 +164,7 @@ def merged_status(documents: list[Any]) -> dict[str, Any]:
                 mine[name] = mine.get(name, 0) + segment.get(name, 0)
             mine["largest_free_bytes"] = max(mine.get("largest_free_bytes", 0),
                                              segment.get("largest_free_bytes", 0))
+    merged.pop("partition", None)   # partition 0's own place
     merged["partitions"] = len(documents)
     return merged
 

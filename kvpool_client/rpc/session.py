@@ -517,11 +517,21 @@ class MasterCalls:
 
     def get_stats(self) -> Any:
         """-> the master's /status document (clients, segments, capacity, usage, objects);
-        a partitioned master's partitions' merged (``joins.merged_status``)."""
+        a partitioned master's partitions' merged (``joins.merged_status``). A stub that did
+        not register learns the partitions from partition 0's document."""
         if not self.session.partitions:
-            return self._run(calls.get_stats())
+            return self._then(self._run(calls.get_stats()), self._stats_everywhere)
         return self._run_parts([(p, calls.get_stats()) for p in self._everywhere()],
                                merged_status)
+
+    def _stats_everywhere(self, document: dict[str, Any]) -> Any:
+        """``document``, or, when it is partition 0's of several, every partition's merged."""
+        listed = document.get("partition", {}).get("endpoints", [])
+        if len(listed) < 2 or self.session.partitions:
+            return document
+        self.session.learn_partitions(tuple(PartitionEndpoint(**e) for e in listed), b"")
+        return self._run_parts([(p, calls.get_stats()) for p in self._everywhere()[1:]],
+                               lambda others: merged_status([document, *others]))
 
 
 def _joined_tasks(lists: list[Any]) -> list[calls.CopyTask]:

@@ -239,3 +239,25 @@ def test_each_partition_moves_its_objects_to_the_ssd_tier_and_back(start_master:
     finally:
         owner.stop()
         reader.stop()
+
+
+def test_kvpool_status_of_a_partitioned_master_merges_every_partition(
+        start_master: Any) -> None:
+    master = start_master("--partitions", "2")
+    assert status_of(master.partitions[0])["partition"]["count"] == 2
+    assert len(status_of(master.partitions[0])["partition"]["endpoints"]) == 2
+    with KVPoolClient(config(master, global_segment_size="8mb")) as client:
+        keys = [f"status-{i}" for i in range(20)]
+        client.put_batch(keys, [b"v" * 100_000] * 20)
+        done = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
+                               master.address, "--json"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        document = json.loads(done.stdout)
+        assert document["partitions"] == 2 and "partition" not in document
+        assert document["objects"]["ready"] == 20 and document["clients"] == 1
+        assert document["capacity_bytes"]["DRAM"] == 8 << 20
+        assert document["segments"]["list"][0]["capacity_bytes"] == 8 << 20
+        text = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
+                               master.address], capture_output=True, text=True, timeout=120)
+        assert "(2 partitions, summed)" in text.stdout and "objects: 20 ready" in text.stdout
