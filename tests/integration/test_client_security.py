@@ -15,15 +15,23 @@ from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, SegmentId
 
 
-def test_client_over_mutual_tls_with_a_token(start_master: Any, pki: dict[str, str]) -> None:
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_client_over_mutual_tls_with_a_token(start_master: Any, pki: dict[str, str],
+                                            partitions: int) -> None:
     master = start_master(tls_cert=pki["server.crt"], tls_key=pki["server.key"],
-                          tls_ca=pki["ca.crt"], auth_token="s3cret")
+                          tls_ca=pki["ca.crt"], auth_token="s3cret", partitions=partitions)
     values = {"master_server_address": master.address, "global_segment_size": "8mb",
               "tls_ca": pki["ca.crt"], "tls_cert": pki["client.crt"],
               "tls_key": pki["client.key"], "auth_token": "s3cret", "rpc_timeout_s": 5}
     with KVPoolClient(ClientConfig.from_dict(values)) as c:
         c.put("over-tls", b"sealed" * 1000)
         assert c.get("over-tls") == b"sealed" * 1000
+        # with partitions, every partition over TLS and the token
+        keys = [f"sealed-{i}" for i in range(40)]
+        assert c.put_batch(keys, [b"s" * 4096] * 40) == [Status.OK] * 40
+        assert c.get_batch(keys) == [b"s" * 4096] * 40
+        assert len(c.async_client.member.session.partitions) == (partitions if partitions > 1
+                                                                  else 0)
         assert c.async_client.member.datapath is not None
         assert c.async_client.member.datapath.rpc.fast_port > 0  # the lean path runs over TLS too
     done = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
