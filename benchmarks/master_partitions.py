@@ -1,8 +1,9 @@
-"""What splitting the index across processes would gain: puts and restore, 1 vs P processes.
+"""What splitting the index across processes gains in the cores: puts and restore, 1 vs P.
 
-The master's index lives in one process. Partitioning it (README, "Beyond one core") would
-give each of P processes the keys of one hash partition. This measures the gain without the
-routing: P processes each run an in-process core (``master_core.py``'s) on their share of
+``kvpool-master --partitions P`` (README, "Partitions") gives each of P processes the keys of
+one hash partition. This measures the gain in the cores alone, without the RPCs and the
+routing (``master_rpc.py --puts-only --partitions P`` measures through real masters): P
+processes each run an in-process core (``master_core.py``'s) on their share of
 ``--objects`` at the same time, started together; then each snapshots its share and restores
 it into a fresh core, again at the same time. Aggregate rates are total keys over the wall time
 of the slowest process, against the same work done by one process in the same run.
