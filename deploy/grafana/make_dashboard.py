@@ -19,8 +19,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("sum by (tier) (kvpool_used_bytes)", "used {{tier}}"),
         ("sum by (tier) (kvpool_capacity_bytes)", "capacity {{tier}}")]),
     ("Objects", "short", [("sum by (state) (kvpool_objects)", "{{state}}")]),
+    # every partition of a partitioned master knows every client and every segment: the most
+    # any partition reports (one master process: its own figure)
     ("Clients and segments", "short", [
-        ("kvpool_clients", "clients"), ("sum by (state) (kvpool_segments)", "segments {{state}}")]),
+        ("max(kvpool_clients)", "clients"),
+        ("max by (state) (kvpool_segments)", "segments {{state}}")]),
     ("Master calls per second", "reqps", [
         ("sum by (method) (rate(kvpool_rpc_requests_total[1m]))", "{{method}}")]),
     ("Master call latency p99", "s", [
