@@ -28,9 +28,10 @@ import os
 import sys
 from typing import Any
 
+from kvpool_master.cli import setup_logging
 from kvpool_master.config import MasterConfig
 from kvpool_master.partition import PartitionTerms, claim_state_dir
-from kvpool_master.server import SHUTDOWN_GRACE_S, MasterServer
+from kvpool_master.server import SHUTDOWN_GRACE_S, MasterServer, raise_open_files_limit
 from kvpool_wire.partitions import PartitionEndpoint
 
 log = logging.getLogger("kvpool.master")
@@ -53,7 +54,7 @@ class _Child:
         line = await self.process.stdout.readline()
         try:
             ready: dict[str, Any] = json.loads(line)
-            int(ready["port"]), int(ready["fast_port"]), int(ready["pid"])
+            _endpoint(ready)
         except (ValueError, KeyError, TypeError):
             code = await self.process.wait()
             raise RuntimeError(f"partition {self.index} did not start (exit code {code}); "
@@ -115,17 +116,9 @@ async def run_partitioned(config: MasterConfig) -> int:
         await server.start()
         readies = await asyncio.wait_for(asyncio.gather(*(c.serving() for c in children)),
                                          CHILD_START_TIMEOUT_S)
-        servicer = server.servicer
-        servicer.partition_map = (
-            PartitionEndpoint(server.grpc_port, server.fast_port, servicer.fast_socket,
-                              os.getpid()),
-            *(PartitionEndpoint(r["port"], r["fast_port"], r.get("fast_socket", ""), r["pid"])
-              for r in readies))
-        server.write_ready_file([
-            {"grpc_port": server.grpc_port, "fast_port": server.fast_port,
-             "metrics_port": server.metrics_port, "pid": os.getpid()},
-            *({"grpc_port": r["port"], "fast_port": r["fast_port"],
-               "metrics_port": r.get("metrics_port", 0), "pid": r["pid"]} for r in readies)])
+        every = [_serving(server), *readies]
+        server.servicer.partition_map = tuple(map(_endpoint, every))
+        server.write_ready_file(every)
         log.info("all %d partitions serving", config.partitions)
         exited: list[int] = []
 
@@ -149,13 +142,23 @@ async def run_partitioned(config: MasterConfig) -> int:
         await asyncio.gather(*(c.stop() for c in children))
 
 
+def _serving(server: MasterServer) -> dict[str, Any]:
+    """Where a partition serves: its line to partition 0 and its entry in the ready file."""
+    return {"grpc_port": server.grpc_port, "fast_port": server.fast_port,
+            "fast_socket": server.servicer.fast_socket, "metrics_port": server.metrics_port,
+            "pid": os.getpid()}
+
+
+def _endpoint(serving: dict[str, Any]) -> PartitionEndpoint:
+    """The map's entry of a partition serving as ``serving`` says (``_serving``)."""
+    return PartitionEndpoint(int(serving["grpc_port"]), int(serving["fast_port"]),
+                             str(serving["fast_socket"]), int(serving["pid"]))
+
+
 async def _serve_child(config: MasterConfig, terms: PartitionTerms) -> int:
     server = MasterServer(config, terms)
     await server.start()
-    sys.stdout.write(json.dumps({
-        "port": server.grpc_port, "fast_port": server.fast_port,
-        "fast_socket": server.servicer.fast_socket, "metrics_port": server.metrics_port,
-        "pid": os.getpid()}) + "\n")
+    sys.stdout.write(json.dumps(_serving(server)) + "\n")
     sys.stdout.flush()
     loop = asyncio.get_running_loop()
 
@@ -170,9 +173,6 @@ async def _serve_child(config: MasterConfig, terms: PartitionTerms) -> int:
 
 def main() -> int:
     """A partition started by partition 0 (see the module rules)."""
-    from kvpool_master.cli import setup_logging
-    from kvpool_master.server import raise_open_files_limit
-
     line = sys.stdin.buffer.readline()
     try:
         given = json.loads(line)

@@ -57,27 +57,20 @@ def _placed(routes: Sequence[Route], parts: list[list[Any]]) -> list[Any]:
     return placed
 
 
-def joined_lists(routes: Sequence[Route | tuple[int, int]], failed: Callable[[Status], Any],
+def joined_lists(routes: Sequence[Route], failed: Callable[[Status], Any],
                  results: list[Any]) -> list[Any]:
     """The per-key lists of the parts, each key's at its position; ``failed(status)`` for
-    each key of a part that raised. (Routes may also be given as ``(start, end)`` spans.)"""
+    each key of a part that raised."""
     _check_parts(results)
-    routes = _routes_of(routes)
     return _placed(routes, [[failed(part.status)] * len(positions)
                             if isinstance(part, KVPoolError) else part
                             for part, (_, positions) in zip(results, routes, strict=True)])
 
 
-def _routes_of(routes: Sequence[Route | tuple[int, int]]) -> list[Route]:
-    return [(0, range(route[0], route[1])) if isinstance(route[1], int) else route
-            for route in routes]
-
-
-def joined_exist(routes: Sequence[Route | tuple[int, int]],
+def joined_exist(routes: Sequence[Route],
                  results: list[Any]) -> tuple[list[Status], list[int]]:
     """Exist's (statuses, sizes) of the parts."""
     _check_parts(results)
-    routes = _routes_of(routes)
     statuses = _placed(routes, [[part.status] * len(positions) if isinstance(part, KVPoolError)
                                 else part[0] for part, (_, positions)
                                 in zip(results, routes, strict=True)])
@@ -86,12 +79,11 @@ def joined_exist(routes: Sequence[Route | tuple[int, int]],
     return statuses, sizes
 
 
-def joined_prefix(routes: Sequence[Route | tuple[int, int]], results: list[Any]) -> int:
+def joined_prefix(routes: Sequence[Route], results: list[Any]) -> int:
     """The leading keys found: the position of the first key some part did not find (each
     part counts its own keys, in batch order, up to its first miss). A part that failed
     counts as missing its first key, and fails the call when it holds the batch's first key.
     (Sent together, parts may lease keys past the first miss; their leases run out.)"""
-    routes = _routes_of(routes)
     first_miss = sum(len(positions) for _, positions in routes)
     for part, (_, positions) in zip(results, routes, strict=True):
         found = 0 if isinstance(part, KVPoolError) else int(part)
@@ -102,11 +94,10 @@ def joined_prefix(routes: Sequence[Route | tuple[int, int]], results: list[Any])
     return first_miss
 
 
-def joined_replicas(routes: Sequence[Route | tuple[int, int]],
+def joined_replicas(routes: Sequence[Route],
                     results: list[Any]) -> calls.ReplicasAnswer:
     """One answer: the results at their positions, the shortest lease, every lease's id."""
     _check_parts(results)
-    routes = _routes_of(routes)
     lease_ttl_s = min(r.lease_ttl_s for r in results if not isinstance(r, KVPoolError))
     lease_ids: list[int] = []
     parts: list[list[ReadResult[Placement]]] = []

@@ -153,6 +153,12 @@ class MasterSession:
             with self._ended_lock:
                 self._ended.extend(lease_ids)
 
+    def keep_ended(self, lease_ids: list[int]) -> None:
+        """Ended leases taken but not sent: they go with a later call."""
+        if lease_ids:
+            with self._ended_lock:
+                self._ended.extend(lease_ids)
+
     def take_ended(self) -> list[int]:
         """The ended leases not sent yet (the caller sends them)."""
         if not self._ended:
@@ -240,18 +246,23 @@ class MasterCalls:
         session = self.session
         most = session.max_call_keys
         count = len(session.partitions)
-        num_keys = len(keys)
-        if count <= 1 or not num_keys:
-            if num_keys <= most:
-                return [(0, range(num_keys))]
-            return [(0, range(start, min(start + most, num_keys)))
-                    for start in range(0, num_keys, most)]
+        if count <= 1 or not keys:
+            return self._slices(len(keys))
         positions: list[list[int]] = [[] for _ in range(count)]
         for position, partition in enumerate(partitions_of(keys, count)):
             positions[partition].append(position)
         return [(partition, mine[start:start + most])
                 for partition, mine in enumerate(positions)
                 for start in range(0, len(mine), most)]
+
+    def _slices(self, num_keys: int) -> list[Route]:
+        """A batch of ``num_keys`` for one process: slices of at most ``max_call_keys``, in
+        order (one, empty, for none)."""
+        most = self.session.max_call_keys
+        if num_keys <= most:
+            return [(0, range(num_keys))]
+        return [(0, range(start, min(start + most, num_keys)))
+                for start in range(0, num_keys, most)]
 
     def _everywhere(self) -> list[int]:
         """Every partition (the one master process: [0])."""
@@ -271,9 +282,7 @@ class MasterCalls:
         for partition, _ in routes:
             out.append(mine[partition])
             mine[partition] = []
-        left = [lease_id for ids in mine for lease_id in ids]
-        if left:
-            self.session.end_lease(left, [b""])
+        self.session.keep_ended([lease_id for ids in mine for lease_id in ids])
         return out
 
     def _follow_lean(self) -> None:
@@ -367,53 +376,41 @@ class MasterCalls:
         return status
 
     def copy_tasks(self, client_id: str, done: Sequence[tuple[int, Status]],
-                   max_tasks: int, wait_s: float = 0.0, partition: int | None = None) -> Any:
+                   max_tasks: int, wait_s: float = 0.0, partition: int = 0) -> Any:
         """Report tier copies made and fetch more -> list of ``calls.CopyTask``; with
         ``wait_s``, the master may hold the answer that long until some wait (keep it well
-        under the stub's timeout). With ``partition``, of that partition of a partitioned
-        master (``done`` its tasks); else of every partition, each told of its own tasks (a
-        task's number names its partition) and asked for its share of ``max_tasks``, none
-        waiting."""
-        token = self.session.token
-        count = len(self.session.partitions)
-        if count <= 1 or partition is not None:
-            return self._run(calls.copy_tasks(client_id, token, done, max_tasks, wait_s), None,
-                             partition or 0)
-        mine: list[list[tuple[int, Status]]] = [[] for _ in range(count)]
-        for task_id, status in done:
-            mine[task_id % count].append((task_id, status))
-        share = -(-max_tasks // count)
-        parts: list[Part] = [(p, calls.copy_tasks(client_id, token, mine[p], share))
-                             for p in range(count)]
-        return self._run_parts(parts, _joined_tasks)
+        under the stub's timeout). A partitioned master hands out each partition's copies
+        on its own: ``partition`` is the one asked, ``done`` its tasks (a task's number names
+        its partition)."""
+        return self._run(calls.copy_tasks(client_id, self.session.token, done, max_tasks,
+                                          wait_s), None, partition)
 
     def unregister_client(self, client_id: str) -> Any:
         """Graceful close -> OK (segments unmounted, objects dropped now) or UNKNOWN_CLIENT."""
-        return self._everywhere_call(calls.unregister_client(client_id, self.session.token))
+        return self._on_every(calls.unregister_client(client_id, self.session.token), all_ok)
 
-    def _everywhere_call(self, call: Call[Any]) -> Any:
-        """``call`` on every partition -> OK when each answered OK, else the first other
-        status."""
+    def _on_every(self, call: Call[Any], join: Callable[[list[Any]], Any]) -> Any:
+        """``call`` on every partition, the answers joined by ``join`` (for one master
+        process: its answer)."""
         if not self.session.partitions:
             return self._run(call)
-        return self._run_parts([(p, call) for p in self._everywhere()], all_ok)
+        return self._run_parts([(p, call) for p in self._everywhere()], join)
 
     def mount_segment(self, client_id: str, segment: SegmentInfo) -> Any:
         """Mount (or identically remount) a segment this client owns -> Status (on every
         partition of a partitioned master: each allocates in its share of it)."""
-        return self._everywhere_call(calls.mount_segment(client_id, self.session.token, segment))
+        return self._on_every(calls.mount_segment(client_id, self.session.token, segment),
+                              all_ok)
 
     def unmount_segment(self, client_id: str, segment_id: str) -> Any:
         """Unmount a segment (its objects are dropped) -> Status."""
-        return self._everywhere_call(calls.unmount_segment(client_id, self.session.token,
-                                                           segment_id))
+        return self._on_every(calls.unmount_segment(client_id, self.session.token, segment_id),
+                              all_ok)
 
     def get_segments(self, segment_ids: Sequence[str]) -> Any:
         """-> descriptors of the given segments (None where unknown, or where their part of
         a long list failed); every partition knows every segment: partition 0 answers."""
-        most = self.session.max_call_keys
-        routes: list[Route] = [(0, range(start, min(start + most, len(segment_ids))))
-                               for start in range(0, len(segment_ids), most)] or [(0, range(0))]
+        routes = self._slices(len(segment_ids))
         return self._batch([(0, calls.get_segments(picked(segment_ids, positions)))
                             for _, positions in routes],
                            functools.partial(joined_lists, routes, lambda _: None))
@@ -502,18 +499,12 @@ class MasterCalls:
 
     def remove_all(self, client_id: str, force: bool = False) -> Any:
         """Remove every removable object -> how many. Raises unless OK."""
-        return self._counted(calls.remove_all(client_id, force))
+        return self._on_every(calls.remove_all(client_id, force), summed)
 
     def remove_by_regex(self, client_id: str, pattern: str, force: bool = False) -> Any:
         """Remove objects whose key matches ``pattern`` -> how many (INVALID_ARGUMENT for a
         bad pattern)."""
-        return self._counted(calls.remove_by_regex(client_id, pattern, force))
-
-    def _counted(self, call: Call[int]) -> Any:
-        """``call`` on every partition -> the sum of the counts."""
-        if not self.session.partitions:
-            return self._run(call)
-        return self._run_parts([(p, call) for p in self._everywhere()], summed)
+        return self._on_every(calls.remove_by_regex(client_id, pattern, force), summed)
 
     def get_stats(self) -> Any:
         """-> the master's /status document (clients, segments, capacity, usage, objects);
@@ -533,9 +524,3 @@ class MasterCalls:
         return self._run_parts([(p, calls.get_stats()) for p in self._everywhere()[1:]],
                                lambda others: merged_status([document, *others]))
 
-
-def _joined_tasks(lists: list[Any]) -> list[calls.CopyTask]:
-    """The tasks every partition handed out (raises when every one failed)."""
-    if all(isinstance(tasks, KVPoolError) for tasks in lists):
-        raise lists[0]
-    return [task for tasks in lists if not isinstance(tasks, KVPoolError) for task in tasks]

@@ -11,7 +11,7 @@ from kvpool_wire.calls import ReplicasAnswer
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import Placement, ReadResult, SegmentId
 
-SPANS = [(0, 3), (3, 6), (6, 7)]
+SPANS = [(0, range(0, 3)), (0, range(3, 6)), (0, range(6, 7))]  # slices of one process
 TIMEOUT = KVPoolError(Status.TIMEOUT, "part 2")
 
 
