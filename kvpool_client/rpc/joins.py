@@ -112,9 +112,13 @@ def joined_replicas(routes: Sequence[Route],
 
 def all_ok(statuses: list[Any]) -> Status:
     """The one status of a call made on every partition: OK when every one answered OK, else
-    the first other answer (a part that raised: its status)."""
+    the first other answer. A part that raised raises (the first such), as the call to one
+    master process would: a caller that makes the call again on a TIMEOUT (a mount waiting
+    for a sweep) must see it as one."""
     for status in statuses:
-        status = status.status if isinstance(status, KVPoolError) else status
+        if isinstance(status, KVPoolError):
+            raise status
+    for status in statuses:
         if status != Status.OK:
             return Status(status)
     return Status.OK

@@ -138,14 +138,15 @@ def test_a_large_lost_segment_is_gone_at_once_and_its_id_can_come_back(
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("partitions", [1, 2])
 def test_a_join_mounts_a_segment_id_still_being_swept_once_it_is(
-        start_master: Any, caplog: Any) -> None:
+        start_master: Any, caplog: Any, partitions: int) -> None:
     # A restarted worker takes its fixed client id back: its segment ids are the previous
     # holder's, whose segment the master still sweeps. The master answers the mount once that
     # sweep is done, later than a call's deadline (here 50 ms, as 5 s is at 10 M objects):
-    # the join's mount asks again until then.
+    # the join's mount asks again until then (on every partition, each sweeping its share).
     from kvpool_client.member import _mount_when_swept
-    master = start_master()
+    master = start_master(*(["--partitions", str(partitions)] if partitions > 1 else []))
     table_objects = 400_000   # the sweep walks the whole table, whoever owns it
 
     async def run() -> None:

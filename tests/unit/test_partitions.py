@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from kvpool_client.rpc.joins import joined_lists, joined_prefix, joined_replicas, merged_status
+from kvpool_client.rpc.joins import (
+    all_ok,
+    joined_lists,
+    joined_prefix,
+    joined_replicas,
+    merged_status,
+)
 from kvpool_client.rpc.session import MasterCalls, MasterSession
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.allocator import ALIGN_BYTES, Allocator, share
@@ -292,6 +298,15 @@ def test_a_prefix_ends_at_the_first_key_any_partition_lacks() -> None:
     with pytest.raises(KVPoolError):
         joined_prefix(routes, [KVPoolError(Status.TIMEOUT, "x"), 3])
     assert joined_prefix([(0, range(0, 3)), (0, range(3, 6))], [3, 2]) == 5
+
+
+def test_a_call_on_every_partition_fails_as_one_call_would() -> None:
+    assert all_ok([Status.OK, Status.OK]) == Status.OK
+    assert all_ok([Status.OK, Status.UNKNOWN_CLIENT]) == Status.UNKNOWN_CLIENT
+    # a part that raised raises: a mount that waits for a sweep is asked again on TIMEOUT
+    with pytest.raises(KVPoolError) as raised:
+        all_ok([Status.UNKNOWN_CLIENT, KVPoolError(Status.TIMEOUT, "part")])
+    assert raised.value.status == Status.TIMEOUT
 
 
 def test_ended_leases_go_to_the_partition_their_number_names() -> None:
