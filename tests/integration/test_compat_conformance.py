@@ -130,7 +130,11 @@ def assert_steps_equal(actual: list[list[Any]], expected: list[list[Any]], who: 
     assert not diffs, "\n".join(diffs)
 
 
-def test_compat_store_answers_mooncake_codes(master: Any) -> None:
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_compat_store_answers_mooncake_codes(start_master: Any, partitions: int) -> None:
+    """The same codes from a master of one process and from one split into partitions (each
+    batch of the sequence spans them)."""
+    master = start_master(*(["--partitions", str(partitions)] if partitions > 1 else []))
     assert_steps_equal(kvpool_steps(master), EXPECTED, "kvpool")
 
 
