@@ -4,7 +4,9 @@ ticket with which partition 0 lets a client join the others (README, "Partitions
 Rules of this file:
 - A key belongs to partition ``crc32(key) % count``: the same on every host and in every
   language (zlib's CRC-32, the one of gzip and PNG), computed in C a batch at a time.
-- Lease and copy-task numbers name their partition: ``number % count``.
+- Lease and copy-task numbers name their partition: ``number % count``. A partition refuses
+  a PutStart carrying a key of another partition (``stray``): an object lives only where
+  every reader looks for it.
 - Partition 0 registers clients; a partition after it registers a client only with a
   ticket of partition 0 for the client's id and capability key (a keyed BLAKE2b MAC under
   the secret the partitions share), so every partition verifies the same key and token and
@@ -45,6 +47,15 @@ def partition_of(key: bytes, count: int) -> int:
 def partitions_of(keys: Sequence[bytes], count: int) -> list[int]:
     """The partition of each of ``keys`` among ``count`` (C-level maps)."""
     return list(map(operator.mod, map(zlib.crc32, keys), itertools.repeat(count)))
+
+
+def stray(keys: Sequence[bytes], index: int, count: int) -> int | None:
+    """The position of the first of ``keys`` that is not partition ``index``'s among
+    ``count``, or None when all are (one C-level pass for a batch that is all its own)."""
+    owners = partitions_of(keys, count)
+    if owners.count(index) == len(owners):
+        return None
+    return next(i for i, owner in enumerate(owners) if owner != index)
 
 
 def ticket(secret: bytes, client_id: str, capability_key: bytes) -> bytes:

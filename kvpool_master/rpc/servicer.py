@@ -23,7 +23,8 @@ Rules of this file:
 - A partitioned master (README, "Partitions"): partition 0 registers clients, once
   ``partition_map`` is set (UNAVAILABLE before), and answers with the map and a ticket for
   the client's key; a later partition registers only a client presenting such a ticket
-  (PERMISSION_DENIED otherwise), under that key (``core.join_client``).
+  (PERMISSION_DENIED otherwise), under that key (``core.join_client``). A partition refuses
+  a PutStart with a key of another partition (INVALID_ARGUMENT): no reader would look there.
 - The leases a ``GetReplicas`` says its reader ended are ended once its answer went out
   (``finish``, which the lean transport calls after writing, and any next call or tick
   before it runs); those a ``PutStart`` or ``Remove`` carries, before them (they may need the
@@ -65,7 +66,7 @@ from kvpool_master.partition import SOLE, PartitionTerms
 from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
-from kvpool_wire.partitions import PartitionEndpoint, ticket_valid
+from kvpool_wire.partitions import PartitionEndpoint, partition_of, stray, ticket_valid
 from kvpool_wire.partitions import ticket as partition_ticket
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo, Tier
@@ -331,6 +332,16 @@ class Servicer:
             raise BadRequest(f"batch of {len(keys)} items is above max_batch_keys "
                              f"{self._core.config.max_batch_keys}")
 
+    def _check_own(self, keys: Sequence[bytes]) -> None:
+        """Refuse keys of another partition: readers look for a key only in its own."""
+        part = self.partition
+        if part.count > 1 and keys:
+            position = stray(keys, part.index, part.count)
+            if position is not None:
+                raise BadRequest(f"key {keys[position]!r} belongs to partition "
+                                 f"{partition_of(keys[position], part.count)} of "
+                                 f"{part.count}, not to this one ({part.index})")
+
     # -- clients and segments ---------------------------------------------------------------------
 
     def _register_client(self, request: Any) -> Any:
@@ -461,6 +472,7 @@ class Servicer:
 
     def _put_start(self, request: Any) -> Any:
         client_id, keys, sizes_bytes, options, parent_keys = convert.decode_put_start(request)
+        self._check_own(keys)
         if request.ended_lease_ids or request.ended_leases:
             self._end_leases(ClientId(client_id), request)
         expiry_ms = (self.capability_clock_ms()

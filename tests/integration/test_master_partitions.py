@@ -3,7 +3,7 @@ processes write and read each other's keys through every partition, each partiti
 its share of the keys and of each segment; a later partition registers nobody without
 partition 0's ticket; the partitions stop together whichever of them goes; a partitioned
 state directory restores under the same count and is refused under another; a client that
-dies expires on every partition (README, "Partitions")."""
+dies expires on every partition; a partition places no key of another (README, "Partitions")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from kvpool_client.config import ClientConfig
 from kvpool_client.rpc import MasterRpc
 from kvpool_wire import calls
 from kvpool_wire.partitions import partition_of
-from kvpool_wire.status import Status
+from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.types import PutOptions
 
 cw = client_worker()
 SIZE = 10_000
@@ -261,3 +262,26 @@ def test_kvpool_status_of_a_partitioned_master_merges_every_partition(
         text = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
                                master.address], capture_output=True, text=True, timeout=120)
         assert "(2 partitions, summed)" in text.stdout and "objects: 20 ready" in text.stdout
+
+
+def test_a_partition_places_no_key_of_another_partition(start_master: Any) -> None:
+    """A PutStart that carries a key of another partition is refused whole (no reader would
+    look for the object there), and nothing is placed; its own keys alone are placed."""
+    master = start_master("--partitions", "2")
+    names = [f"own-{i}".encode() for i in range(40)]
+    own = [k for k in names if partition_of(k, 2) == 1][:3]
+    stray = next(k for k in names if partition_of(k, 2) == 0)
+    with KVPoolClient(config(master)) as client:
+        rpc = client._path.rpc   # the client's own stub, to send a call a router never would
+        mixed = calls.put_start(client.client_id, rpc.session.token, [*own, stray],
+                                [SIZE] * 4, PutOptions())
+        with pytest.raises(KVPoolError) as refused:
+            rpc._run(mixed, None, 1)
+        assert refused.value.status == Status.INVALID_ARGUMENT
+        assert "partition 0 of 2" in str(refused.value)
+        objects = status_of(master.partitions[1])["objects"]
+        assert objects["pending"] == objects["ready"] == 0
+        answer = rpc._run(calls.put_start(client.client_id, rpc.session.token, own,
+                                          [SIZE] * 3, PutOptions()), None, 1)
+        assert [status for status, _ in answer] == [Status.OK] * 3
+        assert status_of(master.partitions[1])["objects"]["pending"] == 3

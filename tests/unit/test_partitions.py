@@ -39,6 +39,7 @@ from kvpool_wire.partitions import (
     PartitionEndpoint,
     partition_of,
     partitions_of,
+    stray,
     ticket,
     ticket_valid,
 )
@@ -145,6 +146,17 @@ def test_a_key_belongs_to_the_partition_of_its_crc32() -> None:
     owners = partitions_of(keys, 4)
     assert owners == [partition_of(k, 4) for k in keys]
     assert all(200 < owners.count(p) < 300 for p in range(4))  # spread
+
+
+def test_stray_finds_the_first_key_of_another_partition() -> None:
+    keys = [b"key-%d" % i for i in range(1000)]
+    owners = partitions_of(keys, 3)
+    mine = [k for k, owner in zip(keys, owners, strict=True) if owner == 2]
+    assert stray(mine, 2, 3) is None
+    assert stray([], 2, 3) is None
+    other = next(k for k, owner in zip(keys, owners, strict=True) if owner != 2)
+    assert stray([*mine[:5], other, *mine[5:]], 2, 3) == 5
+    assert stray([other], 2, 3) == 0
 
 
 def test_a_ticket_names_one_client_and_one_key() -> None:
