@@ -19,10 +19,15 @@ Targets: batched >= 1,000,000 keys/s, single p50 <= 150 µs.
 ``--puts-only`` measures only the lean puts (one and two in flight, ``--seconds`` each and no
 cap on keys); ``--state-dir`` starts the master with a fresh state directory,
 ``--partitions N`` with N partitions (the client splits each call among them).
+``--blocking-batches`` measures only the blocking stub's 32-key ``Exist`` and
+``GetReplicas`` (what a synchronous engine call makes): with ``--partitions``, a batch's calls
+to every partition sent together (the stub as it is) against the same stub taking each
+partition's answer before it sends the next call, alternated round by round.
 
     .venv/bin/python benchmarks/master_rpc.py [--seconds 2] [--json out.json]
     .venv/bin/python benchmarks/master_rpc.py --puts-only --seconds 8 [--state-dir]
         [--partitions 2]
+    .venv/bin/python benchmarks/master_rpc.py --blocking-batches --partitions 4
 """
 
 from __future__ import annotations
@@ -44,13 +49,13 @@ from typing import Any
 
 import uvloop
 
-from kvpool_client.rpc import MasterRpc
+from kvpool_client.rpc import BlockingMasterRpc, MasterRpc
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.rpc.servicer import STEP_KEYS, Servicer
 from kvpool_wire import calls, capability, convert
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.status import Status
+from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import (
     ClientId,
     Extent,
@@ -371,6 +376,55 @@ async def run_puts(address: str, seconds: float,
     return figures
 
 
+class _OneAfterAnother(BlockingMasterRpc):
+    """The blocking stub taking each partition's answer before it sends the next call."""
+
+    def _run_parts(self, parts: list[Any], join: Any) -> Any:
+        results: list[Any] = []
+        for partition, part in parts:
+            try:
+                results.append(self._run(part, None, partition))
+            except KVPoolError as exc:
+                results.append(exc)
+        return join(results)
+
+
+def run_blocking_batches(address: str, seconds: float, rounds: int = 6,
+                         batch_keys: int = 32) -> dict[str, list[float]]:
+    """µs per 32-key ``Exist`` and ``GetReplicas`` of the blocking stub, parts sent together
+    ("together") and one after another ("in_turn"), ``rounds`` of ``seconds / 2`` each per
+    call and way, the ways taking turns to go first."""
+    name = "bench-blocking"
+    owner = BlockingMasterRpc(address, timeout_s=30)
+    owner.register_client(name, "bench-host", "")
+    assert owner.mount_segment(name, SegmentInfo(SegmentId(name + "-seg"), ClientId(name),
+                                                 1 << 30)) == Status.OK
+    keys = [b"blocking-%04d" % i for i in range(batch_keys)]
+    started = owner.put_start(name, keys, [4096] * batch_keys, PutOptions())
+    assert [status for status, _ in started] == [Status.OK] * batch_keys
+    assert owner.put_end(name, keys) == [Status.OK] * batch_keys
+    stubs = {"together": owner,
+             "in_turn": _OneAfterAnother(address, timeout_s=30, session=owner.session)}
+    figures: dict[str, list[float]] = {f"{way}_{call}_us": [] for way in stubs
+                                       for call in ("exist", "get_replicas")}
+    for round_index in range(rounds):
+        ways = list(stubs.items()) if round_index % 2 == 0 else list(stubs.items())[::-1]
+        for way, stub in ways:
+            for call, work in (("exist", lambda s=stub: s.exist(name, keys)),
+                               ("get_replicas", lambda s=stub: s.get_replicas(name, keys))):
+                calls_made = 0
+                started_s = time.perf_counter()
+                while time.perf_counter() - started_s < seconds / 2:
+                    work()
+                    calls_made += 1
+                figures[f"{way}_{call}_us"].append(
+                    (time.perf_counter() - started_s) / calls_made * 1e6)
+        owner.heartbeat(name)
+    for stub in stubs.values():
+        stub.close()
+    return figures
+
+
 def _cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds the processes ``pids`` spent so far (Linux /proc)."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -463,6 +517,9 @@ def main() -> int:
                         help="only the lean puts, for --seconds each, with no cap on keys")
     parser.add_argument("--state-dir", action="store_true",
                         help="the master started here persists into a fresh state directory")
+    parser.add_argument("--blocking-batches", action="store_true",
+                        help="only the blocking stub's 32-key batches, parts sent together "
+                             "against one after another")
     parser.add_argument("--partitions", type=int, default=1,
                         help="start the master with this many partitions (README, "
                              "'Partitions')")
@@ -476,7 +533,8 @@ def main() -> int:
         parser.error("--partitions must be in [1, 64]")
     if args.served_objects < 0:
         parser.error("--served-objects must be >= 0")
-    forms: dict[str, Any] = {} if args.puts_only else {   # in process, before any master runs
+    in_process = not (args.puts_only or args.blocking_batches)
+    forms: dict[str, Any] = {} if not in_process else {   # in process, before any master runs
         **answer_forms(), **served_puts(prefill_keys=args.served_objects),
         **served_reads(max(args.served_objects, 512)),
         "present": served_puts(prefill_keys=max(args.served_objects, 400 * PRESENT_KEYS),
@@ -491,13 +549,25 @@ def main() -> int:
         try:
             pids = [int(p["pid"]) for p in ready.get("partitions", [])] or [ready["pid"]] \
                 if proc is not None else None
-            results = uvloop.run(run_puts(address, args.seconds, pids) if args.puts_only
-                                 else run(address, args.seconds, args.keys))
+            if args.blocking_batches:
+                results = run_blocking_batches(address, args.seconds)
+            else:
+                results = uvloop.run(run_puts(address, args.seconds, pids) if args.puts_only
+                                     else run(address, args.seconds, args.keys))
         finally:
             if proc is not None:
                 os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(30)
-    if args.puts_only:
+    if args.blocking_batches:
+        for call in ("exist", "get_replicas"):
+            together, in_turn = results[f"together_{call}_us"], results[f"in_turn_{call}_us"]
+            print(f"blocking stub, 32-key {call} ({args.partitions} partition(s)), µs a call "
+                  f"over {len(together)} rounds: parts sent together "
+                  f"{min(together):.0f}-{max(together):.0f} (median "
+                  f"{statistics.median(together):.0f}), one after another "
+                  f"{min(in_turn):.0f}-{max(in_turn):.0f} (median "
+                  f"{statistics.median(in_turn):.0f})")
+    elif args.puts_only:
         print(f"lean  PutStart + PutEnd x{BATCH_KEYS} for {args.seconds:g} s"
               f"{' (state directory)' if args.state_dir else ''}"
               f"{f', {args.partitions} partitions' if args.partitions > 1 else ''}: "

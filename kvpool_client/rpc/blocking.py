@@ -5,15 +5,19 @@ TLS is configured), on connections of ``rpc.lean_blocking`` (one ``sendall`` and
 ``recv_into`` per call); a synchronous gRPC channel otherwise. Any thread may call at any time:
 a call checks a lean connection out of a small pool, so concurrent callers never share one,
 and returns it after the answer (a failed connection is closed, never returned). Deadlines
-and retries as ``rpc.endpoints`` says.
+and retries as ``rpc.endpoints`` says. The calls of one batch to several partitions are all
+sent, each on a connection of its own, before their answers are taken (``_run_parts``), so a
+batch costs about one round trip however many partitions it spans.
 """
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -48,6 +52,18 @@ from kvpool_wire.status import KVPoolError, Status
 MAX_IDLE_CONNECTIONS = 4
 
 
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A call sent on a lean connection (``conn``), its answer not taken yet; or one whose
+    sending failed (``error``; ``conn`` None)."""
+
+    conn: BlockingLeanConnection | None
+    request_id: int
+    payload: bytes
+    deadline: float
+    error: KVPoolError | None = None
+
+
 class _Leg:
     """The transports to one master process (a partition of a partitioned master): a pool
     of lean connections once the session names its lean endpoints, a gRPC channel."""
@@ -80,8 +96,52 @@ class _Leg:
 
     def call(self, method: RpcMethod, request: Any) -> Any:
         deadline = time.monotonic() + self._stub._timeout_s
+        return self._attempts(method, request.SerializeToString(), deadline, 0)
+
+    def send(self, method: RpcMethod, request: Any) -> _Sent | None:
+        """Send ``request`` now over a lean connection of its own (``finish`` takes the
+        answer), or None where this leg calls over gRPC (the caller makes the plain call)."""
+        stub = self._stub
+        if stub._closed:
+            return None
+        if stub.session.lean_of(self._partition) is not self.followed:
+            self.follow_lean()
+        if not (stub._use_fast_path and self.followed.port
+                and time.monotonic() >= self._lean_retry_at):
+            return None
         payload = request.SerializeToString()
-        for attempt in range(MAX_ATTEMPTS):
+        deadline = time.monotonic() + stub._timeout_s
+        try:
+            conn = self._checkout(deadline - time.monotonic())
+        except KVPoolError as exc:
+            return _Sent(None, 0, payload, deadline, exc)
+        try:
+            return _Sent(conn, conn.send(method.method_id, payload, deadline), payload, deadline)
+        except KVPoolError as exc:   # the connection closed itself: not returned to the pool
+            return _Sent(None, 0, payload, deadline, exc)
+
+    def finish(self, method: RpcMethod, sent: _Sent) -> Any:
+        """The answer to the call ``send`` sent; one that failed is made again as ``call``
+        would."""
+        error = sent.error
+        if sent.conn is not None:
+            try:
+                answer = sent.conn.receive(method.method_id, sent.request_id, sent.deadline)
+            except KVPoolError as exc:
+                error = exc
+            else:
+                self._checkin(sent.conn)
+                return method.response_type.FromString(answer)
+        assert error is not None
+        backoff_s = retry_backoff_s(method, error, 0, time.monotonic(), sent.deadline)
+        if backoff_s is None:
+            raise final_error(method, error) from None
+        time.sleep(backoff_s)
+        return self._attempts(method, sent.payload, sent.deadline, 1)
+
+    def _attempts(self, method: RpcMethod, payload: bytes, deadline: float, first: int) -> Any:
+        """The call's answer, from attempt ``first`` on (see ``rpc.endpoints``)."""
+        for attempt in range(first, MAX_ATTEMPTS):
             try:
                 return self._call_once(method, payload, deadline)
             except KVPoolError as exc:
@@ -223,13 +283,40 @@ class BlockingMasterRpc(MasterCalls):
         return result if after is None else after(result, sent_s)
 
     def _run_parts(self, parts: list[Part], join: Callable[[list[Any]], Any]) -> Any:
-        results: list[Any] = []
-        for partition, part in parts:
-            try:
-                results.append(self._run(part, None, partition))
-            except KVPoolError as exc:
-                results.append(exc)
+        # Sent together: each partition's part on a lean connection, all sent before any
+        # answer is taken, so the partitions serve them at once. A partition's further parts
+        # (a batch longer than max_call_keys) go in later rounds, one at a time per partition.
+        results: list[Any] = [None] * len(parts)
+        rounds: dict[int, list[int]] = {}
+        for index, (partition, _) in enumerate(parts):
+            rounds.setdefault(partition, []).append(index)
+        for batch in itertools.zip_longest(*rounds.values()):
+            sent = [(index, self._send_part(*parts[index])) for index in batch
+                    if index is not None]
+            for index, pending in sent:
+                results[index] = self._finish_part(*parts[index], pending)
         return join(results)
+
+    def _send_part(self, partition: int, call: Call[Any]) -> tuple[_Leg, _Sent | None] | \
+            KVPoolError:
+        try:
+            leg = self._leg(partition)
+        except KVPoolError as exc:
+            return exc
+        return leg, leg.send(call.method, call.request)
+
+    @staticmethod
+    def _finish_part(partition: int, call: Call[Any],
+                     pending: tuple[_Leg, _Sent | None] | KVPoolError) -> Any:
+        """A part's result, or the KVPoolError it failed with."""
+        if isinstance(pending, KVPoolError):
+            return pending
+        leg, sent = pending
+        try:
+            return call.decode(leg.call(call.method, call.request) if sent is None
+                               else leg.finish(call.method, sent))
+        except KVPoolError as exc:
+            return exc
 
     def _then(self, first: Any, then: Callable[[Any], Any]) -> Any:
         return then(first)

@@ -14,7 +14,8 @@ so a slow or distant master costs little polling. ``busy_poll_us`` 0: sleep at o
 
 Rules of this file:
 - One caller at a time (``rpc.blocking`` checks a connection out per call); nothing here
-  is locked.
+  is locked. A call is ``send`` then ``receive``: a caller with calls to several masters
+  (partitions) sends each on its own connection before it takes the answers.
 - The socket is non-blocking; every wait is a bounded poll, so the deadline holds throughout.
 - Any failure closes the connection: a late answer must never be read as the next call's.
   A timeout raises ``TIMEOUT``, anything else ``RPC_FAILED`` (the master's reason when it sent
@@ -72,28 +73,35 @@ class BlockingLeanConnection:
         lost or closed, a frame that does not answer this call), or the status of the master's
         error frame.
         """
+        if timeout_s <= 0:
+            raise KVPoolError(Status.TIMEOUT, "deadline passed before the call was sent")
+        deadline = time.monotonic() + timeout_s
+        return self.receive(method_id, self.send(method_id, payload, deadline), deadline)
+
+    def send(self, method_id: int, payload: bytes, deadline: float) -> int:
+        """Send one request; -> its request id, for ``receive`` (the next call on this
+        connection must be that ``receive``). Raises as ``call``."""
         sock = self._sock
         if sock is None:
             raise KVPoolError(Status.RPC_FAILED, "lean connection closed")
-        if timeout_s <= 0:
-            raise KVPoolError(Status.TIMEOUT, "deadline passed before the call was sent")
         request_id = self._next_id
         self._next_id = (request_id + 1) & 0xFFFFFFFF or 1
-        deadline = time.monotonic() + timeout_s
         try:
             self._send(sock, encode_frame(method_id, request_id, payload), deadline)
-            self._spin_s = self._busy_poll_s if self._busy_poll_s and self.backoff.take() \
-                else 0.0
+        except (OSError, KVPoolError) as exc:
+            raise self._failed(exc) from None
+        return request_id
+
+    def receive(self, method_id: int, request_id: int, deadline: float) -> bytes:
+        """The answer's payload to the request ``send`` sent. Raises as ``call``."""
+        sock = self._sock
+        if sock is None:
+            raise KVPoolError(Status.RPC_FAILED, "lean connection closed")
+        self._spin_s = self._busy_poll_s if self._busy_poll_s and self.backoff.take() else 0.0
+        try:
             answer_method, answer_id, body = self._receive(sock, deadline)
-        except TimeoutError:
-            self.close()
-            raise KVPoolError(Status.TIMEOUT, f"no answer within {timeout_s:.3g} s") from None
-        except OSError as exc:
-            self.close()
-            raise KVPoolError(Status.RPC_FAILED, f"lean connection to master lost: {exc}") from None
-        except KVPoolError:
-            self.close()
-            raise
+        except (OSError, KVPoolError) as exc:
+            raise self._failed(exc) from None
         if answer_method == ERROR_METHOD_ID:
             self.close()
             status, reason = error_reason(body)
@@ -103,6 +111,15 @@ class BlockingLeanConnection:
             raise KVPoolError(Status.RPC_FAILED, f"answer {answer_method}/{answer_id} does not "
                                                  f"match call {method_id}/{request_id}")
         return body
+
+    def _failed(self, exc: OSError | KVPoolError) -> KVPoolError:
+        """Close the connection after ``exc``; -> the error the call raises."""
+        self.close()
+        if isinstance(exc, KVPoolError):
+            return exc
+        if isinstance(exc, TimeoutError):
+            return KVPoolError(Status.TIMEOUT, "no answer by the call's deadline")
+        return KVPoolError(Status.RPC_FAILED, f"lean connection to master lost: {exc}")
 
     def _send(self, sock: socket.socket, frame: bytes, deadline: float) -> None:
         view = memoryview(frame)

@@ -24,11 +24,11 @@ from helpers import client_worker, free_ports
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
-from kvpool_client.rpc import MasterRpc
+from kvpool_client.rpc import BlockingMasterRpc, MasterRpc
 from kvpool_wire import calls
-from kvpool_wire.partitions import partition_of
+from kvpool_wire.partitions import partition_of, partitions_of
 from kvpool_wire.status import KVPoolError, Status
-from kvpool_wire.types import PutOptions
+from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
 cw = client_worker()
 SIZE = 10_000
@@ -285,3 +285,38 @@ def test_a_partition_places_no_key_of_another_partition(start_master: Any) -> No
                                           [SIZE] * 3, PutOptions()), None, 1)
         assert [status for status, _ in answer] == [Status.OK] * 3
         assert status_of(master.partitions[1])["objects"]["pending"] == 3
+
+
+def test_the_blocking_stub_sends_a_batch_to_every_partition_together(start_master: Any) -> None:
+    """Over the blocking stub, which sends a batch's calls to every partition before it takes
+    their answers: a batch spread over three partitions and cut by a small max_batch_keys
+    into rounds answers per key, in key order; a partition that stopped answering fails its
+    own keys only."""
+    master = start_master("--partitions", "3", "--max-batch-keys", "50")
+    name = "blocking-parts"
+    keys = [b"bp-%04d" % i for i in range(400)]    # about 133 a partition: three rounds
+    sizes = [4096 + i for i in range(len(keys))]   # sizes tell the keys' answers apart
+    ok = [Status.OK] * len(keys)
+    rpc = BlockingMasterRpc(master.address, timeout_s=10.0)
+    try:
+        rpc.register_client(name, "h", "")
+        segment = SegmentInfo(SegmentId(f"{name}/0"), ClientId(name), 64 << 20)
+        assert rpc.mount_segment(name, segment) == Status.OK
+        assert [status for status, _ in rpc.put_start(name, keys, sizes, PutOptions())] == ok
+        assert rpc.put_end(name, keys) == ok
+        assert rpc.exist(name, keys) == (ok, sizes)
+        assert [r.size_bytes for r in rpc.get_replicas(name, keys).results] == sizes
+        assert rpc.query_prefix(name, keys) == len(keys)
+        hasty = BlockingMasterRpc(master.address, timeout_s=0.3, session=rpc.session)
+        stopped = int(master.partitions[2]["pid"])
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            statuses, _ = hasty.exist(name, keys)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            hasty.close()
+        assert statuses == [Status.TIMEOUT if owner == 2 else Status.OK
+                            for owner in partitions_of(keys, 3)]
+        assert rpc.exist(name, keys) == (ok, sizes)
+    finally:
+        rpc.close()
