@@ -110,6 +110,17 @@ def render(document: dict[str, Any], address: str) -> str:
         if objects.get("sweep_backlog_keys"):
             lines.append(f"sweeping: about {objects['sweep_backlog_keys']} table entries left "
                          "(lost segments, removals)")
+    rows_of_partitions = doc.pop("partition_list", None)
+    if isinstance(rows_of_partitions, list) and rows_of_partitions:
+        lines.append("")
+        lines.extend(_table(("PARTITION", "READY", "PENDING", "READY BYTES", "SWEEP BACKLOG",
+                             "STALLED"),
+                            [(str(row.get("index", "?")), str(row.get("ready", 0)),
+                              str(row.get("pending", 0)),
+                              format_bytes(int(row.get("ready_bytes", 0))),
+                              str(row.get("sweep_backlog_keys", 0)),
+                              f"{float(row.get('stalled_s', 0.0)):.1f} s")
+                             for row in rows_of_partitions]))
     copies = doc.pop("tier_copies", None)
     if isinstance(copies, dict) and any(copies.values()):
         lines.append("tier copies: " + ", ".join(
@@ -119,9 +130,7 @@ def render(document: dict[str, Any], address: str) -> str:
     rows = segments.get("list") or []
     if rows:
         lines.append("")
-        header = ("SEGMENT", "CLIENT", "TIER", "MOUNTED", "CAPACITY", "USED", "USED%",
-                  "LARGEST FREE")
-        table = [header]
+        table = []
         for s in rows:
             cap = int(s.get("capacity_bytes", 0))
             use = int(s.get("used_bytes", 0))
@@ -130,10 +139,8 @@ def render(document: dict[str, Any], address: str) -> str:
                           format_bytes(cap), format_bytes(use),
                           f"{100 * use / cap:.1f}" if cap else "-",
                           format_bytes(int(s.get("largest_free_bytes", 0)))))
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        for row in table:
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths,
-                                                                           strict=True)))
+        lines.extend(_table(("SEGMENT", "CLIENT", "TIER", "MOUNTED", "CAPACITY", "USED",
+                             "USED%", "LARGEST FREE"), table))
     totals = doc.pop("totals", None)
     if isinstance(totals, dict) and totals:
         lines.append("")
@@ -150,6 +157,14 @@ def render(document: dict[str, Any], address: str) -> str:
         else:
             lines.append(f"{name}: {json.dumps(value, sort_keys=True)}")
     return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` under ``header``, columns padded to their widest cell, indented."""
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+            for row in table]
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -136,12 +136,16 @@ def summed(counts: list[Any]) -> int:
 #: own share (summed); the rest (clients, segments mounted, engine endpoints) every
 #: partition knows whole
 _SUMMED = ("capacity_bytes", "used_bytes", "objects", "totals", "tier_copies")
+#: totals every partition counts for the same client (it registers with and expires on each)
+_PER_CLIENT_TOTALS = ("clients_registered_total", "clients_expired_total")
 
 
 def merged_status(documents: list[Any]) -> dict[str, Any]:
     """One status document of a partitioned master from each partition's (raises the first
     failure): the counts of each partition's share summed, each segment's capacity and use
-    summed over the partitions' shares of it; ``partitions`` says how many."""
+    summed over the partitions' shares of it, the longest stall of any and the most clients
+    registered or expired by any; ``partitions`` says how many and ``partition_list`` what
+    each holds."""
     for document in documents:
         if isinstance(document, KVPoolError):
             raise document
@@ -159,9 +163,28 @@ def merged_status(documents: list[Any]) -> dict[str, Any]:
                 mine[name] = mine.get(name, 0) + segment.get(name, 0)
             mine["largest_free_bytes"] = max(mine.get("largest_free_bytes", 0),
                                              segment.get("largest_free_bytes", 0))
+    totals = merged.get("totals")
+    if isinstance(totals, dict):   # every partition counts each client: the most of any
+        for name in _PER_CLIENT_TOTALS:
+            if name in totals:
+                totals[name] = max(d.get("totals", {}).get(name, 0) for d in documents)
     merged.pop("partition", None)   # partition 0's own place
     merged["partitions"] = len(documents)
+    merged["stalled_s"] = max(float(d.get("stalled_s", 0.0)) for d in documents)
+    merged["partition_list"] = [_partition_row(index, document)
+                                for index, document in enumerate(documents)]
     return merged
+
+
+def _partition_row(index: int, document: dict[str, Any]) -> dict[str, Any]:
+    """What one partition holds, for a merged document's ``partition_list`` (an operator
+    sees a partition that lags or holds more than its share)."""
+    objects = document.get("objects", {})
+    return {"index": index, "ready": objects.get("ready", 0),
+            "pending": objects.get("pending", 0), "ready_bytes": objects.get("ready_bytes", 0),
+            "used_bytes": document.get("used_bytes", {}),
+            "sweep_backlog_keys": objects.get("sweep_backlog_keys", 0),
+            "stalled_s": document.get("stalled_s", 0.0), "uptime_s": document.get("uptime_s")}
 
 
 def _sum_numbers(mine: Any, theirs: Any) -> Any:

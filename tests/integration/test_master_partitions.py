@@ -262,6 +262,11 @@ def test_kvpool_status_of_a_partitioned_master_merges_every_partition(
         text = subprocess.run([sys.executable, "-m", "kvpool_client.cli", "status", "--master",
                                master.address], capture_output=True, text=True, timeout=120)
         assert "(2 partitions, summed)" in text.stdout and "objects: 20 ready" in text.stdout
+        rows = document["partition_list"]
+        assert [row["index"] for row in rows] == [0, 1]
+        assert [row["ready"] for row in rows] == \
+            [sum(partition_of(k.encode(), 2) == p for k in keys) for p in (0, 1)]
+        assert "PARTITION" in text.stdout and "SWEEP BACKLOG" in text.stdout
 
 
 def test_a_partition_places_no_key_of_another_partition(start_master: Any) -> None:

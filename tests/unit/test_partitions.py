@@ -339,8 +339,16 @@ def test_status_documents_of_partitions_merge() -> None:
                                                      capacity, "used_bytes": 1,
                                                      "free_extents": 1,
                                                      "largest_free_bytes": capacity}]}}
-    merged = merged_status([document(10, 3), document(12, 4)])
+    merged = merged_status([{**document(10, 3), "totals": {"clients_registered_total": 3,
+                                                           "put_committed_total": 5}},
+                            {**document(12, 4), "stalled_s": 2.5,
+                             "totals": {"clients_registered_total": 2,
+                                        "put_committed_total": 6}}])
+    # a client registers with every partition: counted once; the partitions' puts add up
+    assert merged["totals"] == {"clients_registered_total": 3, "put_committed_total": 11}
     assert merged["clients"] == 2 and merged["partitions"] == 2
+    assert merged["stalled_s"] == 2.5     # the longest stall of any partition
+    assert [(row["index"], row["ready"]) for row in merged["partition_list"]] == [(0, 3), (1, 4)]
     assert merged["capacity_bytes"] == {"DRAM": 22} and merged["objects"] == {"ready": 7}
     assert merged["segments"]["list"][0]["capacity_bytes"] == 22
     assert merged["segments"]["list"][0]["largest_free_bytes"] == 12
