@@ -313,15 +313,23 @@ def test_the_blocking_stub_sends_a_batch_to_every_partition_together(start_maste
         assert [r.size_bytes for r in rpc.get_replicas(name, keys).results] == sizes
         assert rpc.query_prefix(name, keys) == len(keys)
         hasty = BlockingMasterRpc(master.address, timeout_s=0.3, session=rpc.session)
+
+        async def hasty_aio() -> Any:
+            stub = MasterRpc(master.address, timeout_s=0.3, session=rpc.session)
+            try:
+                return await stub.exist(name, keys)
+            finally:
+                await stub.close()
         stopped = int(master.partitions[2]["pid"])
         os.kill(stopped, signal.SIGSTOP)
         try:
             statuses, _ = hasty.exist(name, keys)
+            aio_statuses, _ = asyncio.run(hasty_aio())   # the asyncio stub alike
         finally:
             os.kill(stopped, signal.SIGCONT)
             hasty.close()
-        assert statuses == [Status.TIMEOUT if owner == 2 else Status.OK
-                            for owner in partitions_of(keys, 3)]
+        assert statuses == aio_statuses == [Status.TIMEOUT if owner == 2 else Status.OK
+                                            for owner in partitions_of(keys, 3)]
         assert rpc.exist(name, keys) == (ok, sizes)
     finally:
         rpc.close()
