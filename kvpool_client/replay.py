@@ -46,6 +46,7 @@ from kvpool_client.replay_sim import (
     route,
     simulate,
 )
+from kvpool_wire.partitions import MAX_PARTITIONS
 from kvpool_wire.types import parse_size_bytes
 
 STAMP_BYTES = 8
@@ -66,12 +67,15 @@ class ReplayConfig:
     lease_ttl_ms: int = 1000
     reply_timeout_s: float = 60.0
     ssd_blocks: int = 0  # per worker: each worker's SSD segment, in blocks
+    partitions: int = 1  # of the spawned master (README, "Partitions")
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0 or self.device_blocks <= 0 or self.pool_blocks <= 0:
             raise ValueError("workers, device blocks and pool blocks must be positive")
         if self.ssd_blocks < 0:
             raise ValueError("SSD blocks must be >= 0")
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}]")
         if self.pool_blocks < self.num_workers:
             raise ValueError("need at least one pool block per worker")
         if self.object_bytes < STAMP_BYTES:
@@ -212,7 +216,8 @@ def run_live(requests: Sequence[Sequence[int]], config: ReplayConfig, *,
             contextlib.ExitStack() as stack:
         flags = ["--eviction-high-watermark-ratio", str(config.high_watermark_ratio),
                  "--eviction-ratio", str(config.eviction_ratio),
-                 "--default-kv-lease-ttl", str(config.lease_ttl_ms)]
+                 "--default-kv-lease-ttl", str(config.lease_ttl_ms),
+                 "--partitions", str(config.partitions)]
         address = master_address or stack.enter_context(spawned_master(Path(tmp), flags))
         return _drive(requests, workers_of, config, address, progress, Path(tmp) / "ssd")
 
@@ -289,6 +294,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default="",
                         help="use this running master (its eviction flags must match) instead "
                              "of spawning one")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="split the spawned master's index across this many processes "
+                             "(default 1)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--simulate", action="store_true",
                       help="offline LRU model of the same configuration, no processes")
@@ -310,7 +318,9 @@ def run(args: argparse.Namespace) -> int:
             pool_blocks=args.pool_blocks, object_bytes=parse_size_bytes(args.object_size),
             routing=args.routing, high_watermark_ratio=args.eviction_high_watermark_ratio,
             eviction_ratio=args.eviction_ratio, lease_ttl_ms=args.lease_ttl_ms,
-            ssd_blocks=args.ssd_blocks_per_worker)
+            ssd_blocks=args.ssd_blocks_per_worker, partitions=args.partitions)
+        if args.master and args.partitions != 1:
+            raise ValueError("--partitions applies to the master replay spawns, not to --master")
         requests = load_trace(args.trace, start=args.start, limit=args.requests,
                               whole_blocks_only=args.whole_blocks_only)
     except (ValueError, OSError) as exc:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvpool_master.core.config import MAX_PARTITIONS
+from kvpool_wire.partitions import MAX_PARTITIONS
 from kvpool_wire.types import MAX_KEY_BYTES, parse_size_bytes
 
 ENV_PREFIX = "KVPOOL_MASTER_"

@@ -23,6 +23,8 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+#: Most partitions of one index (README, "Partitions").
+MAX_PARTITIONS = 64
 TICKET_BYTES = 16
 SECRET_BYTES = 32
 _TICKET_PERSON = b"kvpool-partition"

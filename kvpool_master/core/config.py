@@ -5,15 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool_master.core.eviction import POLICIES
+from kvpool_wire.partitions import MAX_PARTITIONS
 from kvpool_wire.types import MAX_KEY_BYTES
 
 #: what the pool does with segments a transfer engine reaches (README, "Engine transport"):
 #: allow them, refuse them, or require every segment to have one
 ENGINE_TRANSPORT_POLICIES = ("allow", "refuse", "require")
-
-
-#: Most partitions of one index (README, "Partitions").
-MAX_PARTITIONS = 64
 
 
 @dataclass(frozen=True, slots=True)
