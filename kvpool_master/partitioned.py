@@ -120,6 +120,11 @@ async def run_partitioned(config: MasterConfig) -> int:
         server.servicer.partition_map = tuple(map(_endpoint, every))
         server.write_ready_file(every)
         log.info("all %d partitions serving", config.partitions)
+        cores = len(os.sched_getaffinity(0))
+        if config.partitions > cores:
+            log.warning("%d partitions on %d core(s): they take turns on the cores, and each "
+                        "busy-polls after it answers; partitions pay when each has a core of "
+                        "its own (README, \"Partitions\")", config.partitions, cores)
         exited: list[int] = []
 
         async def watch(child: _Child) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -333,3 +334,15 @@ def test_the_blocking_stub_sends_a_batch_to_every_partition_together(start_maste
         assert rpc.exist(name, keys) == (ok, sizes)
     finally:
         rpc.close()
+
+
+def test_more_partitions_than_cores_is_said_in_the_log(start_master: Any) -> None:
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset (util-linux) is not installed")
+    one_core = ["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m",
+                "kvpool_master.cli"]
+    master = start_master("--partitions", "2", executable=one_core)
+    assert wait_until(lambda: "2 partitions on 1 core(s)" in master.log(), 10), master.log()
+    with KVPoolClient(config(master)) as client:   # and it serves all the same
+        client.put_batch([f"crowded-{i}" for i in range(20)], [b"v"] * 20)
+        assert client.get_batch([f"crowded-{i}" for i in range(20)]) == [b"v"] * 20
