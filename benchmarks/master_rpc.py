@@ -55,7 +55,7 @@ from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.rpc.servicer import STEP_KEYS, Servicer
 from kvpool_wire import calls, capability, convert
 from kvpool_wire._pb import kvpool_pb2 as pb
-from kvpool_wire.status import KVPoolError, Status
+from kvpool_wire.status import Status
 from kvpool_wire.types import (
     ClientId,
     Extent,
@@ -377,16 +377,12 @@ async def run_puts(address: str, seconds: float,
 
 
 class _OneAfterAnother(BlockingMasterRpc):
-    """The blocking stub taking each partition's answer before it sends the next call."""
+    """The blocking stub taking each partition's answer before it sends the next call (its
+    own sending and answering, in the other order)."""
 
     def _run_parts(self, parts: list[Any], join: Any) -> Any:
-        results: list[Any] = []
-        for partition, part in parts:
-            try:
-                results.append(self._run(part, None, partition))
-            except KVPoolError as exc:
-                results.append(exc)
-        return join(results)
+        return join([self._finish_part(call, self._send_part(partition, call))
+                     for partition, call in parts])
 
 
 def run_blocking_batches(address: str, seconds: float, rounds: int = 6,

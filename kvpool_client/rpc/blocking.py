@@ -6,8 +6,8 @@ TLS is configured), on connections of ``rpc.lean_blocking`` (one ``sendall`` and
 a call checks a lean connection out of a small pool, so concurrent callers never share one,
 and returns it after the answer (a failed connection is closed, never returned). Deadlines
 and retries as ``rpc.endpoints`` says. The calls of one batch to several partitions are all
-sent, each on a connection of its own, before their answers are taken (``_run_parts``), so a
-batch costs about one round trip however many partitions it spans.
+sent, each on a connection of its own, before their answers are taken (``_run_parts``), so
+the partitions serve them at once rather than in turn.
 """
 
 from __future__ import annotations
@@ -96,21 +96,15 @@ class _Leg:
 
     def call(self, method: RpcMethod, request: Any) -> Any:
         deadline = time.monotonic() + self._stub._timeout_s
-        return self._attempts(method, request.SerializeToString(), deadline, 0)
+        return self._attempts(method, request.SerializeToString(), deadline)
 
     def send(self, method: RpcMethod, request: Any) -> _Sent | None:
         """Send ``request`` now over a lean connection of its own (``finish`` takes the
         answer), or None where this leg calls over gRPC (the caller makes the plain call)."""
-        stub = self._stub
-        if stub._closed:
-            return None
-        if stub.session.lean_of(self._partition) is not self.followed:
-            self.follow_lean()
-        if not (stub._use_fast_path and self.followed.port
-                and time.monotonic() >= self._lean_retry_at):
+        if self._stub._closed or not self._lean_ready():
             return None
         payload = request.SerializeToString()
-        deadline = time.monotonic() + stub._timeout_s
+        deadline = time.monotonic() + self._stub._timeout_s
         try:
             conn = self._checkout(deadline - time.monotonic())
         except KVPoolError as exc:
@@ -132,32 +126,39 @@ class _Leg:
             else:
                 self._checkin(sent.conn)
                 return method.response_type.FromString(answer)
-        assert error is not None
-        backoff_s = retry_backoff_s(method, error, 0, time.monotonic(), sent.deadline)
-        if backoff_s is None:
-            raise final_error(method, error) from None
-        time.sleep(backoff_s)
-        return self._attempts(method, sent.payload, sent.deadline, 1)
+        return self._attempts(method, sent.payload, sent.deadline, error)
 
-    def _attempts(self, method: RpcMethod, payload: bytes, deadline: float, first: int) -> Any:
-        """The call's answer, from attempt ``first`` on (see ``rpc.endpoints``)."""
-        for attempt in range(first, MAX_ATTEMPTS):
-            try:
-                return self._call_once(method, payload, deadline)
-            except KVPoolError as exc:
-                backoff_s = retry_backoff_s(method, exc, attempt, time.monotonic(), deadline)
-                if backoff_s is None:
-                    raise final_error(method, exc) from None
-                time.sleep(backoff_s)
+    def _attempts(self, method: RpcMethod, payload: bytes, deadline: float,
+                  first_failure: KVPoolError | None = None) -> Any:
+        """The call's answer, made up to ``MAX_ATTEMPTS`` times (see ``rpc.endpoints``);
+        ``first_failure``: the first attempt was made already (``finish``) and failed so."""
+        failure = first_failure
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt or failure is None:
+                try:
+                    return self._call_once(method, payload, deadline)
+                except KVPoolError as exc:
+                    failure = exc
+            backoff_s = retry_backoff_s(method, failure, attempt, time.monotonic(), deadline)
+            if backoff_s is None:
+                raise final_error(method, failure) from None
+            time.sleep(backoff_s)
         raise AssertionError("unreachable")
+
+    def _lean_ready(self) -> bool:
+        """Whether this leg calls over a lean connection now (the session's endpoints
+        followed first)."""
+        stub = self._stub
+        if stub.session.lean_of(self._partition) is not self.followed:
+            self.follow_lean()
+        return bool(stub._use_fast_path and self.followed.port
+                    and time.monotonic() >= self._lean_retry_at)
 
     def _call_once(self, method: RpcMethod, payload: bytes, deadline: float) -> Any:
         stub = self._stub
         if stub._closed:
             raise KVPoolError(Status.RPC_FAILED, "the stub is closed")
-        if stub.session.lean_of(self._partition) is not self.followed:
-            self.follow_lean()
-        if stub._use_fast_path and self.followed.port and time.monotonic() >= self._lean_retry_at:
+        if self._lean_ready():
             conn = self._checkout(deadline - time.monotonic())
             try:
                 answer = conn.call(method.method_id, payload, deadline - time.monotonic())
@@ -294,11 +295,13 @@ class BlockingMasterRpc(MasterCalls):
             sent = [(index, self._send_part(*parts[index])) for index in batch
                     if index is not None]
             for index, pending in sent:
-                results[index] = self._finish_part(*parts[index], pending)
+                results[index] = self._finish_part(parts[index][1], pending)
         return join(results)
 
     def _send_part(self, partition: int, call: Call[Any]) -> tuple[_Leg, _Sent | None] | \
             KVPoolError:
+        """``call`` sent to ``partition`` (``_finish_part`` takes its result), or the
+        KVPoolError naming that partition failed with."""
         try:
             leg = self._leg(partition)
         except KVPoolError as exc:
@@ -306,8 +309,7 @@ class BlockingMasterRpc(MasterCalls):
         return leg, leg.send(call.method, call.request)
 
     @staticmethod
-    def _finish_part(partition: int, call: Call[Any],
-                     pending: tuple[_Leg, _Sent | None] | KVPoolError) -> Any:
+    def _finish_part(call: Call[Any], pending: tuple[_Leg, _Sent | None] | KVPoolError) -> Any:
         """A part's result, or the KVPoolError it failed with."""
         if isinstance(pending, KVPoolError):
             return pending
