@@ -11,6 +11,8 @@ the longest single step of a table under churn, and of a full pool under put/get
     .venv/bin/python benchmarks/master_core.py --full     # one million objects (about 2 min)
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000   # memory, restore
     .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --keep-state DIR
+    .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --control-seconds 300
+    .venv/bin/python benchmarks/master_core.py --memory-objects 10000000 --slow-steps FILE
     .venv/bin/python benchmarks/master_core.py --restore DIR   # restore DIR alone, again
     .venv/bin/python benchmarks/master_core.py --log-batches   # the log's cost by batch size
     .venv/bin/python benchmarks/master_core.py --churn-objects 1000000     # a full pool churns
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import operator
 import os
 import random
 import resource
@@ -38,6 +41,7 @@ from typing import Any
 
 from kvpool_master.core.allocator import Allocator
 from kvpool_master.core.master import CoreConfig, MasterCore
+from kvpool_master.core.sweeps import SWEEP_SCAN_KEYS
 from kvpool_master.persist import StateStore
 from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo, Tier
 
@@ -146,7 +150,8 @@ def bench_ops(num_objects: int) -> None:
     rate("exist (absent keys)", 1000, lambda c: core.exist(c, 4.0), misses)
 
 
-def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
+def bench_memory_and_eviction(num_objects: int, keep_state: str = "",
+                              control_seconds: float = 0.0, slow_steps_path: str = "") -> None:
     print(f"memory, eviction, persistence ({num_objects:,} objects in chains of 32 blocks, "
           f"each with its parent key and a 64-bit checksum)")
     gc.collect()
@@ -200,13 +205,21 @@ def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
     elapsed = time.perf_counter() - started
     lost = len(core.take_events()) - 1
     steps: list[float] = []
-    longest_s = longest_cpu_s = 0.0   # and its CPU time: far less means the host waited
+    # each step over 10 ms: its share on the CPU (far less: the host ran something else) and
+    # its CLOCK_MONOTONIC window (``--slow-steps``: to find it in a ``perf record -k
+    # CLOCK_MONOTONIC`` of this process)
+    slow: list[tuple[float, float, float]] = []
+    longest_s = longest_cpu_s = 0.0   # and its CPU time
+    sweep_started_s = time.monotonic()
     gc.disable()   # the server bounds the collector's pauses on its own (bench_gc_pauses)
     try:
         while core.sweeping:  # what the server does between requests, a step at a time
-            step_started, step_cpu_started = time.perf_counter(), time.thread_time()
+            step_started, step_cpu_started = time.monotonic(), time.thread_time()
             core.sweep(101.0)
-            steps.append(time.perf_counter() - step_started)
+            steps.append(time.monotonic() - step_started)
+            if steps[-1] > 0.010:
+                slow.append(((time.thread_time() - step_cpu_started) / steps[-1],
+                             step_started, step_started + steps[-1]))
             if steps[-1] > longest_s:
                 longest_s, longest_cpu_s = steps[-1], time.thread_time() - step_cpu_started
             lost += len(core.take_events())
@@ -216,7 +229,45 @@ def bench_memory_and_eviction(num_objects: int, keep_state: str = "") -> None:
     print(f"  unmount of one of 8 segments: {elapsed * 1e3:.1f} ms, then swept in "
           f"{swept * 1e3:.0f} ms, {len(steps):,} steps p50 / p99 / longest "
           f"{_p(steps, 0.5)} / {_p(steps, 0.99)} / {_p(steps, 1.0)} ms (the longest on the "
-          f"CPU {longest_cpu_s * 1e3:.1f} ms; {lost:,} objects dropped)")
+          f"CPU {longest_cpu_s * 1e3:.1f} ms; {lost:,} objects dropped; {len(slow)} steps over "
+          f"10 ms, {sum(1 for share, _, _ in slow if share >= 0.8)} of them on the CPU "
+          f"throughout)")
+    if slow_steps_path:
+        with open(slow_steps_path, "w") as out:   # the whole sweep first, then each step
+            out.write(f"sweep {sweep_started_s:.6f} {time.monotonic():.6f} {len(steps)}\n")
+            out.writelines(f"{start:.6f} {end:.6f}\n" for _, start, end in slow)
+    if control_seconds:
+        control_walk(core, control_seconds)
+
+
+def control_walk(core: MasterCore, seconds: float) -> None:
+    """Walk the table read-only as the sweep does, a shard's entries listed and read 2,048 at
+    a time each step, for ``seconds``, the collector off: every step does the same work and
+    changes nothing, so a step far longer than the others (with as much CPU time: not a wait
+    to be scheduled) is the host's doing, not the core's."""
+    size_of = operator.attrgetter("size_bytes")
+    shards = core._objects.shards
+    steps: list[tuple[float, float]] = []
+    index = 0
+    gc.disable()
+    try:
+        end_s = time.perf_counter() + seconds
+        while time.perf_counter() < end_s:
+            step_started, step_cpu_started = time.perf_counter(), time.thread_time()
+            entries = list(shards[index % len(shards)].values())
+            for start in range(0, len(entries), SWEEP_SCAN_KEYS):
+                sum(map(size_of, entries[start:start + SWEEP_SCAN_KEYS]))
+            steps.append((time.perf_counter() - step_started,
+                          time.thread_time() - step_cpu_started))
+            index += 1
+    finally:
+        gc.enable()
+    walls = [wall for wall, _ in steps]
+    slow = [(wall, cpu) for wall, cpu in steps if wall > 0.010]
+    print(f"  control: the same table walked read-only for {seconds:.0f} s, a shard a step "
+          f"({len(steps):,} steps): p50 / p99 / longest {_p(walls, 0.5)} / {_p(walls, 0.99)} / "
+          f"{_p(walls, 1.0)} ms; {len(slow)} steps over 10 ms, "
+          f"{sum(1 for wall, cpu in slow if cpu >= 0.8 * wall)} of them on the CPU throughout")
 
 
 def bench_fragmentation() -> None:
@@ -607,6 +658,14 @@ def main() -> None:
     parser.add_argument("--keep-state", metavar="DIR", default="",
                         help="with --memory-objects: write the snapshot into DIR (empty or "
                              "new) and keep it, to restore it again with --restore")
+    parser.add_argument("--control-seconds", type=float, default=0.0, metavar="S",
+                        help="with --memory-objects: after the sweep, walk the table read-only "
+                             "for S seconds in steps of equal work (how long the host makes a "
+                             "step that does nothing more)")
+    parser.add_argument("--slow-steps", metavar="FILE", default="",
+                        help="with --memory-objects: write the CLOCK_MONOTONIC start and end "
+                             "of the sweep (with its count of steps), then of each of its steps "
+                             "over 10 ms, to FILE (for benchmarks/perf_windows.py)")
     parser.add_argument("--log-objects", type=int, default=0, metavar="M",
                         help="with --memory-objects N: only restore N objects of which the "
                              "last M were put after the snapshot (its log holds them)")
@@ -633,7 +692,8 @@ def main() -> None:
         bench_restore_with_log(args.memory_objects, args.log_objects, args.keep_state)
         return
     if args.memory_objects:
-        bench_memory_and_eviction(args.memory_objects, args.keep_state)
+        bench_memory_and_eviction(args.memory_objects, args.keep_state,
+                                  args.control_seconds, args.slow_steps)
         return
     if args.segments_only:
         bench_many_segments()
