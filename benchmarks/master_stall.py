@@ -14,6 +14,9 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``read`` / ``exist``: ``GetReplicas`` (the owner as a proven reader) / ``Exist`` of every
   object, in calls of ``--batch-keys`` keys (with ``--batch-keys`` as large as ``--objects``:
   one call of that many keys);
+- ``scrape``: ``--segments`` segments are mounted (by owners of up to 1,000 each, no objects),
+  then ``/metrics`` is scraped 20 times, one after another, as Prometheus would every
+  interval (each scrape renders three gauges per segment);
 - ``fill``: the fill itself (batched puts of ``--batch-keys``, 1,000), as a baseline (with
   ``--batch-keys`` as large as ``--objects``: what one call of that many keys holds the master
   for); with ``--state`` the master persists, and the fill's log grows past the size that
@@ -50,7 +53,10 @@ from kvpool_client.rpc import MasterRpc  # noqa: E402
 from kvpool_wire.status import Status  # noqa: E402
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo  # noqa: E402
 
-SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry", "evict")
+SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry", "evict",
+             "scrape")
+SCRAPES = 20
+SEGMENTS_PER_OWNER = 1000
 CLIENT_TTL_S = 1.0
 
 
@@ -99,6 +105,42 @@ async def fill(rpc: MasterRpc, name: str, num_objects: int, batch_keys: int = BA
         started = await rpc.put_start(name, chunk, [4096] * len(chunk), PutOptions())
         assert all(s == Status.OK for s, _ in started), started[:3]
         assert all(s == Status.OK for s in await rpc.put_end(name, chunk))
+
+
+async def scrapes(address: str, metrics_port: int, num_segments: int) -> tuple[float, float]:
+    """Mount ``num_segments`` segments, then scrape /metrics ``SCRAPES`` times; return the
+    (start, end) monotonic times of the scrapes."""
+    owners: list[tuple[MasterRpc, str]] = []
+    beating = []
+    try:
+        for first in range(0, num_segments, SEGMENTS_PER_OWNER):
+            name = f"owner-scrape-{first // SEGMENTS_PER_OWNER}"
+            rpc = MasterRpc(address, timeout_s=120)
+            await rpc.register_client(name, "bench-host", "")
+            owners.append((rpc, name))
+            beating.append(asyncio.get_running_loop().create_task(heartbeat(rpc, name)))
+            for i in range(first, min(first + SEGMENTS_PER_OWNER, num_segments)):
+                segment = SegmentInfo(SegmentId(f"{name}-seg-{i}"), ClientId(name), 1 << 20)
+                assert await rpc.mount_segment(name, segment) == Status.OK
+        await asyncio.sleep(0.5)  # let the probe settle
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        started = time.monotonic()
+        for _ in range(SCRAPES):   # a thread fetches: the heartbeats go on meanwhile
+            text = await asyncio.to_thread(_fetch, url)
+        ended = time.monotonic()
+        assert text.count("kvpool_segment_used_bytes{") == num_segments, "segments missing"
+        return started, ended
+    finally:
+        for task in beating:
+            task.cancel()
+        for rpc, name in owners:
+            await rpc.unregister_client(name)
+            await rpc.close()
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return str(answer.read().decode())
 
 
 async def scenario(address: str, kind: str, num_objects: int,
@@ -183,6 +225,8 @@ def main() -> int:
     ap.add_argument("--batch-keys", type=int, default=BATCH_KEYS,
                     help="keys per PutStart / PutEnd of the fill, and per read or exist call "
                          "(default 1,000)")
+    ap.add_argument("--segments", type=int, default=1000,
+                    help="segments mounted for the scrape scenario (default 1,000)")
     ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:
@@ -200,8 +244,12 @@ def main() -> int:
     try:
         time.sleep(1.0)
         for kind in args.only.split(","):
-            windows[kind] = asyncio.run(scenario(address, kind, args.objects,
-                                                 args.batch_keys))
+            if kind == "scrape":
+                windows[kind] = asyncio.run(scrapes(address, ready["metrics_port"],
+                                                    args.segments))
+            else:
+                windows[kind] = asyncio.run(scenario(address, kind, args.objects,
+                                                     args.batch_keys))
             time.sleep(0.5)
         exposition = master_metrics(ready)
     finally:

@@ -31,6 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import MasterCore
@@ -43,6 +44,24 @@ log = logging.getLogger("kvpool.master.metrics")
 #: Latency buckets from 20 µs to 2.5 s: the lean path answers in tens of µs, gRPC in hundreds.
 LATENCY_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
                      0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+#: The per-segment gauges: (name, help, ``SegmentStats`` field). A cluster's master knows a
+#: segment per worker or more, so /metrics renders these rows a step at a time
+#: (``MasterMetrics.exposition_steps``), not through the registry at once.
+SEGMENT_GAUGES = (
+    ("kvpool_segment_capacity_bytes", "Capacity per segment", "capacity_bytes"),
+    ("kvpool_segment_used_bytes", "Allocated bytes per segment", "used_bytes"),
+    ("kvpool_segment_largest_free_bytes", "Largest free extent per segment (fragmentation)",
+     "largest_free_bytes"),
+)
+#: Segments one step of /metrics renders (about 5 µs each, its three samples)
+SEGMENT_STEP_ROWS = 128
+
+
+def _label_value(text: str) -> str:
+    """``text`` escaped as a label value of the Prometheus text format."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class MasterMetrics:
@@ -139,8 +158,26 @@ class MasterMetrics:
     # -- documents --------------------------------------------------------------------------------
 
     def exposition(self) -> bytes:
-        """Prometheus text of the whole registry."""
-        return generate_latest(self.registry)
+        """Prometheus text of the whole registry and of every segment, at once."""
+        return b"".join(self.exposition_steps())
+
+    def exposition_steps(self) -> Iterator[bytes]:
+        """Prometheus text of the whole registry and of every segment, in pieces, each made in
+        a bounded step (join them; the HTTP endpoint serves other work between steps): the
+        registry at once (its families do not grow with the cluster), then the per-segment
+        gauges, ``SEGMENT_STEP_ROWS`` segments a step, ending with their text, a gauge a
+        step."""
+        yield generate_latest(self.registry)
+        lines: list[list[str]] = [[] for _ in SEGMENT_GAUGES]
+        for rows in self._core.segment_stats_steps(SEGMENT_STEP_ROWS):
+            for row in rows:
+                labels = (f'{{client="{_label_value(row.client_id)}",'
+                          f'segment="{_label_value(row.segment_id)}",tier="{row.tier.name}"}} ')
+                for out, (name, _, field) in zip(lines, SEGMENT_GAUGES, strict=True):
+                    out.append(f"{name}{labels}{floatToGoString(getattr(row, field))}\n")
+            yield b""
+        for (name, help_text, _), out in zip(SEGMENT_GAUGES, lines, strict=True):
+            yield f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{''.join(out)}".encode()
 
     def status(self) -> dict[str, Any]:
         """The /status document: clients, segments, capacity and usage per tier, objects."""
@@ -155,7 +192,7 @@ class MasterMetrics:
 
     def mounted_segment_ids(self) -> list[str]:
         """The ids of the segments mounted now (Mooncake's ``/get_all_segments``)."""
-        return [s.segment_id for s in self._core.stats().segments if s.mounted]
+        return list(self._core.mounted_segment_ids())
 
     def status_json(self) -> str:
         """The /status document as JSON text."""
@@ -310,7 +347,7 @@ class _CoreCollector(Collector):
         yield CounterMetricFamily("kvpool_master_stalled_seconds",
                                   "Time the master was not serving (excluded from deadlines)",
                                   value=self._clock.stalled_s)
-        yield from core_metrics(self._core.stats())
+        yield from core_metrics(self._core.stats(with_segments=False))
 
 
 class _BusyPollCollector(Collector):
@@ -439,22 +476,6 @@ def core_metrics(stats: CoreStats) -> Iterator[Metric]:
         used.add_metric([tier.name], stats.tier_to_used_bytes.get(tier, 0))
     yield capacity
     yield used
-    labels = ["segment", "client", "tier"]
-    seg_capacity = GaugeMetricFamily("kvpool_segment_capacity_bytes", "Capacity per segment",
-                                     labels=labels)
-    seg_used = GaugeMetricFamily("kvpool_segment_used_bytes", "Allocated bytes per segment",
-                                 labels=labels)
-    seg_largest = GaugeMetricFamily("kvpool_segment_largest_free_bytes",
-                                    "Largest free extent per segment (fragmentation)",
-                                    labels=labels)
-    for s in stats.segments:
-        values = [s.segment_id, s.client_id, s.tier.name]
-        seg_capacity.add_metric(values, s.capacity_bytes)
-        seg_used.add_metric(values, s.used_bytes)
-        seg_largest.add_metric(values, s.largest_free_bytes)
-    yield seg_capacity
-    yield seg_used
-    yield seg_largest
     for field_name, (name, help_text) in _COUNTERS.items():
         yield CounterMetricFamily(name, help_text, value=getattr(stats, field_name))
     copies = CounterMetricFamily("kvpool_tier_copies_total",
@@ -510,8 +531,6 @@ class HttpEndpoint:
 
     def _route(self, path: str) -> tuple[int, str, bytes]:
         path = path.split("?", 1)[0]
-        if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, self._metrics.exposition()
         if path == "/healthz":
             reason = self._metrics.unhealthy_reason()
             if reason:
@@ -536,6 +555,9 @@ class HttpEndpoint:
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
             if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
                 code, ctype, body = 405, "text/plain; charset=utf-8", b"only GET\n"
+            elif parts[1].split("?", 1)[0] == "/metrics":
+                code, ctype = 200, CONTENT_TYPE_LATEST
+                body = await _stepped(self._metrics.exposition_steps())
             else:
                 code, ctype, body = self._route(parts[1])
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
@@ -552,3 +574,12 @@ class HttpEndpoint:
             log.exception("HTTP request failed")
         finally:
             writer.close()
+
+
+async def _stepped(pieces: Iterator[bytes]) -> bytes:
+    """The pieces joined, the loop serving other work after each is made."""
+    out = []
+    for piece in pieces:
+        out.append(piece)
+        await asyncio.sleep(0)
+    return b"".join(out)

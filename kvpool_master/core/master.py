@@ -41,7 +41,7 @@ from kvpool_master.core.snapshot import (
     take_snapshot,
     walk_chunks,
 )
-from kvpool_master.core.stats import CoreStats, Counters, build_stats
+from kvpool_master.core.stats import CoreStats, Counters, SegmentStats, build_stats, segment_stats
 from kvpool_master.core.sweeps import RemoveJob, TableWalk
 from kvpool_master.core.tiering import CopyTable, Tiering, build_dram_order
 from kvpool_wire.capability import client_token
@@ -400,12 +400,26 @@ class MasterCore(Tiering):
         events, self._events = self._events, []
         return events
 
-    def stats(self) -> CoreStats:
-        """Return a copy of every counter and gauge (see ``core/stats.py``)."""
+    def stats(self, with_segments: bool = True) -> CoreStats:
+        """Return a copy of every counter and gauge (see ``core/stats.py``); its ``segments``
+        only ``with_segments`` (a row per segment: ``segment_stats_steps`` hands them out a
+        few at a time)."""
         return build_stats(self._clients, self._segments, self._objects, self._deferred,
                            self._quarantine, self._counters, self._lease_counters,
                            len(self._copies.id_to_task), self.sweep_backlog_keys(),
-                           self.held_extents())
+                           self.held_extents(), with_segments)
+
+    def segment_stats_steps(self, max_segments: int) -> Iterator[list[SegmentStats]]:
+        """The rows of ``stats().segments``, ``max_segments`` at a time, each list made when it
+        is asked for: a caller may take them between other calls (the segments known at the
+        first; one lost since shows as it was when lost)."""
+        states = list(self._segments.id_to_segment.values())
+        for start in range(0, len(states), max_segments):
+            yield list(map(segment_stats, states[start:start + max_segments]))
+
+    def mounted_segment_ids(self) -> list[SegmentId]:
+        """The ids of the segments mounted now."""
+        return [state.info.segment_id for state in self._segments.mounted]
 
     # ---- persistence (see core/snapshot.py and kvpool_master/persist.py) -------------------
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvpool_master.core.clients import ClientTable
 from kvpool_master.core.leases import DeferredFrees, LeaseCounters
 from kvpool_master.core.objects import ObjectTable
-from kvpool_master.core.segments import SegmentTable
+from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_wire.types import ClientId, SegmentId, Tier
 
 
@@ -128,11 +128,21 @@ class CoreStats:
     held_extents: int                 # extents of removed objects removal jobs still hold
 
 
+def segment_stats(state: SegmentState) -> SegmentStats:
+    """Capacity and usage of the segment ``state``, as they are now."""
+    allocator = state.allocator
+    return SegmentStats(state.info.segment_id, state.info.client_id, state.info.tier,
+                        state.mounted, allocator.size_bytes, allocator.used_bytes,
+                        allocator.num_free_extents, allocator.largest_free_bytes)
+
+
 def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTable,
                 deferred: DeferredFrees, quarantine: DeferredFrees, counters: Counters,
                 leases: LeaseCounters, copies_in_flight: int = 0,
-                sweep_backlog_keys: int = 0, held_extents: int = 0) -> CoreStats:
-    """Return a consistent copy of every counter and gauge."""
+                sweep_backlog_keys: int = 0, held_extents: int = 0,
+                with_segments: bool = True) -> CoreStats:
+    """Return a consistent copy of every counter and gauge (``segments`` empty unless
+    ``with_segments``: a row per segment grows with the cluster)."""
     return CoreStats(
         num_clients=len(clients),
         num_segments=len(segments.mounted),
@@ -146,11 +156,8 @@ def build_stats(clients: ClientTable, segments: SegmentTable, objects: ObjectTab
         quarantined_bytes=quarantine.num_bytes,
         tier_to_capacity_bytes=dict(segments.tier_to_capacity_bytes),
         tier_to_used_bytes=dict(segments.tier_to_used_bytes),
-        segments=tuple(
-            SegmentStats(s.info.segment_id, s.info.client_id, s.info.tier, s.mounted,
-                         s.allocator.size_bytes, s.allocator.used_bytes,
-                         s.allocator.num_free_extents, s.allocator.largest_free_bytes)
-            for s in segments.id_to_segment.values()),
+        segments=tuple(map(segment_stats, segments.id_to_segment.values()))
+        if with_segments else (),
         put_started_total=counters.put_started,
         put_committed_total=counters.put_committed,
         put_revoked_total=counters.put_revoked,
