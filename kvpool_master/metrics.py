@@ -7,7 +7,9 @@ Rules of this file:
   read from ``core.stats()`` at scrape time by a collector; the core never reads metrics.
   Per-call counters and latency histograms are fed by the servicer (``rpc_done``), refusals by
   the transports (``refused``).
-- The HTTP endpoint runs on the master's event loop, so reading the core needs no lock.
+- The HTTP endpoint runs on the master's event loop, so reading the core needs no lock; what
+  grows with the cluster (a row per segment) is rendered a step at a time, the loop serving
+  calls between the steps (``MasterMetrics.exposition_steps``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ SEGMENT_GAUGES = (
     ("kvpool_segment_largest_free_bytes", "Largest free extent per segment (fragmentation)",
      "largest_free_bytes"),
 )
-#: Segments one step of /metrics renders (about 5 µs each, its three samples)
+#: Segments one step of /metrics renders (about 6 µs each, its three samples)
 SEGMENT_STEP_ROWS = 128
 
 
