@@ -300,7 +300,7 @@ def _served_master(objects: int, call_keys: int) -> tuple[Servicer, bytes]:
     core = MasterCore(CoreConfig())
     core.skip_object_events()
     servicer = Servicer(core, ServingClock(), _NoMetrics(), master_id="bench",
-                        on_events=lambda events: True, status_document=lambda: "{}")
+                        on_events=lambda events: True, status_document=lambda: iter(["{}"]))
 
     def serve(call: calls.Call[Any]) -> Any:
         answer = servicer.serve(call.method, call.request.SerializeToString(), "lean")

@@ -17,6 +17,8 @@ bytes), then runs one operation on them and notes when it started and ended:
 - ``scrape``: ``--segments`` segments are mounted (by owners of up to 1,000 each, no objects),
   then ``/metrics`` is scraped 20 times, one after another, as Prometheus would every
   interval (each scrape renders three gauges per segment);
+- ``status``: the same segments, then 20 ``GetStats`` calls, as ``kvpool status`` makes (the
+  document lists every segment);
 - ``fill``: the fill itself (batched puts of ``--batch-keys``, 1,000), as a baseline (with
   ``--batch-keys`` as large as ``--objects``: what one call of that many keys holds the master
   for); with ``--state`` the master persists, and the fill's log grows past the size that
@@ -54,7 +56,7 @@ from kvpool_wire.status import Status  # noqa: E402
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo  # noqa: E402
 
 SCENARIOS = ("fill", "read", "exist", "remove_all", "unmount", "unregister", "expiry", "evict",
-             "scrape")
+             "scrape", "status")
 SCRAPES = 20
 SEGMENTS_PER_OWNER = 1000
 CLIENT_TTL_S = 1.0
@@ -107,9 +109,10 @@ async def fill(rpc: MasterRpc, name: str, num_objects: int, batch_keys: int = BA
         assert all(s == Status.OK for s in await rpc.put_end(name, chunk))
 
 
-async def scrapes(address: str, metrics_port: int, num_segments: int) -> tuple[float, float]:
-    """Mount ``num_segments`` segments, then scrape /metrics ``SCRAPES`` times; return the
-    (start, end) monotonic times of the scrapes."""
+async def scrapes(address: str, metrics_port: int, num_segments: int,
+                  kind: str) -> tuple[float, float]:
+    """Mount ``num_segments`` segments, then scrape /metrics (``kind`` "scrape") or call
+    GetStats ("status") ``SCRAPES`` times; return the (start, end) monotonic times of those."""
     owners: list[tuple[MasterRpc, str]] = []
     beating = []
     try:
@@ -125,10 +128,14 @@ async def scrapes(address: str, metrics_port: int, num_segments: int) -> tuple[f
         await asyncio.sleep(0.5)  # let the probe settle
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         started = time.monotonic()
-        for _ in range(SCRAPES):   # a thread fetches: the heartbeats go on meanwhile
-            text = await asyncio.to_thread(_fetch, url)
+        for _ in range(SCRAPES):
+            if kind == "scrape":   # a thread fetches: the heartbeats go on meanwhile
+                text = await asyncio.to_thread(_fetch, url)
+                listed = text.count("kvpool_segment_used_bytes{")
+            else:
+                listed = len((await owners[0][0].get_stats())["segments"]["list"])
         ended = time.monotonic()
-        assert text.count("kvpool_segment_used_bytes{") == num_segments, "segments missing"
+        assert listed == num_segments, f"{listed} of {num_segments} segments listed"
         return started, ended
     finally:
         for task in beating:
@@ -226,7 +233,8 @@ def main() -> int:
                     help="keys per PutStart / PutEnd of the fill, and per read or exist call "
                          "(default 1,000)")
     ap.add_argument("--segments", type=int, default=1000,
-                    help="segments mounted for the scrape scenario (default 1,000)")
+                    help="segments mounted for the scrape and status scenarios (default "
+                         "1,000)")
     ap.add_argument("--_probe", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:
@@ -244,9 +252,9 @@ def main() -> int:
     try:
         time.sleep(1.0)
         for kind in args.only.split(","):
-            if kind == "scrape":
+            if kind in ("scrape", "status"):
                 windows[kind] = asyncio.run(scrapes(address, ready["metrics_port"],
-                                                    args.segments))
+                                                    args.segments, kind))
             else:
                 windows[kind] = asyncio.run(scenario(address, kind, args.objects,
                                                      args.batch_keys))

@@ -8,8 +8,9 @@ Rules of this file:
   Per-call counters and latency histograms are fed by the servicer (``rpc_done``), refusals by
   the transports (``refused``).
 - The HTTP endpoint runs on the master's event loop, so reading the core needs no lock; what
-  grows with the cluster (a row per segment) is rendered a step at a time, the loop serving
-  calls between the steps (``MasterMetrics.exposition_steps``).
+  grows with the cluster (a row per segment) is made a step at a time, the loop serving calls
+  between the steps: /metrics (``MasterMetrics.exposition_steps``), /status and the
+  ``GetStats`` document (``status_text_steps``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import MasterCore
-from kvpool_master.core.stats import CoreStats
+from kvpool_master.core.stats import CoreStats, SegmentStats
 from kvpool_master.looplag import LAG_BUCKETS_S
 from kvpool_wire.types import Tier
 
@@ -57,8 +58,11 @@ SEGMENT_GAUGES = (
     ("kvpool_segment_largest_free_bytes", "Largest free extent per segment (fragmentation)",
      "largest_free_bytes"),
 )
-#: Segments one step of /metrics renders (about 6 µs each, its three samples)
+#: Segments one step of /metrics renders (about 6 µs each, its three samples), or of
+#: /status and GetStats takes the figures of
 SEGMENT_STEP_ROWS = 128
+#: Pieces of the JSON encoder one step of /status or GetStats joins (a field or bracket each)
+JSON_STEP_PIECES = 4096
 
 
 def _label_value(text: str) -> str:
@@ -183,39 +187,65 @@ class MasterMetrics:
 
     def status(self) -> dict[str, Any]:
         """The /status document: clients, segments, capacity and usage per tier, objects."""
-        document = status_from_stats(self._core.stats())
+        *_, document = self._status_steps()
+        assert document is not None
+        return document
+
+    def status_text_steps(self, indent: int | None = None) -> Iterator[str]:
+        """The /status document as JSON text, in pieces, each made in a bounded step (join
+        them; ``GetStats`` and the HTTP endpoint serve other work between steps): its segment
+        rows ``SEGMENT_STEP_ROWS`` a step (empty pieces), then the text, ``JSON_STEP_PIECES``
+        pieces of the encoder a step."""
+        document: dict[str, Any] | None = None
+        for document in self._status_steps():
+            if document is None:
+                yield ""
+        pieces = json.JSONEncoder(indent=indent, sort_keys=True).iterencode(document)
+        while chunk := list(itertools.islice(pieces, JSON_STEP_PIECES)):
+            yield "".join(chunk)
+
+    def _status_steps(self) -> Iterator[dict[str, Any] | None]:
+        """None after each step of segment rows, then the document."""
+        rows: list[dict[str, Any]] = []
+        for chunk in self._core.segment_stats_steps(SEGMENT_STEP_ROWS):
+            rows += map(segment_row, chunk)
+            yield None
+        document = status_from_stats(self._core.stats(with_segments=False), rows)
         document["master_id"] = self._master_id
         document["uptime_s"] = round(time.time() - self._started_wall_s, 3)
         document["stalled_s"] = round(self._clock.stalled_s, 3)
         document["settings"] = self._settings
         if self.partition_info is not None:
             document["partition"] = self.partition_info()
-        return document
+        yield document
 
     def mounted_segment_ids(self) -> list[str]:
         """The ids of the segments mounted now (Mooncake's ``/get_all_segments``)."""
         return list(self._core.mounted_segment_ids())
-
-    def status_json(self) -> str:
-        """The /status document as JSON text."""
-        return json.dumps(self.status(), sort_keys=True)
 
 
 #: HCCL one-sided pooling: each device links to every other, at most 512 links
 HCCL_DEVICE_LIMIT = 512
 
 
-def status_from_stats(stats: CoreStats) -> dict[str, Any]:
-    """The JSON-able /status body built from a CoreStats."""
+def segment_row(s: SegmentStats) -> dict[str, Any]:
+    """One segment's row of the /status document."""
+    return {"segment_id": s.segment_id, "client_id": s.client_id, "tier": s.tier.name,
+            "mounted": s.mounted, "capacity_bytes": s.capacity_bytes,
+            "used_bytes": s.used_bytes, "free_extents": s.num_free_extents,
+            "largest_free_bytes": s.largest_free_bytes}
+
+
+def status_from_stats(stats: CoreStats,
+                      segment_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The JSON-able /status body built from a CoreStats, and its segments' rows
+    (``segment_row`` of each of its own when None)."""
+    if segment_rows is None:
+        segment_rows = list(map(segment_row, stats.segments))
     return {
         "clients": stats.num_clients,
         "segments": {"mounted": stats.num_segments, "restored": stats.num_restored_segments,
-                     "list": [{"segment_id": s.segment_id, "client_id": s.client_id,
-                               "tier": s.tier.name, "mounted": s.mounted,
-                               "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes,
-                               "free_extents": s.num_free_extents,
-                               "largest_free_bytes": s.largest_free_bytes}
-                              for s in stats.segments]},
+                     "list": segment_rows},
         # each engine session is one device's engine (MindIE, vllm-ascend: one per worker);
         # HCCL one-sided pooling links every device to every other, at most 512 devices
         "engine": {"endpoints": stats.num_engine_endpoints,
@@ -538,9 +568,6 @@ class HttpEndpoint:
             if reason:
                 return 503, "text/plain; charset=utf-8", f"unhealthy: {reason}\n".encode()
             return 200, "text/plain; charset=utf-8", b"ok\n"
-        if path == "/status":
-            body = json.dumps(self._metrics.status(), indent=2, sort_keys=True) + "\n"
-            return 200, "application/json", body.encode()
         if path == "/health":
             ready = not self._metrics.unhealthy_reason()
             body = json.dumps({"status": "ok", "role": "leader", "service_ready": ready})
@@ -560,6 +587,10 @@ class HttpEndpoint:
             elif parts[1].split("?", 1)[0] == "/metrics":
                 code, ctype = 200, CONTENT_TYPE_LATEST
                 body = await _stepped(self._metrics.exposition_steps())
+            elif parts[1].split("?", 1)[0] == "/status":
+                code, ctype = 200, "application/json"
+                body = await _stepped(piece.encode() for piece
+                                      in self._metrics.status_text_steps(indent=2)) + b"\n"
             else:
                 code, ctype, body = self._route(parts[1])
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",

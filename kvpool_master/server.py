@@ -129,7 +129,7 @@ class MasterServer:
         self._auth_token = load_auth_token(config)
         self.servicer = Servicer(self.core, self.clock, self.metrics, master_id=self.master_id,
                                  on_events=self._fan_out,
-                                 status_document=self.metrics.status_json,
+                                 status_document=self.metrics.status_text_steps,
                                  partition=partition)
         if partition.count > 1:
             self.metrics.partition_info = self._partition_info

@@ -45,6 +45,8 @@ Rules of this file:
   would. A stepped call is timed (``rpc_done``) from its start to its last step. Each step's
   answer is serialized as it is made; the whole answer is their concatenation (protobuf
   parses concatenated messages as one merged message), so no step serializes it whole.
+  ``GetStats`` is served in steps too: its document has a row per segment
+  (``status_document`` hands it out in pieces, each made in a step).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class Servicer:
 
     def __init__(self, core: MasterCore, clock: ServingClock, observer: RpcObserver, *,
                  master_id: str, on_events: Callable[[list[Event]], bool],
-                 status_document: Callable[[], str],
+                 status_document: Callable[[], Iterator[str]],
                  partition: PartitionTerms = SOLE) -> None:
         self._core = core
         self._clock = clock
@@ -668,7 +670,16 @@ class Servicer:
         return pending
 
     def _get_stats(self, request: Any) -> Any:
-        return convert.encode_stats(Status.OK, self._status_document())
+        """The status document, made in steps (it grows with the segments)."""
+        text: list[str] = []
+
+        def steps() -> Iterator[None]:
+            for piece in self._status_document():
+                text.append(piece)
+                yield
+
+        return Stepped(steps(), lambda: convert.serialize(
+            convert.encode_stats(Status.OK, "".join(text))))
 
 
 def _span(items: list[T], lo: int, hi: int | None) -> list[T]:

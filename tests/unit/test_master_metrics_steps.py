@@ -1,10 +1,12 @@
-"""/metrics of a master that knows many segments: rendered in bounded steps, the event loop
-serving other work between them, and the same text as the library's own rendering."""
+"""/metrics, /status and GetStats of a master that knows many segments: made in bounded
+steps, the event loop serving other work between them, and the same text as made at once."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,7 +14,15 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvpool_master.clock import ServingClock
 from kvpool_master.core.master import CoreConfig, MasterCore
-from kvpool_master.metrics import SEGMENT_GAUGES, SEGMENT_STEP_ROWS, HttpEndpoint, MasterMetrics
+from kvpool_master.metrics import (
+    SEGMENT_GAUGES,
+    SEGMENT_STEP_ROWS,
+    HttpEndpoint,
+    MasterMetrics,
+    status_from_stats,
+)
+from kvpool_master.rpc.servicer import Servicer, Stepped
+from kvpool_wire import calls
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, PutOptions, SegmentId, SegmentInfo
 
@@ -64,7 +74,41 @@ def test_the_segment_gauges_read_as_the_library_would_render_them() -> None:
     assert len(used) == 300 and ODD_ID in used and sum(used.values()) >= 50 * 5000
 
 
-async def test_a_scrape_lets_the_loop_serve_between_its_steps() -> None:
+def test_the_status_document_made_in_steps_is_the_one_made_at_once() -> None:
+    core = _core(300)
+    metrics = MasterMetrics(core, ServingClock(), master_id="m")
+    pieces = list(metrics.status_text_steps())
+    assert len(pieces) > 300 // SEGMENT_STEP_ROWS
+    stepped = json.loads("".join(pieces))
+    whole = status_from_stats(core.stats())   # every segment's row from the stats at once
+    assert stepped["segments"] == whole["segments"] and len(whole["segments"]["list"]) == 300
+    assert {k: v for k, v in stepped.items() if k != "uptime_s"} == \
+        {k: v for k, v in metrics.status().items() if k != "uptime_s"}
+    assert json.loads("".join(metrics.status_text_steps(indent=2)))["segments"] == \
+        whole["segments"]
+
+
+class _Observer:
+    def rpc_done(self, method: str, transport: str, duration_s: float, failed: bool) -> None:
+        pass
+
+
+async def test_get_stats_answers_the_document_made_in_steps() -> None:
+    core = _core(300)
+    metrics = MasterMetrics(core, ServingClock(), master_id="m")
+    servicer = Servicer(core, ServingClock(), _Observer(), master_id="m",
+                        on_events=lambda events: True,
+                        status_document=metrics.status_text_steps)
+    call = calls.get_stats()
+    answer = servicer.serve(call.method, call.request.SerializeToString(), "test")
+    assert isinstance(answer, Stepped)
+    document = call.decode(call.method.response_type.FromString(await answer.answer()))
+    assert document["segments"] == status_from_stats(core.stats())["segments"]
+    assert len(document["segments"]["list"]) == 300
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/status"])
+async def test_a_scrape_lets_the_loop_serve_between_its_steps(path: str) -> None:
     core = _core(3000)
     endpoint = HttpEndpoint(MasterMetrics(core, ServingClock(), master_id="m"))
     port = await endpoint.start("127.0.0.1", 0)
@@ -80,7 +124,7 @@ async def test_a_scrape_lets_the_loop_serve_between_its_steps() -> None:
     worker = asyncio.get_running_loop().create_task(other_work())
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         await writer.drain()
         await asyncio.sleep(0)   # the request is in: count the turns from here
         before = turns
@@ -92,6 +136,10 @@ async def test_a_scrape_lets_the_loop_serve_between_its_steps() -> None:
         await worker
         await endpoint.close()
     assert answer.startswith(b"HTTP/1.1 200 OK")
-    assert answer.count(b"kvpool_segment_used_bytes{") == 3000
+    body = answer.split(b"\r\n\r\n", 1)[1]
+    if path == "/metrics":
+        assert body.count(b"kvpool_segment_used_bytes{") == 3000
+    else:
+        assert len(json.loads(body)["segments"]["list"]) == 3000
     # the other task ran between the steps (one turn at most if the scrape held the loop)
     assert during >= 3000 // SEGMENT_STEP_ROWS

@@ -40,7 +40,8 @@ def _serve(servicer: Servicer, call: calls.Call[Any]) -> Any:
 def _servicer(accept_events: list[bool]) -> tuple[Servicer, bytes]:
     core = MasterCore(CoreConfig())
     servicer = Servicer(core, ServingClock(), _Observer(), master_id="m",
-                        on_events=lambda events: accept_events[0], status_document=lambda: "{}")
+                        on_events=lambda events: accept_events[0],
+                        status_document=lambda: iter(["{}"]))
     token = _serve(servicer, calls.register_client("c", "h", "", b"")).client_token
     segment = SegmentInfo(SegmentId("s"), ClientId("c"), 64 * STEP_KEYS * 4096)
     assert _serve(servicer, calls.mount_segment("c", token, segment)) == Status.OK

@@ -180,7 +180,7 @@ class _Observer:
 def _servicer(terms: PartitionTerms) -> Servicer:
     core = MasterCore(CoreConfig(partition_index=terms.index, partition_count=terms.count))
     return Servicer(core, ServingClock(), _Observer(), master_id="m",
-                    on_events=lambda events: True, status_document=lambda: "{}",
+                    on_events=lambda events: True, status_document=lambda: iter(["{}"]),
                     partition=terms)
 
 

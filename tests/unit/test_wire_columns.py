@@ -87,7 +87,7 @@ def test_a_malformed_columns_message_never_moves_a_replica_to_another_key() -> N
 def _servicer() -> tuple[Servicer, bytes]:
     core = MasterCore(CoreConfig())
     servicer = Servicer(core, ServingClock(), _Observer(), master_id="m",
-                        on_events=lambda events: True, status_document=lambda: "{}")
+                        on_events=lambda events: True, status_document=lambda: iter(["{}"]))
     token = _serve(servicer, calls.register_client("c", "h", "", b"")).client_token
     segment = SegmentInfo(SegmentId("s"), ClientId("c"), 4 * READ_STEP_KEYS * SIZE)
     assert _serve(servicer, calls.mount_segment("c", token, segment)) == Status.OK
