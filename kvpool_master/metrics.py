@@ -562,7 +562,7 @@ class HttpEndpoint:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
 
     def _route(self, path: str) -> tuple[int, str, bytes]:
-        path = path.split("?", 1)[0]
+        """The answer of a path other than /metrics and /status (made at once)."""
         if path == "/healthz":
             reason = self._metrics.unhealthy_reason()
             if reason:
@@ -582,17 +582,18 @@ class HttpEndpoint:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) == 3 else ""
             if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
                 code, ctype, body = 405, "text/plain; charset=utf-8", b"only GET\n"
-            elif parts[1].split("?", 1)[0] == "/metrics":
+            elif path == "/metrics":   # these two grow with the cluster: made in steps
                 code, ctype = 200, CONTENT_TYPE_LATEST
                 body = await _stepped(self._metrics.exposition_steps())
-            elif parts[1].split("?", 1)[0] == "/status":
+            elif path == "/status":
                 code, ctype = 200, "application/json"
                 body = await _stepped(piece.encode() for piece
                                       in self._metrics.status_text_steps(indent=2)) + b"\n"
             else:
-                code, ctype, body = self._route(parts[1])
+                code, ctype, body = self._route(path)
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
                       503: "Service Unavailable"}[code]
             writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\n"
