@@ -297,9 +297,7 @@ def main() -> int:
 
 def master_metrics(ready: dict[str, Any]) -> dict[str, float]:
     """The master's exposition: the value of each sample line by its name and labels."""
-    url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        text = answer.read().decode()
+    text = _fetch(f"http://127.0.0.1:{ready['metrics_port']}/metrics")
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
 

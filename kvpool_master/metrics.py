@@ -163,10 +163,6 @@ class MasterMetrics:
 
     # -- documents --------------------------------------------------------------------------------
 
-    def exposition(self) -> bytes:
-        """Prometheus text of the whole registry and of every segment, at once."""
-        return b"".join(self.exposition_steps())
-
     def exposition_steps(self) -> Iterator[bytes]:
         """Prometheus text of the whole registry and of every segment, in pieces, each made in
         a bounded step (join them; the HTTP endpoint serves other work between steps): the
@@ -185,15 +181,10 @@ class MasterMetrics:
         for (name, help_text, _), out in zip(SEGMENT_GAUGES, lines, strict=True):
             yield f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{''.join(out)}".encode()
 
-    def status(self) -> dict[str, Any]:
-        """The /status document: clients, segments, capacity and usage per tier, objects."""
-        *_, document = self._status_steps()
-        assert document is not None
-        return document
-
     def status_text_steps(self, indent: int | None = None) -> Iterator[str]:
-        """The /status document as JSON text, in pieces, each made in a bounded step (join
-        them; ``GetStats`` and the HTTP endpoint serve other work between steps): its segment
+        """The /status document (clients, segments, capacity and usage per tier, objects) as
+        JSON text, in pieces, each made in a bounded step (join them; ``GetStats`` and the
+        HTTP endpoint serve other work between steps): its segment
         rows ``SEGMENT_STEP_ROWS`` a step (empty pieces), then the text, ``JSON_STEP_PIECES``
         pieces of the encoder a step."""
         document: dict[str, Any] | None = None
@@ -221,7 +212,7 @@ class MasterMetrics:
 
     def mounted_segment_ids(self) -> list[str]:
         """The ids of the segments mounted now (Mooncake's ``/get_all_segments``)."""
-        return list(self._core.mounted_segment_ids())
+        return self._core.mounted_segment_ids()
 
 
 #: HCCL one-sided pooling: each device links to every other, at most 512 links
@@ -236,12 +227,9 @@ def segment_row(s: SegmentStats) -> dict[str, Any]:
             "largest_free_bytes": s.largest_free_bytes}
 
 
-def status_from_stats(stats: CoreStats,
-                      segment_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The JSON-able /status body built from a CoreStats, and its segments' rows
-    (``segment_row`` of each of its own when None)."""
-    if segment_rows is None:
-        segment_rows = list(map(segment_row, stats.segments))
+def status_from_stats(stats: CoreStats, segment_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON-able /status body built from a CoreStats and its segments' rows
+    (``segment_row`` of each)."""
     return {
         "clients": stats.num_clients,
         "segments": {"mounted": stats.num_segments, "restored": stats.num_restored_segments,
@@ -590,8 +578,8 @@ class HttpEndpoint:
                 body = await _stepped(self._metrics.exposition_steps())
             elif path == "/status":
                 code, ctype = 200, "application/json"
-                body = await _stepped(piece.encode() for piece
-                                      in self._metrics.status_text_steps(indent=2)) + b"\n"
+                body = await _stepped(itertools.chain(
+                    map(str.encode, self._metrics.status_text_steps(indent=2)), (b"\n",)))
             else:
                 code, ctype, body = self._route(path)
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
