@@ -57,6 +57,8 @@ def soak(config: dict[str, Any], duration_s: float, seed: int, worker: int,
                             counts["bytes_put"] += len(data)
                         else:
                             counts["put_failed"] += 1
+                            refused = counts.setdefault("refused_statuses", {})
+                            refused[status.name] = refused.get(status.name, 0) + 1
                 elif roll < 0.90 and next_index:
                     owner = rng.randrange(workers)
                     # recent keys mostly (they may still be cached), any key sometimes

@@ -1,6 +1,7 @@
 """A master SIGKILLed and restarted on the same port, with real clients that never restart:
 with --state-dir every object on the surviving (remounted) segments is readable byte-exact;
-without it, the clients re-register by themselves and new puts work."""
+without it, the clients re-register by themselves and new puts work. A partitioned master
+(its later partitions on new free ports after the restart) is restarted the same way."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -58,14 +61,16 @@ def retry(call: Any, timeout_s: float,
             time.sleep(0.1)
 
 
+@pytest.mark.parametrize("partitions", [1, 3])
 def test_restart_with_state_dir_keeps_every_object_byte_exact(start_master: Any,
-                                                              tmp_path: Path) -> None:
+                                                              tmp_path: Path,
+                                                              partitions: int) -> None:
     # The restored free space is held back for write_capability_ttl after the restart
     # (write capabilities of the killed master may still be in use): puts answer NO_SPACE
     # until then rather than evict restored objects.
     flags = {"host": "127.0.0.1", "port": free_port(), "fast_port": 0, "metrics_port": 0,
              "client_ttl": 2, "state_dir": str(tmp_path / "state"), "restore_grace": 10,
-             "write_capability_ttl": 3}
+             "write_capability_ttl": 3, "partitions": partitions}
     master = start_master(default_ports=False, **flags)
     keys = [f"restart-{i}" for i in range(NUM_OBJECTS)]
     with KVPoolClient(config(master.address)) as owner:
@@ -74,6 +79,8 @@ def test_restart_with_state_dir_keeps_every_object_byte_exact(start_master: Any,
         master.kill()
         restarted = start_master(default_ports=False, **flags)
         assert restarted.master_id == master.master_id
+        # later partitions serve on new free ports: the client learns them when it registers
+        assert len(restarted.partitions) == (partitions if partitions > 1 else 0)
         # The owner notices UNKNOWN_CLIENT, re-registers and remounts its segment by itself.
         _, took_s = retry(lambda: owner.put("after-restart", b"x" * 100), timeout_s=15,
                           also=frozenset({Status.NO_SPACE}))
@@ -88,9 +95,10 @@ def test_restart_with_state_dir_keeps_every_object_byte_exact(start_master: Any,
         assert exact == NUM_OBJECTS
 
 
-def test_restart_without_state_dir_clients_recover(start_master: Any) -> None:
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_restart_without_state_dir_clients_recover(start_master: Any, partitions: int) -> None:
     flags = {"host": "127.0.0.1", "port": free_port(), "fast_port": 0, "metrics_port": 0,
-             "client_ttl": 2}
+             "client_ttl": 2, "partitions": partitions}
     master = start_master(default_ports=False, **flags)
     with KVPoolClient(config(master.address)) as a, KVPoolClient(config(master.address)) as b:
         a.put("before", b"1" * 1000)
