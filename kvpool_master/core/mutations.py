@@ -8,9 +8,10 @@ Rules of this file:
 - Every object leaves through ``_drop`` (one ``ObjectRemoved`` event each, extents freed, or
   parked in ``DeferredFrees`` while a read lease on them is live), or through ``_reclaim``
   for a PENDING object whose writer vanished or ran out of time.
-- A PENDING object's extents (revoked or reclaimed) stay parked for ``write_capability_ttl_s``:
-  its writer may still hold WRITE capabilities for them, and a late write must land on space
-  that belongs to nobody, never on the next object's.
+- A PENDING object's extents (revoked, reclaimed, or lost with their segment) stay parked for
+  ``write_capability_ttl_s``: its writer may still hold WRITE capabilities for them, and a
+  late write must land on space that belongs to nobody, never on the next object's (a lost
+  segment may be mounted again over the same memory).
 - Losing a segment (``sweeps.py``: at once, its objects swept in steps) parks the extents of
   its leased objects on it like a forced remove does, and a segment mounted again under that
   id reserves whatever is still parked (a reader inside its lease may still be copying those
@@ -205,7 +206,10 @@ class Mutations(BatchPaths):
             entry = shards[hash(key) & mask].get(key)
             if entry is not None and dying and not any(
                     p.segment_id in id_to_segment for p in entry.extents()):
-                self._drop((key,), "segment_lost", now)  # on lost segments only: sweep it now
+                # on lost segments only: sweep it now (a PENDING one's extents wait for its
+                # writer's capability, as the sweep's would)
+                self._drop((key,), "segment_lost", now, 0.0 if entry.writer_id is None
+                           else now + self._config.write_capability_ttl_s)
                 self._counters.segment_lost_objects += 1
                 entry = None
             if entry is not None:

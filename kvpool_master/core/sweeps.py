@@ -308,11 +308,16 @@ class Sweeps(Mutations):
                        dying: dict[SegmentId, SegmentState], now: float) -> None:
         """Sweep the objects at ``hits`` of ``entries`` (each with a replica on a segment of
         ``dying``), those still in the table: drop the ones left with no replica on a segment
-        still known, take the lost replicas away from the others."""
+        still known, take the lost replicas away from the others. A lost extent stays parked,
+        in case the segment is mounted again over the same memory, while a reader's lease
+        runs and, for a PENDING object, while its writer's capability may still write
+        (``write_capability_ttl_s``, as for a revoked put)."""
         get = self._objects.get
         id_to_segment = self._segments.id_to_segment
         lost: list[ObjectKey] = []
+        lost_pending: list[ObjectKey] = []
         seq = self._segments.next_free_seq()
+        writing_until_s = now + self._config.write_capability_ttl_s
         for i in hits:
             entry = entries[i]
             if get(entry.key) is not entry:
@@ -320,15 +325,18 @@ class Sweeps(Mutations):
             extents = entry.extents()
             kept = tuple(p for p in extents if p.segment_id not in dying)
             if not any(p.segment_id in id_to_segment for p in kept):
-                lost.append(entry.key)
+                (lost if entry.writer_id is None else lost_pending).append(entry.key)
                 continue
-            if entry.lease_expiry_s > now:
+            until_s = entry.lease_expiry_s if entry.writer_id is None else max(
+                entry.lease_expiry_s, writing_until_s)
+            if until_s > now:
                 for p in extents:
                     if p.segment_id in dying:
-                        self._deferred.add(entry.lease_expiry_s, dying[p.segment_id], p.offset,
-                                           p.length, seq)
+                        self._deferred.add(until_s, dying[p.segment_id], p.offset, p.length, seq)
             entry.set_extents(kept)
             if entry.dram is not None and not self._segments.has_tier(kept, Tier.DRAM):
                 self._objects.dram_remove(entry)  # on SSD only now
         self._drop(lost, "segment_lost", now)
-        self._counters.segment_lost_objects += len(lost)
+        if lost_pending:
+            self._drop(lost_pending, "segment_lost", now, writing_until_s)
+        self._counters.segment_lost_objects += len(lost) + len(lost_pending)

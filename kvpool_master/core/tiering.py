@@ -13,7 +13,9 @@ Rules of this file:
 - A task handed out and not reported within ``copy_task_ttl_s`` is dropped; its target is
   reused only ``write_capability_ttl_s`` after that (the copier refuses to start a copy after
   half the ttl, so it never writes that late). A task never handed out is dropped at its
-  ttl and its target freed at once. Tasks of a client that leaves go with its segments.
+  ttl and its target freed at once. Tasks of a client that leaves go with its segments; the
+  targets of those handed out stay parked as a late task's would (the client may come back
+  and mount the same memory while its copier still writes).
 - An owner's copier may wait at the master for tasks (``CopyTasks`` with a wait): the core
   names the owners that got new tasks (``take_fresh_copy_owners``) so their waiting calls are
   answered at once. Passes run on every commit too (bounded as below), so a burst of puts is
@@ -379,8 +381,14 @@ class Tiering(Sweeps):
             self._counters.copies_expired += 1
 
     def _drop_copies_of(self, client_id: ClientId) -> None:
-        """Forget the tasks of a client that left (its segments, and the targets, are gone)."""
+        """Forget the tasks of a client that left (its segments, and the targets, are gone).
+        The target of a task handed out stays parked as a late one's would: the client may
+        come back, mount the same memory again and still be copying into it."""
         copies = self._copies
         copies.owner_to_waiting.pop(client_id, None)
         for task in [t for t in copies.id_to_task.values() if t.owner == client_id]:
             copies.forget(task)
+            if task.deadline_s:
+                self._deferred.add(task.deadline_s + self._config.write_capability_ttl_s,
+                                   task.target_state, task.target.offset, task.target.length,
+                                   self._segments.next_free_seq())

@@ -22,11 +22,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import client_worker
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -196,6 +198,77 @@ def test_a_revoked_puts_capability_never_writes_over_the_next_object(master: Any
         print(f"late write with a revoked put's capability answered {status.name}; the next "
               f"object intact: {intact}")
         assert intact
+
+
+def test_a_late_write_into_a_segment_lost_and_mounted_again_never_lands_on_the_next_object(
+        start_master: Any) -> None:
+    # B's put into A's segment is in flight (its fill was handed the placement's memory, the
+    # copy lands before done() returns, as the API allows). A pauses past its ttl, expires and
+    # comes back with the same segment over the same memory. C's next object must not be
+    # placed where B's late bytes still land while B's WRITE capability lives.
+    size_bytes = 1 << 20
+    master = start_master(client_ttl=1)
+    owner = client_worker().Worker({"master_server_address": master.address,
+                                    "global_segment_size": "16mb", "rpc_timeout_s": 1})
+    try:
+        segment = owner.info["segment_ids"][0]
+        placed = PutOptions(preferred_segment=segment)
+        with KVPoolClient(config(master.address, global_segment_size=0)) as late, \
+                KVPoolClient(config(master.address, global_segment_size=0)) as next_writer:
+            views: list[memoryview] = []
+            filled, release = threading.Event(), threading.Event()
+
+            def fill(_: int, view: memoryview) -> None:
+                views.append(view)
+                filled.set()
+
+            def done() -> None:
+                assert release.wait(30)
+                views[0][:] = b"\xbb" * size_bytes   # the copy in flight lands only now
+
+            answer: list[Any] = []
+            writer = threading.Thread(target=lambda: answer.append(late.batch_put_with(
+                ["late"], [size_bytes], fill, placed, done)))
+            writer.start()
+            assert filled.wait(10)
+            os.kill(owner.pid, signal.SIGSTOP)
+            try:
+                assert _wait_for(lambda: segment not in _mounted(master), 15)
+            finally:
+                os.kill(owner.pid, signal.SIGCONT)
+            assert _wait_for(lambda: segment in _mounted(master), 15)
+            value = b"\xcc" * size_bytes
+            assert next_writer.put_batch(["next"], [value], options=placed) == [Status.OK]
+            release.set()
+            writer.join(30)
+            intact = next_writer.get("next") == value
+            print(f"late write after its segment was lost and mounted again: put answered "
+                  f"{answer[0][0].name}; the next object intact: {intact}")
+            assert answer[0] != [Status.OK] and intact
+    finally:
+        owner.stop()
+
+
+def _mounted(master: Any) -> set[str]:
+    """The ids of the segments the master has mounted."""
+    async def segments() -> set[str]:
+        rpc = MasterRpc(master.address, timeout_s=5.0)
+        try:
+            document = await rpc.get_stats()
+            return {s["segment_id"] for s in document["segments"]["list"]
+                    if s.get("mounted", True)}
+        finally:
+            await rpc.close()
+    return asyncio.run(segments())
+
+
+def _wait_for(condition: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _owner_endpoint(master: Any, segment_id: str) -> str:

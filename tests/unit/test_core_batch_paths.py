@@ -171,16 +171,13 @@ def _apply(core: MasterCore, call: tuple[str, Any], now: float) -> Any:
 def test_batch_paths_answer_and_change_as_the_loop_does(seed: int, policy: str,
                                                          defer: bool) -> None:
     fast, slow = _core(True, policy, defer), _core(False, policy, defer)
-    runs = resumed = 0
+    runs = 0
     real_put_start = fast.put_start
 
     def counting(*args: Any, **kwargs: Any) -> Sequence[Any]:
-        nonlocal runs, resumed
+        nonlocal runs
         results = real_put_start(*args, **kwargs)
-        if isinstance(results, PlacedBatch) and results.runs:
-            runs += 1
-            kinds = [isinstance(piece, tuple) for piece in results.pieces]
-            resumed += any(not a and b for a, b in zip(kinds, kinds[1:], strict=False))
+        runs += isinstance(results, PlacedBatch) and bool(results.runs)
         return results
 
     fast.put_start = counting  # type: ignore[method-assign]
@@ -192,7 +189,19 @@ def test_batch_paths_answer_and_change_as_the_loop_does(seed: int, policy: str,
         assert _state(fast) == _state(slow), (step, call[0])
         assert each_commit(fast.take_events()) == slow.take_events(), (step, call[0])
     assert runs >= 5  # the batch paths ran, not only the loop
-    assert resumed >= 1  # and went on after keys the loop answered
+    # (runs that go on after keys the loop answered: most seeds meet them, and the test
+    # below always does)
+
+
+def test_runs_resumed_after_keys_the_loop_answered_change_as_the_loop_does() -> None:
+    """Runs, the loop's answers for five keys the pool has, runs again: the same answers,
+    state and events as the loop's (the random traces above meet this too, most seeds)."""
+    fast, slow = _core(True, "lru", False), _core(False, "lru", False)
+    placed = _runs_between_keys(fast)
+    slow_placed = _runs_between_keys_by(slow)
+    assert list(placed) == slow_placed
+    assert _state(fast) == _state(slow)
+    assert each_commit(fast.take_events()) == slow.take_events()
 
 
 def _runs_then_rest(core: MasterCore) -> PlacedBatch:
@@ -206,9 +215,9 @@ def _runs_then_rest(core: MasterCore) -> PlacedBatch:
     return results
 
 
-def _runs_between_keys(core: MasterCore) -> PlacedBatch:
+def _runs_between_keys_by(core: MasterCore) -> Sequence[Any]:
     """A batch of 60 plain puts, five of them keys the pool has (two alone, a stretch of
-    three): runs, the loop's answers, runs again."""
+    three), put into ``core``."""
     assert core.mount_segment(SegmentInfo(SegmentId("s"), WRITERS[0], 200 * 4096), 0.0) \
         == Status.OK
     had = [ObjectKey(b"h%d" % i) for i in range(5)]
@@ -216,7 +225,12 @@ def _runs_between_keys(core: MasterCore) -> PlacedBatch:
                                                    1.0)] == [Status.OK] * 5
     keys = [ObjectKey(b"a%d" % i) for i in range(60)]
     keys[10:13], keys[30], keys[50] = had[:3], had[3], had[4]
-    results = core.put_start(WRITERS[0], keys, [4096] * 60, PutOptions(), 1.0)
+    return core.put_start(WRITERS[0], keys, [4096] * 60, PutOptions(), 1.0)
+
+
+def _runs_between_keys(core: MasterCore) -> PlacedBatch:
+    """``_runs_between_keys_by`` on the batch paths: runs, the loop's answers, runs again."""
+    results = _runs_between_keys_by(core)
     assert isinstance(results, PlacedBatch)
     kinds = [isinstance(piece, tuple) for piece in results.pieces]
     assert kinds[0] and kinds[-1] and False in kinds

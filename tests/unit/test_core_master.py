@@ -259,6 +259,68 @@ def test_revoked_space_is_reused_only_after_the_write_capabilities_expired() -> 
     assert core.stats().deferred_free_bytes == 0
 
 
+@pytest.mark.parametrize("filler", [0, 3000])   # swept at once / a step at a time
+@pytest.mark.parametrize("lost_by", ["expiry", "unmount"])
+def test_a_lost_segments_pending_space_waits_for_its_writers_capabilities(
+        lost_by: str, filler: int) -> None:
+    # B writes into A's segment; A's segment is lost (A expires, or unmounts it) and mounted
+    # again under the same id, over the same memory. B's WRITE capability may still land
+    # there until write_capability_ttl: no object may be placed on that space before.
+    core = core_with(A, B, config=CoreConfig(client_ttl_s=5.0, write_capability_ttl_s=10.0))
+    core.unmount_segment(B, SegmentId(f"seg-{B}"), 0.0)
+    if filler:
+        core.mount_segment(seg("filler", B, 64 * MIB), 0.0)
+        put(core, B, [b"f%d" % i for i in range(filler)], size=1000, now=0.5,
+            preferred_segment=SegmentId("filler"))
+    (status, (pending,)), = core.put_start(B, [ObjectKey(b"late")], [4096],
+                                           PutOptions(preferred_segment=SegmentId(f"seg-{A}")),
+                                           1.0)
+    assert status == Status.OK and pending.segment_id == f"seg-{A}"
+    if lost_by == "expiry":
+        core.heartbeat(B, 5.5)
+        core.tick(6.5)   # A silent past its ttl: expired, its segment lost
+        assert core.register_client(A, "host-1", b"n" * 32, 6.6)[0] == Status.OK
+    else:
+        assert core.unmount_segment(A, SegmentId(f"seg-{A}"), 6.5) == Status.OK
+    while core.sweep(6.6):
+        pass
+    assert core.put_end(B, [ObjectKey(b"late")], 6.6) == [Status.NOT_FOUND]
+    assert core.mount_segment(seg(f"seg-{A}", A), 6.7) == Status.OK
+    core.heartbeat(B, 6.7)
+    placed = core.put_start(B, [ObjectKey(b"n%d" % i) for i in range(255)], [4096] * 255,
+                            PutOptions(preferred_segment=SegmentId(f"seg-{A}")), 6.8)
+    offsets = [p.offset for status, places in placed for p in places
+               if status == Status.OK and p.segment_id == f"seg-{A}"]
+    assert len(offsets) == 255 and pending.offset not in offsets
+    assert core.put_end(B, [ObjectKey(b"n%d" % i) for i in range(255)], 6.9) == \
+        [Status.OK] * 255
+    for now in (11.2, 16.0):
+        core.heartbeat(A, now)
+        core.heartbeat(B, now)
+    core.tick(16.7)   # B's capability ran out: the space is free again
+    (status, (reused,)), = core.put_start(B, [ObjectKey(b"after")], [4096],
+                                          PutOptions(preferred_segment=SegmentId(f"seg-{A}")),
+                                          16.8)
+    assert status == Status.OK and reused.offset == pending.offset
+
+
+def test_a_pending_objects_lost_replica_waits_for_its_writers_capabilities() -> None:
+    # B's PENDING object has a replica on A's segment and one on B's own: when A's segment is
+    # lost and mounted again, the lost replica's space stays held as the object's would.
+    core = core_with(A, B, config=CoreConfig(client_ttl_s=5.0, write_capability_ttl_s=10.0))
+    (status, places), = core.put_start(B, [ObjectKey(b"two")], [4096],
+                                       PutOptions(replica_num=2), 1.0)
+    assert status == Status.OK and {p.segment_id for p in places} == {f"seg-{A}", f"seg-{B}"}
+    lost = next(p for p in places if p.segment_id == f"seg-{A}")
+    assert core.unmount_segment(A, SegmentId(f"seg-{A}"), 2.0) == Status.OK
+    assert core.mount_segment(seg(f"seg-{A}", A), 2.1) == Status.OK
+    placed = core.put_start(A, [ObjectKey(b"a%d" % i) for i in range(255)], [4096] * 255,
+                            PutOptions(preferred_segment=SegmentId(f"seg-{A}")), 2.2)
+    assert lost.offset not in [p.offset for status, places in placed for p in places
+                               if status == Status.OK and p.segment_id == f"seg-{A}"]
+    assert core.put_end(B, [ObjectKey(b"two")], 2.3) == [Status.OK]
+
+
 def test_stale_pending_is_reclaimed_after_the_discard_timeout() -> None:
     core = core_with(A, config=CoreConfig(put_start_discard_timeout_s=30.0, client_ttl_s=100))
     core.put_start(A, [ObjectKey(b"old")], [10], PutOptions(), 0.0)

@@ -19,9 +19,9 @@ SSD = SegmentId("a-ssd")
 
 
 def make(dram_blocks: int = 10, ssd_blocks: int = 20, promote_after: int = 1,
-         ttl_s: float = 30.0) -> MasterCore:
+         ttl_s: float = 30.0, client_ttl_s: float = 1e9) -> MasterCore:
     core = MasterCore(CoreConfig(eviction_high_watermark_ratio=0.8, eviction_ratio=0.1,
-                                 default_lease_ttl_s=1.0, client_ttl_s=1e9,
+                                 default_lease_ttl_s=1.0, client_ttl_s=client_ttl_s,
                                  put_start_discard_timeout_s=1e9, write_capability_ttl_s=5.0,
                                  ssd_promote_after_hits=promote_after, copy_task_ttl_s=ttl_s))
     for client in (A, B):
@@ -177,6 +177,36 @@ def test_a_failed_copy_and_a_late_copy_free_their_targets() -> None:
     core.tick(21.5)
     assert core.stats().tier_to_used_bytes[Tier.SSD] == 3 * BLOCK
     assert len(fetch(core, 21.5)) == 3
+
+
+def test_copies_handed_out_before_the_owner_expired_keep_their_targets() -> None:
+    # The owner's copier fetched three copies, then the owner expired (a pause) and came back
+    # with the same segments: the copier may still write those targets until the tasks' ttl
+    # and the write capability's, so no new copy may target them before.
+    core = make(ttl_s=5.0, client_ttl_s=3.0)
+    for i in range(7):
+        put(core, f"k{i}", 8.0 + i / 10)
+    core.heartbeat(A, 10.0)
+    core.tick(10.0)
+    tasks = fetch(core, 10.0)
+    old = {(t.target.segment_id, t.target.offset) for t in tasks}
+    assert len(old) == 3
+    core.tick(13.5)
+    assert core.heartbeat(A, 13.5) == Status.UNKNOWN_CLIENT
+    assert core.register_client(A, "h", b"n" * 32, 13.6)[0] == Status.OK
+    core.mount_segment(SegmentInfo(DRAM, A, 10 * BLOCK), 13.6)
+    core.mount_segment(SegmentInfo(SSD, A, 20 * BLOCK, tier=Tier.SSD, file_path="/ssd/a"), 13.6)
+    for i in range(7):
+        put(core, f"n{i}", 14.0 + i / 10)
+    core.tick(15.0)
+    fresh = fetch(core, 15.0)
+    assert len(fresh) == 3 and not old & {(t.target.segment_id, t.target.offset) for t in fresh}
+    report(core, fresh, 15.5)
+    assert core.stats().tier_to_used_bytes[Tier.SSD] == 6 * BLOCK   # three copies, three parked
+    for now in (17.5, 20.0):
+        core.heartbeat(A, now)
+    core.tick(20.5)   # the old tasks' ttl (10 + 5) and the capability's (+ 5) ended
+    assert core.stats().tier_to_used_bytes[Tier.SSD] == 3 * BLOCK
 
 
 def test_another_client_cannot_report_or_fetch_the_owners_copies() -> None:
