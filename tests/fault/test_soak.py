@@ -90,6 +90,9 @@ def test_soak_mixed_load_under_eviction(start_master: Any, partitions: int) -> N
                     or [master.metrics_url])
     evicted = sum(metric_value(url, "kvpool_evicted_objects_total") or 0.0
                   for url in metrics_urls)
+    # every partition expires a silent client on its own: the most of any
+    expired = max(metric_value(url, "kvpool_clients_expired_total") or 0.0
+                  for url in metrics_urls)
     growth = rss_end - rss_start
     print(f"soak {duration_s:.0f} s, {partitions} master process(es), {WORKERS} client "
           f"processes, pool {WORKERS} x {SEGMENT}: "
@@ -97,7 +100,8 @@ def test_soak_mixed_load_under_eviction(start_master: Any, partitions: int) -> N
           f"({total['hits']} hits, {total['misses']} misses), {total['removes']} removes, "
           f"{total['put_failed']} puts refused, {total['errors']} errors, evicted objects "
           f"{evicted:.0f}")
-    print(f"read checksum mismatches: {total['mismatches']}")
+    # (a worker starved of the cores past its ttl expires: its puts in flight are refused)
+    print(f"read checksum mismatches: {total['mismatches']}; clients expired: {expired:.0f}")
     print(f"master RSS: {rss_start / 2**20:.1f} MiB after {warmup_s:.0f} s warm-up -> "
           f"{rss_end / 2**20:.1f} MiB at end, growth {growth / 2**20:+.1f} MiB "
           f"(max sample {max(samples) / 2**20:.1f} MiB; bound "
