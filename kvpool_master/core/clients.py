@@ -30,7 +30,7 @@ class ClientState:
     """One client: identity, capability key, liveness."""
 
     __slots__ = ("client_id", "host_id", "capability_key", "token", "last_heartbeat_s",
-                 "restored", "restore_deadline_s")
+                 "restored", "restore_deadline_s", "ticket_number")
 
     def __init__(self, client_id: ClientId, host_id: str, capability_key: bytes,
                  last_heartbeat_s: float, restored: bool = False,
@@ -42,6 +42,8 @@ class ClientState:
         self.last_heartbeat_s = last_heartbeat_s
         self.restored = restored
         self.restore_deadline_s = restore_deadline_s
+        #: a later partition: the newest of partition 0's tickets it joined with (0: none)
+        self.ticket_number = 0
 
 
 def registration_error(client_id: object, host_id: object, capability_key: object) -> str:

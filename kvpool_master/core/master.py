@@ -121,22 +121,31 @@ class MasterCore(Tiering):
         return Status.OK, client.capability_key
 
     def join_client(self, client_id: ClientId, host_id: str, capability_key: bytes,
-                    now: float) -> tuple[Status, bytes]:
+                    now: float, ticket_number: int) -> tuple[Status, bytes]:
         """Register a client partition 0 of a partitioned index registered with
-        ``capability_key`` (the caller checked partition 0's ticket for it): as
-        ``register_client`` with the token of that key. A client this partition knows under
-        another key is an earlier holder of the id, which partition 0 let go: it leaves as an
-        expired client does first."""
+        ``capability_key`` (the caller checked partition 0's ticket number ``ticket_number``
+        for it): as ``register_client`` with the token of that key. A client this partition
+        knows under another key by an older ticket is an earlier holder of the id, which
+        partition 0 let go: it leaves as an expired client does first. A ticket older than
+        the one the known client joined with is an earlier holder's: CLIENT_ALREADY_EXISTS,
+        nothing changes."""
         if registration_error(client_id, host_id, capability_key):
             return Status.INVALID_ARGUMENT, b""
         client = self._clients.get(client_id)
         if client is not None and not hmac.compare_digest(client.capability_key,
                                                           capability_key):
+            if ticket_number <= client.ticket_number:
+                self._counters.registrations_refused += 1
+                return Status.CLIENT_ALREADY_EXISTS, b""
             self._drop_client(client_id, now)
             self._counters.clients_expired += 1
             self._events.append(ClientExpired(client_id))
-        return self.register_client(client_id, host_id, capability_key, now,
-                                    client_token(capability_key))
+        status, key = self.register_client(client_id, host_id, capability_key, now,
+                                           client_token(capability_key))
+        joined = self._clients.get(client_id)
+        if status == Status.OK and joined is not None:
+            joined.ticket_number = max(joined.ticket_number, ticket_number)
+        return status, key
 
     def holder_expires_in_s(self, client_id: ClientId, now: float) -> float:
         """Seconds until the holder of ``client_id`` expires unless it heartbeats (or, restored,

@@ -22,8 +22,9 @@ Rules of this file:
   a partitioned master share one epoch and one clock (``partition.py``).
 - A partitioned master (README, "Partitions"): partition 0 registers clients, once
   ``partition_map`` is set (UNAVAILABLE before), and answers with the map and a ticket for
-  the client's key; a later partition registers only a client presenting such a ticket
-  (PERMISSION_DENIED otherwise), under that key (``core.join_client``). A partition refuses
+  the client's key, numbered and issued now; a later partition registers only a client
+  presenting such a ticket within its time (PERMISSION_DENIED otherwise), under that key
+  (``core.join_client``: a ticket older than the holder's refused). A partition refuses
   a PutStart with a key of another partition (INVALID_ARGUMENT): no reader would look there.
 - The leases a ``GetReplicas`` says its reader ended are ended once its answer went out
   (``finish``, which the lean transport calls after writing, and any next call or tick
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -68,7 +70,7 @@ from kvpool_master.partition import SOLE, PartitionTerms
 from kvpool_wire import capability, convert
 from kvpool_wire.convert import BadRequest
 from kvpool_wire.methods import RpcMethod
-from kvpool_wire.partitions import PartitionEndpoint, partition_of, stray, ticket_valid
+from kvpool_wire.partitions import PartitionEndpoint, partition_of, stray, ticket_number
 from kvpool_wire.partitions import ticket as partition_ticket
 from kvpool_wire.status import Status
 from kvpool_wire.types import ClientId, Extent, Op, SegmentInfo, Tier
@@ -180,6 +182,7 @@ class Servicer:
         # partition 0 of several: where every partition serves, once all of them do (until
         # then registrations answer UNAVAILABLE)
         self.partition_map: tuple[PartitionEndpoint, ...] = ()
+        self._tickets = itertools.count(1)  # partition 0: the number of its next ticket
         self._last_put_id = 0
         self.fast_port = 0  # advertised to clients once the lean port is bound
         self.fast_socket = ""  # abstract Unix socket name of the lean framing, once bound
@@ -354,9 +357,10 @@ class Servicer:
         partitions: tuple[PartitionEndpoint, ...] = ()
         issued = b""
         if part.index:  # a later partition: only partition 0's ticket registers
-            status, key = (self._core.join_client(client_id, host_id, joining_key, now)
-                           if ticket_valid(part.secret, client_id, joining_key, ticket)
-                           else (Status.PERMISSION_DENIED, b""))
+            number = ticket_number(part.secret, client_id, joining_key, ticket,
+                                   self.capability_clock_ms())
+            status, key = (Status.PERMISSION_DENIED, b"") if number is None else \
+                self._core.join_client(client_id, host_id, joining_key, now, number)
         elif part.count > 1 and not self.partition_map:
             status, key = Status.UNAVAILABLE, b""   # the other partitions are starting
         else:
@@ -364,7 +368,8 @@ class Servicer:
                 client_id, host_id, os.urandom(capability.KEY_BYTES), now, token)
             if part.count > 1 and key:
                 partitions = self.partition_map
-                issued = partition_ticket(part.secret, client_id, key)
+                issued = partition_ticket(part.secret, client_id, key, next(self._tickets),
+                                          self.capability_clock_ms())
         retry_after_s = (self._core.holder_expires_in_s(client_id, now)
                          if status == Status.CLIENT_ALREADY_EXISTS else 0.0)
         config = self._core.config

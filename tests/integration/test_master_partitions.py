@@ -118,13 +118,43 @@ def test_a_later_partition_registers_nobody_without_partition_0s_ticket(
     later = master.partitions[1]["grpc_port"]
     assert asyncio.run(register(later)).status == Status.PERMISSION_DENIED
     assert asyncio.run(register(later, capability_key=b"k" * 32,
-                                partition_ticket=b"t" * 16)).status == Status.PERMISSION_DENIED
+                                partition_ticket=b"t" * 32)).status == Status.PERMISSION_DENIED
     assert status_of(master.partitions[1])["clients"] == 0
     first = asyncio.run(register(master.grpc_port))
     assert first.status == Status.OK and len(first.partitions) == 2
     joined = asyncio.run(register(later, capability_key=first.capability_key,
                                   partition_ticket=first.partition_ticket))
     assert joined.status == Status.OK and joined.client_token == first.client_token
+
+
+def test_an_earlier_holder_of_an_id_cannot_push_the_later_one_out_with_its_old_ticket(
+        start_master: Any) -> None:
+    # X registers and keeps its key, token and ticket, then leaves; another process takes
+    # the id X and puts objects on every partition; the earlier holder presents its old
+    # ticket to partition 1: refused, and the later holder's objects there stay.
+    master = start_master("--partitions", "2")
+    earlier = BlockingMasterRpc(master.address, timeout_s=5)
+    try:
+        registration = earlier.register_client("X", "h", "h")
+        key, token = registration.capability_key, earlier.session.token
+        old_ticket = earlier.session.partition_ticket
+        assert earlier.unregister_client("X") == Status.OK
+        with KVPoolClient(config(master, client_id="X")) as later:
+            keys = [f"held-{i}" for i in range(20)]
+            assert later.put_batch(keys, [k.encode() * 100 for k in keys]) == [Status.OK] * 20
+            mine = [k for k in keys if partition_of(k.encode(), 2) == 1]
+            answer = earlier._run(calls.register_client("X", "h", "h", token, key, old_ticket),
+                                  None, 1)
+            kept = sum(later.batch_exists(mine))
+            print(f"an earlier holder's old ticket at partition 1: {answer.status.name}; the "
+                  f"later holder's objects there: {kept}/{len(mine)}")
+            assert answer.status == Status.CLIENT_ALREADY_EXISTS and answer.capability_key == b""
+            assert kept == len(mine)
+            assert earlier._run(calls.heartbeat("X", token), None, 1)[0] == \
+                Status.UNKNOWN_CLIENT
+            assert later.get_batch(keys) == [k.encode() * 100 for k in keys]
+    finally:
+        earlier.close()
 
 
 @pytest.mark.parametrize("killed", ["later", "first", "term"])

@@ -36,12 +36,13 @@ from kvpool_wire import calls
 from kvpool_wire.calls import ReplicasAnswer
 from kvpool_wire.capability import client_token
 from kvpool_wire.partitions import (
+    TICKET_TTL_MS,
     PartitionEndpoint,
     partition_of,
     partitions_of,
     stray,
     ticket,
-    ticket_valid,
+    ticket_number,
 )
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import ClientId, PutOptions, ReadResult, SegmentId, SegmentInfo
@@ -159,17 +160,24 @@ def test_stray_finds_the_first_key_of_another_partition() -> None:
     assert stray([other], 2, 3) == 0
 
 
-def test_a_ticket_names_one_client_and_one_key() -> None:
+def test_a_ticket_names_one_client_one_key_its_number_and_its_time() -> None:
     secret, key = b"s" * 32, b"k" * 32
-    issued = ticket(secret, "client", key)
-    assert ticket_valid(secret, "client", key, issued)
-    assert not ticket_valid(secret, "client2", key, issued)
-    assert not ticket_valid(secret, "client", b"x" * 32, issued)
-    assert not ticket_valid(b"t" * 32, "client", key, issued)
-    assert not ticket_valid(secret, "client", key, issued[:-1])
-    assert not ticket_valid(secret, "client", key, "not bytes")
+    issued = ticket(secret, "client", key, 7, 1000)
+    assert ticket_number(secret, "client", key, issued, 1000) == 7
+    assert ticket_number(secret, "client", key, issued, 1000 + TICKET_TTL_MS) == 7
+    assert ticket_number(secret, "client", key, issued, 1001 + TICKET_TTL_MS) is None  # late
+    assert ticket_number(secret, "client", key, issued, 999) is None  # not issued yet
+    assert ticket_number(secret, "client2", key, issued, 1000) is None
+    assert ticket_number(secret, "client", b"x" * 32, issued, 1000) is None
+    assert ticket_number(b"t" * 32, "client", key, issued, 1000) is None
+    assert ticket_number(secret, "client", key, issued[:-1], 1000) is None
+    assert ticket_number(secret, "client", key, "not bytes", 1000) is None
+    # the number and the time are signed: neither can be changed
+    for changed in (ticket(secret, "client", key, 8, 1000)[:16] + issued[16:],
+                    ticket(secret, "client", key, 7, 5000)[:16] + issued[16:]):
+        assert ticket_number(secret, "client", key, changed, 5000) is None
     # the id's length is signed: ("ab", "c...") and ("a", "bc...") differ
-    assert ticket(secret, "ab", b"c" * 32) != ticket(secret, "a", b"b" + b"c" * 32)
+    assert ticket(secret, "ab", b"c" * 32, 1, 0) != ticket(secret, "a", b"b" + b"c" * 32, 1, 0)
 
 
 class _Observer:
@@ -203,8 +211,9 @@ def test_partition_0_registers_and_the_others_join_only_with_its_ticket() -> Non
     key, issued = answer.capability_key, answer.partition_ticket
     # a later partition: no ticket, another client's, a forged one, another key
     for token, joining_key, presented in ((answer.client_token, b"", b""),
-                                          (b"", key, ticket(second.secret, "d", key)),
-                                          (b"", key, b"f" * 16),
+                                          (b"", key, ticket(second.secret, "d", key, 1,
+                                                            zero.capability_clock_ms())),
+                                          (b"", key, b"f" * 32),
                                           (b"", b"x" * 32, issued)):
         refused = _serve(one, calls.register_client("c", "h", "", token, joining_key, presented))
         assert refused.status == Status.PERMISSION_DENIED and refused.capability_key == b""
@@ -224,16 +233,22 @@ def test_partition_0_registers_and_the_others_join_only_with_its_ticket() -> Non
 def test_a_join_under_a_new_key_lets_the_earlier_holder_of_the_id_go() -> None:
     core = MasterCore(CoreConfig(partition_index=1, partition_count=2))
     old, new = b"o" * 32, b"n" * 32
-    assert core.join_client(ClientId("c"), "h", old, 0.0) == (Status.OK, old)
+    assert core.join_client(ClientId("c"), "h", old, 0.0, 3) == (Status.OK, old)
     segment = SegmentInfo(SegmentId("s"), ClientId("c"), 8 * MiB)
     assert core.mount_segment(segment, 0.0) == Status.OK
     core.put_start(ClientId("c"), [b"a"], [4096], PutOptions(), 0.0)
     assert core.put_end(ClientId("c"), [b"a"], 0.0) == [Status.OK]
-    assert core.join_client(ClientId("c"), "h", b"short", 1.0) == (Status.INVALID_ARGUMENT, b"")
+    assert core.join_client(ClientId("c"), "h", b"short", 1.0, 4) == \
+        (Status.INVALID_ARGUMENT, b"")
     assert core.exist([b"a"], 1.0)[0] == [Status.OK]   # a malformed join changed nothing
-    assert core.join_client(ClientId("c"), "h", old, 1.0) == (Status.OK, old)  # the same one
+    assert core.join_client(ClientId("c"), "h", old, 1.0, 5) == (Status.OK, old)  # the same one
     assert core.exist([b"a"], 1.0)[0] == [Status.OK]
-    assert core.join_client(ClientId("c"), "h", new, 2.0) == (Status.OK, new)
+    # a ticket of another key older than the one the holder joined with: an earlier holder's
+    assert core.join_client(ClientId("c"), "h", new, 1.5, 4) == \
+        (Status.CLIENT_ALREADY_EXISTS, b"")
+    assert core.exist([b"a"], 1.5)[0] == [Status.OK]
+    assert core.authenticate(ClientId("c"), client_token(old)) == Status.OK
+    assert core.join_client(ClientId("c"), "h", new, 2.0, 6) == (Status.OK, new)
     assert core.exist([b"a"], 2.0)[0] == [Status.NOT_FOUND]   # the earlier holder's are gone
     assert core.get_segments(["s"]) == [None]
     assert core.authenticate(ClientId("c"), client_token(new)) == Status.OK
