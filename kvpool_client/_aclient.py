@@ -175,6 +175,13 @@ class AsyncKVPoolClient:
         return list(self._member.segments) if self._member is not None else []
 
     @property
+    def master_answers(self) -> bool:
+        """Whether the master answers this client's heartbeats and counts it alive (False
+        before start and after close)."""
+        member = self._member
+        return member is not None and not self._closed and member.liveness.master_answers
+
+    @property
     def member(self) -> Member:
         """What this started client holds (segments, server, stub, liveness, drivers). Raises
         KVPoolError UNAVAILABLE before start and after close."""

@@ -151,6 +151,11 @@ class KVPoolClient:
         return self._client.segment_ids
 
     @property
+    def master_answers(self) -> bool:
+        """See AsyncKVPoolClient.master_answers."""
+        return self._client.master_answers
+
+    @property
     def metrics(self) -> ClientMetrics:
         """This client's metrics (``metrics.registry`` is a prometheus CollectorRegistry)."""
         return self._client.metrics

@@ -141,6 +141,7 @@ class Liveness:
         self._epoch = 0
         self.alive_until = registered_at + registration.client_ttl_s
         self._suspended = False  # data server refusing everything while liveness is unproven
+        self._unanswered = False  # the latest heartbeat got no answer
         self._needs_mount = False
         self._reregistering = False  # from sending RegisterClient until every segment is mounted
         self._waiters: list[concurrent.futures.Future[int]] = []
@@ -164,6 +165,12 @@ class Liveness:
     def is_alive(self, now: float | None = None) -> bool:
         """True while the master certainly still counts this client as alive."""
         return (time.monotonic() if now is None else now) < self.alive_until
+
+    @property
+    def master_answers(self) -> bool:
+        """Whether the master answered this client's latest heartbeat (or registration) and
+        this client is alive there: False from a heartbeat that failed until one answers."""
+        return not self._unanswered and self.is_alive()
 
     def request_reregister(self) -> concurrent.futures.Future[int]:
         """Ask for a re-registration now (a call got UNKNOWN_CLIENT).
@@ -268,6 +275,7 @@ class Liveness:
             status = await rpc.heartbeat(self._client_id)
         except KVPoolError as exc:
             self._metrics.heartbeat_failures += 1
+            self._unanswered = True
             logger.debug("heartbeat failed: %s", exc)
             self._check_lapse()
             return False
@@ -329,6 +337,7 @@ class Liveness:
         return True
 
     def _mark_alive(self, sent: float, client_ttl_s: float) -> None:
+        self._unanswered = False
         self.alive_until = max(self.alive_until, sent + client_ttl_s)
         if self._suspended:
             self._suspended = False

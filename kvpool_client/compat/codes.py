@@ -23,6 +23,9 @@ NOT_FOUND = int(Status.NOT_FOUND)  # -704
 HAS_LEASE = int(Status.HAS_LEASE)  # -706
 TRANSFER_FAILED = int(Status.TRANSFER_FAILED)  # -800
 RPC_FAILED = int(Status.RPC_FAILED)  # -900
+#: ``health_check``'s own answers (Mooncake's: not 0 means unhealthy, and why)
+HEALTH_NOT_SET_UP = 1  # before setup, or after close
+HEALTH_MASTER_UNREACHABLE = 2
 
 #: kvpool-only statuses and the Mooncake code that names the same situation for its callers.
 KVPOOL_ONLY_TO_MOONCAKE: dict[Status, int] = {

@@ -105,8 +105,12 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
         return str(client.hostname) if client is not None else ""
 
     def health_check(self) -> int:
-        """0 while set up, -1 otherwise."""
-        return codes.OK if self._client is not None else codes.INTERNAL_ERROR
+        """As Mooncake's: 0 healthy, 1 not set up (or closed), 2 the master does not answer
+        (this client's last heartbeat went unanswered, or its liveness lapsed)."""
+        client = self._client
+        if client is None:
+            return codes.HEALTH_NOT_SET_UP
+        return codes.OK if client.master_answers else codes.HEALTH_MASTER_UNREACHABLE
 
     # --- memory ---
 

@@ -5,7 +5,10 @@ Rules of this file:
   global_segment_size, local_buffer_size, protocol, rdma_devices, master_server_addr,
   engine=None, ...)`` and one ``dict`` of the same keys. MindIE passes 7 or 8 positional values
   (the buffer size as the raw JSON value, so an int or a ``"1gb"`` string); vllm-ascend passes
-  keywords.
+  keywords; vLLM's store connector a dict of strings, with keys of its own beside them
+  (``enable_offload``). As Mooncake does, the dict form reads the keys it knows, flags as
+  ``"true"``/``"false"`` too, and ignores the others (each named in a warning); an unknown
+  keyword is an error, as it is in Mooncake's binding.
 - ``local_hostname`` may carry Mooncake's segment suffixes (``"ip:port"`` from a
   TransferEngine, ``"ip:port:npu_N"`` from MindIE's non-direct Ascend mode). kvpool only needs
   the host; the full string is kept as the segment name engines later use as
@@ -132,13 +135,26 @@ def _from_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[st
     return values
 
 
+#: the flags of the dict form, whose values may be text (Mooncake reads every value as text)
+_FLAGS = ("enable_ssd_offload", "enable_client_http_server")
+_FLAG_TEXT = {"true": True, "1": True, "yes": True, "on": True,
+              "false": False, "0": False, "no": False, "off": False}
+
+
 def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     aliases = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
     for key, value in config.items():
         name = aliases.get(key, key)
         if name not in _ACCEPTED:
-            raise ConfigError(f"setup: unknown key {key!r} in the config dict")
+            logger.warning("setup: ignoring key %r of the config dict (not a Mooncake store "
+                           "setting)", key)
+            continue
+        if name in _FLAGS and isinstance(value, str):
+            flag = _FLAG_TEXT.get(value.strip().lower())
+            if flag is None:
+                raise ConfigError(f"setup: {key} must be true or false, got {value!r}")
+            value = flag
         values[name] = value
     if "local_hostname" not in values or "metadata_server" not in values:
         raise ConfigError("setup: the config dict needs 'local_hostname' and 'metadata_server'")

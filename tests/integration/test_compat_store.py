@@ -9,11 +9,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import drop_in_store
+from helpers import drop_in_store, free_ports
 
 from kvpool_client.compat.mooncake import (
     MooncakeDistributedStore,
@@ -22,6 +23,19 @@ from kvpool_client.compat.mooncake import (
 )
 
 MiB = 1 << 20
+
+
+def free_port() -> int:
+    return free_ports(1)
+
+
+def wait_for(condition: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -63,16 +77,56 @@ def test_kvpool_only_limits(store: MooncakeDistributedStore) -> None:
 
 def test_calls_before_setup_and_after_close_fail_without_raising(master: Any) -> None:
     s = MooncakeDistributedStore()
+    assert s.health_check() == 1   # Mooncake's "not set up"
     assert s.put("k", b"v") == -1
     assert s.get("k") == b""
     assert s.batch_is_exist(["a", "b"]) == [-1, -1]
     assert s.get_hostname() == ""
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", MiB, 0, "tcp", "", "no-port") == -600
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", MiB, 0, "tcp", "", master.address) == 0
+    assert s.health_check() == 0
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", MiB, 0, "tcp", "", master.address) == -600
     assert s.close() == 0
+    assert s.health_check() == 1
     assert s.get_batch(["k"]) == [b""]
     assert s.batch_get_into_multi_buffers(["k"], [[1]], [[1]]) == [-600]
+
+
+def test_the_dict_vllms_store_connector_passes_sets_up(master: Any) -> None:
+    """vLLM's MooncakeStoreWorker: every value a string, and its own ``enable_offload`` key
+    when offloading is on (Mooncake ignores keys it does not know; so does kvpool)."""
+    s = MooncakeDistributedStore()
+    config = {"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+              "global_segment_size": str(32 * MiB), "local_buffer_size": str(16 * MiB),
+              "protocol": "tcp", "rdma_devices": "", "master_server_addr": master.address,
+              "enable_offload": "true"}
+    assert s.setup(config) == 0
+    try:
+        assert s.put("from-vllm", b"kv" * 100) == 0
+        assert s.get("from-vllm") == b"kv" * 100
+    finally:
+        s.close()
+
+
+def test_health_check_says_when_the_master_stops_answering(start_master: Any) -> None:
+    """Mooncake's codes: 0 while the master answers this client's heartbeats, 2 from the
+    first one that goes unanswered (the master killed), 0 again once one answers (the master
+    restarted on its port; the client registers again by itself)."""
+    flags = {"host": "127.0.0.1", "port": free_port(), "fast_port": 0, "metrics_port": 0,
+             "client_ttl": 2}
+    master = start_master(default_ports=False, **flags)
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MiB, 16 * MiB, "tcp", "",
+                   master.address) == 0
+    try:
+        assert s.health_check() == 0
+        master.kill()
+        assert wait_for(lambda: s.health_check() == 2, 10)
+        start_master(default_ports=False, **flags)
+        assert wait_for(lambda: s.health_check() == 0, 15)
+        assert s.put("after", b"v") == 0
+    finally:
+        s.close()
 
 
 def test_mindie_ascend_setup_works_on_a_host_without_an_npu(master: Any) -> None:

@@ -78,6 +78,29 @@ def test_dict_form_accepts_both_master_spellings() -> None:
         assert setup.config.local_buffer_size == 16 << 20  # Mooncake's default
 
 
+def test_dict_form_as_vllm_store_connector_passes_it(caplog: pytest.LogCaptureFixture) -> None:
+    # every value a string, and a key of vLLM's own beside Mooncake's: as Mooncake does, the
+    # known keys are read and the other one is ignored (a warning names it)
+    setup = parse_setup(({"local_hostname": "10.0.0.7", "metadata_server": "P2PHANDSHAKE",
+                          "global_segment_size": str(4 << 30), "local_buffer_size": "1073741824",
+                          "protocol": "tcp", "rdma_devices": "",
+                          "master_server_addr": "10.0.0.1:50051",
+                          "enable_offload": "true"},), {}, NO_ENV)
+    assert setup.config.global_segment_size == 4 << 30
+    assert setup.config.local_buffer_size == 1 << 30
+    assert setup.config.master_server_address == "10.0.0.1:50051"
+    assert "enable_offload" in caplog.text
+
+
+@pytest.mark.parametrize("text,flag", [("true", True), ("True", True), ("1", True),
+                                       ("false", False), ("False", False), ("0", False)])
+def test_dict_form_reads_flags_given_as_text(tmp_path: Path, text: str, flag: bool) -> None:
+    setup = parse_setup(({"local_hostname": "h", "metadata_server": "P",
+                          "enable_ssd_offload": text, "ssd_offload_path": str(tmp_path)},), {},
+                        NO_ENV)
+    assert setup.config.enable_ssd_offload is flag
+
+
 @pytest.mark.parametrize("args,kwargs,fragment", [
     (("h",), {}, "metadata_server"),
     (("h", "P2PHANDSHAKE", -1), {}, "global_segment_size"),
@@ -88,7 +111,8 @@ def test_dict_form_accepts_both_master_spellings() -> None:
     (("h", "P2PHANDSHAKE"), {"enable_ssd_offload": True}, "ssd_offload_path"),
     (("h", "P2PHANDSHAKE"), {"enable_ssd_offload": 1}, "enable_ssd_offload"),
     (({"local_hostname": "h"},), {}, "metadata_server"),
-    (({"local_hostname": "h", "metadata_server": "P", "what": 1},), {}, "what"),
+    (({"local_hostname": "h", "metadata_server": "P", "enable_ssd_offload": "maybe"},), {},
+     "enable_ssd_offload"),
     ((7, "P2PHANDSHAKE"), {}, "local_hostname"),
     (("h", "P2PHANDSHAKE", 1, 1, "ascend_no_transport"), {}, "ascend_no_transport"),
     # one key space: another tenant's objects would answer under the same keys
