@@ -170,9 +170,10 @@ class MooncakeDistributedStore(StoreSessions, StoreTensors, StoreExtras):
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None) -> int:
-        """Store every value; 0 when all succeeded, else the first failing code."""
-        if len(keys) != len(values) or \
-                not self._fits_local_buffer([_nbytes(v) for v in values]):
+        """Store every value; 0 when all succeeded, else the first failing code. A batch with
+        an empty value stores nothing (-600), as Mooncake's."""
+        sizes = [_nbytes(v) for v in values]
+        if len(keys) != len(values) or 0 in sizes or not self._fits_local_buffer(sizes):
             return codes.INVALID_PARAMS
         results = self._batch(len(keys), "put_batch", lambda c: codes.per_key_codes(
             c.put_batch(list(keys), list(values),

@@ -75,6 +75,13 @@ def test_kvpool_only_limits(store: MooncakeDistributedStore) -> None:
     assert store.batch_put_from(["c"], [ctypes.addressof(buf)], [4], bad) == [-600]
 
 
+def test_a_put_batch_with_a_bad_value_stores_nothing(store: MooncakeDistributedStore) -> None:
+    assert store.put_batch(["z1", "z2"], [b"a", b""]) == -600
+    assert store.put_batch(["z1", "z2"], [b"a", "not bytes"]) == -600
+    assert store.batch_is_exist(["z1", "z2"]) == [0, 0]
+    assert store.put_batch(["z1", "z2"], [b"a", b"b"]) == 0
+
+
 def test_calls_before_setup_and_after_close_fail_without_raising(master: Any) -> None:
     s = MooncakeDistributedStore()
     assert s.health_check() == 1   # Mooncake's "not set up"
