@@ -1,7 +1,7 @@
-"""Helpers the tests share: the client worker module, a master's metric, pip into a
-directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside it, a set-up
-Mooncake drop-in store, snapshot rows as the columns a snapshot file holds, the two
-clients of the state-directory tests coming back to a restored core, and batch commits as
+"""Helpers the tests share: the client worker module, a master's metric, waiting for a
+condition, pip into a directory, Mooncake's wheel with kvpool's ``mooncake.store`` hook beside
+it, a set-up Mooncake drop-in store, snapshot rows as the columns a snapshot file holds, the
+two clients of the state-directory tests coming back to a restored core, and batch commits as
 the commits of their objects."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import importlib.util
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -147,3 +148,13 @@ def free_ports(count: int) -> int:
             for sock in held:
                 sock.close()
     raise AssertionError("no run of free ports found")
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether ``check()`` came true within ``timeout_s`` (asked every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return bool(check())

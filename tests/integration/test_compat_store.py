@@ -9,12 +9,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import drop_in_store, free_ports
+from helpers import drop_in_store, free_ports, wait_until
 
 from kvpool_client.compat.mooncake import (
     MooncakeDistributedStore,
@@ -27,15 +26,6 @@ MiB = 1 << 20
 
 def free_port() -> int:
     return free_ports(1)
-
-
-def wait_for(condition: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -128,9 +118,9 @@ def test_health_check_says_when_the_master_stops_answering(start_master: Any) ->
     try:
         assert s.health_check() == 0
         master.kill()
-        assert wait_for(lambda: s.health_check() == 2, 10)
+        assert wait_until(lambda: s.health_check() == 2, 10)
         start_master(default_ports=False, **flags)
-        assert wait_for(lambda: s.health_check() == 0, 15)
+        assert wait_until(lambda: s.health_check() == 0, 15)
         assert s.put("after", b"v") == 0
     finally:
         s.close()

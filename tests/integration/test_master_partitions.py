@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import launch_master, pid_alive, stop_pid
-from helpers import client_worker, free_ports
+from helpers import client_worker, free_ports, wait_until
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -40,15 +40,6 @@ def status_of(partition: dict[str, Any]) -> dict[str, Any]:
     url = f"http://127.0.0.1:{partition['metrics_port']}/status"
     with urllib.request.urlopen(url, timeout=10) as answer:
         return dict(json.loads(answer.read()))
-
-
-def wait_until(check: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return bool(check())
 
 
 def config(master: Any, **changes: Any) -> ClientConfig:

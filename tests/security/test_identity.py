@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import client_worker
+from helpers import client_worker, wait_until
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.config import ClientConfig
@@ -233,10 +233,10 @@ def test_a_late_write_into_a_segment_lost_and_mounted_again_never_lands_on_the_n
             assert filled.wait(10)
             os.kill(owner.pid, signal.SIGSTOP)
             try:
-                assert _wait_for(lambda: segment not in _mounted(master), 15)
+                assert wait_until(lambda: segment not in _mounted(master), 15)
             finally:
                 os.kill(owner.pid, signal.SIGCONT)
-            assert _wait_for(lambda: segment in _mounted(master), 15)
+            assert wait_until(lambda: segment in _mounted(master), 15)
             value = b"\xcc" * size_bytes
             assert next_writer.put_batch(["next"], [value], options=placed) == [Status.OK]
             release.set()
@@ -260,15 +260,6 @@ def _mounted(master: Any) -> set[str]:
         finally:
             await rpc.close()
     return asyncio.run(segments())
-
-
-def _wait_for(condition: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _owner_endpoint(master: Any, segment_id: str) -> str:
