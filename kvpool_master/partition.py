@@ -65,10 +65,12 @@ def claim_state_dir(state_dir: str, count: int) -> None:
         return
     root = Path(state_dir)
     marker = root / COUNT_FILE
+    unfinished = marker.with_name(COUNT_FILE + ".tmp")   # a start cut short before its rename
     try:
         written = int(marker.read_text().strip())
     except FileNotFoundError:
-        written = 0 if count > 1 and root.is_dir() and any(root.iterdir()) else -1
+        held = root.is_dir() and any(path != unfinished for path in root.iterdir())
+        written = 0 if count > 1 and held else -1
     except (OSError, ValueError) as exc:
         raise StateLayoutError(f"cannot read {marker}: {exc}") from None
     if written == 0:
@@ -80,6 +82,13 @@ def claim_state_dir(state_dir: str, count: int) -> None:
                                "directory")
     if count > 1 and written < 0:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_name(COUNT_FILE + ".tmp")
-        tmp.write_text(f"{count}\n")
-        os.replace(tmp, marker)
+        with open(unfinished, "w") as f:
+            f.write(f"{count}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(unfinished, marker)
+        directory = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)

@@ -131,8 +131,10 @@ def read_snapshot_head(f: BinaryIO) -> tuple[int, dict[str, Sequence[Any]],
     if not isinstance(clients, list) or not isinstance(segments, list):
         raise Corrupt("malformed snapshot")
     return (header["generation"],
-            {row[0]: row for row in clients if isinstance(row, list) and row},
-            {row[0]: row for row in segments if isinstance(row, list) and row})
+            {row[0]: row for row in clients if isinstance(row, list) and row
+             and type(row[0]) is str},
+            {row[0]: row for row in segments if isinstance(row, list) and row
+             and type(row[0]) is str})
 
 
 def chunk_frame(chunk: Chunk) -> bytes:
@@ -409,6 +411,8 @@ class Overlay:
                     continue
                 if code == _OBJECT_COMMITTED:
                     self._commits.append((self._applied, row))
+            elif len(row) < 2 or type(row[1]) is not str:
+                continue   # a client or segment row names its id first
             elif code == _CLIENT_REGISTERED and len(row) == 4:
                 self.clients[row[1]] = row[1:]
             elif code == _CLIENT_GONE and len(row) == 2:
@@ -484,8 +488,8 @@ class Overlay:
         for number, item in self._commits:
             if type(item) is ObjectColumns:
                 keep = alive[number:number + len(item.keys)]
-                gone = [i for i, s in enumerate(item.segment_ids)
-                        if unmounted_at.get(s, 0) > number]   # after the whole run
+                gone = [i for i, s in enumerate(item.segment_ids)   # (after the whole run)
+                        if type(s) is str and unmounted_at.get(s, 0) > number]
                 if gone:
                     keep = keep & ~np.isin(np.asarray(item.segment_index), gone)
                 if keep.all():
@@ -495,7 +499,8 @@ class Overlay:
             elif flags[number]:
                 row: list[Any] | None = item[1:]
                 if unmounted_at:
-                    lost = {s for s in _segment_ids(row) if unmounted_at.get(s, 0) > number}
+                    lost = {s for s in _segment_ids(row)
+                            if type(s) is str and unmounted_at.get(s, 0) > number}
                     row = _without_segments(row, lost) if lost else row
                 if row is not None:
                     yield row
@@ -618,7 +623,7 @@ def _without_segments(row: Sequence[Any], segment_ids: set[str]) -> list[Any] | 
         return list(row)
     kept: list[Any] = []
     for i in range(0, len(flat) - 2, 3):
-        if flat[i] not in segment_ids:
+        if type(flat[i]) is not str or flat[i] not in segment_ids:   # (another: restore judges)
             kept += flat[i:i + 3]
     if not kept:
         return None

@@ -455,13 +455,13 @@ class MasterCore(Tiering):
         """The next objects (up to ``max_objects`` looked at) of the snapshot started by
         ``start_snapshot``, as chunks (``core/snapshot.py``); None once it is complete (or
         was ended)."""
-        return walk_chunks(self._objects, max_objects)
+        return walk_chunks(self._objects, max_objects, self._segments.dying)
 
     def snapshot_chunks(self, max_objects: int) -> Iterator[Chunk]:
         """Every READY object in LRU order, as chunks of ``max_objects`` at most: the objects
         of ``snapshot``, as a snapshot file holds them. Consume it before the next call into
         the core."""
-        return all_chunks(self._objects, max_objects)
+        return all_chunks(self._objects, max_objects, self._segments.dying)
 
     def end_snapshot(self) -> None:
         """Abandon the snapshot started by ``start_snapshot`` (``settle`` still has to run)."""

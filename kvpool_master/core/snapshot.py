@@ -23,7 +23,7 @@ import heapq
 import operator
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, chain, compress, groupby, islice, pairwise, repeat
@@ -268,7 +268,7 @@ def take_snapshot(clients: ClientTable, segments: SegmentTable,
     """Return the durable state; its ``objects`` iterator must be consumed before the core
     changes again."""
     head = snapshot_head(clients, segments)
-    return Snapshot(head.clients, head.segments, _object_rows(objects))
+    return Snapshot(head.clients, head.segments, _object_rows(objects, segments.dying))
 
 
 def snapshot_head(clients: ClientTable, segments: SegmentTable) -> Snapshot:
@@ -281,31 +281,64 @@ def snapshot_head(clients: ClientTable, segments: SegmentTable) -> Snapshot:
     )
 
 
-def _object_rows(objects: ObjectTable) -> Iterator[ObjectRow]:
+def _object_rows(objects: ObjectTable, dying: Mapping[SegmentId, Any]) -> Iterator[ObjectRow]:
     for entry in objects.entries():
         if entry.writer_id is None:
-            yield _entry_row(entry)
+            if not dying or not _on_any(entry, dying):
+                yield _entry_row(entry)
+            elif (row := _row_without(entry, dying)) is not None:
+                yield row
 
 
 #: A snapshot's objects as written: columns of a run with one replica each, or rows.
 Chunk = ObjectColumns | list[ObjectRow]
 
 
-def walk_chunks(objects: ObjectTable, max_objects: int) -> list[Chunk] | None:
+def walk_chunks(objects: ObjectTable, max_objects: int,
+                dying: Mapping[SegmentId, Any]) -> list[Chunk] | None:
     """The READY objects among the next ``max_objects`` of the table's stepped walk
-    (``Recency.start_walk``), as chunks (``entry_chunks``); None once it visited them all."""
+    (``Recency.start_walk``), as chunks (``live_chunks``); None once it visited them all."""
     entries = objects.recency.walk(max_objects)
     if entries is None:
         return None
-    return entry_chunks([entry for entry in entries if entry.writer_id is None])
+    return live_chunks([entry for entry in entries if entry.writer_id is None], dying)
 
 
-def all_chunks(objects: ObjectTable, max_objects: int) -> Iterator[Chunk]:
+def all_chunks(objects: ObjectTable, max_objects: int,
+               dying: Mapping[SegmentId, Any]) -> Iterator[Chunk]:
     """Every READY object, least recently used first, as chunks of ``max_objects`` at most
     (the table must not change meanwhile)."""
     entries = objects.entries()
     while batch := list(islice(entries, max_objects)):
-        yield from entry_chunks([entry for entry in batch if entry.writer_id is None])
+        yield from live_chunks([entry for entry in batch if entry.writer_id is None], dying)
+
+
+def live_chunks(entries: list[ObjectEntry], dying: Mapping[SegmentId, Any]) -> list[Chunk]:
+    """``entry_chunks`` of ``entries`` as they are once the sweep of the segments of ``dying``
+    (lost, their objects not all swept yet) reaches them: without their replicas there, and
+    without those left with none. The segment's loss may be logged before the snapshot
+    starts, where no restore applies it to these rows."""
+    if not dying:
+        return entry_chunks(entries)
+    chunks: list[Chunk] = []
+    for lost, run in groupby(entries, partial(_on_any, dying=dying)):
+        if not lost:
+            chunks += entry_chunks(list(run))
+        elif rows := [row for row in (_row_without(e, dying) for e in run) if row is not None]:
+            chunks.append(rows)
+    return chunks
+
+
+def _on_any(entry: ObjectEntry, dying: Mapping[SegmentId, Any]) -> bool:
+    """Whether a replica of ``entry`` is on a segment of ``dying``."""
+    return entry.segment_id in dying or any(p.segment_id in dying for p in entry.more)
+
+
+def _row_without(entry: ObjectEntry, dying: Mapping[SegmentId, Any]) -> ObjectRow | None:
+    """The row of ``entry`` without its replicas on ``dying`` (None when none is left)."""
+    kept = tuple(p for p in entry.extents() if p.segment_id not in dying)
+    return object_row(entry.key, entry.size_bytes, kept, entry.checksum, entry.pin,
+                      entry.parent_key) if kept else None
 
 
 def entry_chunks(entries: list[ObjectEntry]) -> list[Chunk]:
@@ -488,8 +521,8 @@ def _segment_info(row: Sequence[Any]) -> SegmentInfo | None:
                            host_id, shm, tcp, engine, base_address, file_path)
     except (TypeError, ValueError):
         return None
-    if segment_info_error(info) or not all(isinstance(s, str) for s in (host_id, shm, tcp,
-                                                                          engine, file_path)):
+    if not all(isinstance(s, str) for s in (segment_id, client_id, host_id, shm, tcp, engine,
+                                            file_path)) or segment_info_error(info):
         return None
     return info
 
@@ -551,8 +584,9 @@ _TYPECODES = ("Q", "I", "Q", "Q", "i")
 def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
                   usable: dict[SegmentId, int], max_key_bytes: int,
                   size_to_int: dict[int, int]) -> ObjectEntry | None:
-    """Return the entry a row describes (None when malformed); ``usable``: the bytes of each
-    segment extents may reach.
+    """Return the entry a row describes (None when malformed, or when none of its replicas is
+    on a segment of ``infos``: one on a segment lost since the row was written is left out);
+    ``usable``: the bytes of each segment extents may reach.
 
     Sizes and segment ids are shared with the table (one int per size, the descriptor's id
     string; parent keys once added, ``add_ready_all``), as ``put_start`` does, so restored
@@ -588,12 +622,16 @@ def _object_entry(row: Sequence[Any], infos: dict[SegmentId, SegmentInfo],
         for i in range(0, len(flat), 3):
             segment_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
             info = infos.get(segment_id)
-            if (info is None or type(offset) is not int or offset < 0
+            if info is None:   # a replica on a segment lost since: the others still hold it
+                continue
+            if (type(offset) is not int or offset < 0
                     or offset & _ALIGN_MASK or length != size_bytes
                     or offset + extent_bytes > usable[segment_id]
                     or any(p.segment_id == segment_id for p in found)):
                 return None
             found.append(Extent(info.segment_id, offset, size_bytes))
+        if not found:
+            return None
     except (TypeError, ValueError):   # not a sequence, unhashable segment id, ...
         return None
     return ObjectEntry.of_extents(object_key, size_bytes, tuple(found), None, _PINS[pin],

@@ -275,6 +275,12 @@ def test_a_state_directory_is_opened_only_with_the_count_it_was_written_with(
         claim_state_dir(str(whole), 2)
     assert state_dir_of(str(split), PartitionTerms(1, 2)) == str(split / "partition-1")
     assert state_dir_of(str(whole), PartitionTerms()) == str(whole)
+    # a first start killed between writing the count and renaming it left only that file
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "partitions.tmp").write_text("")
+    claim_state_dir(str(cut), 2)
+    assert (cut / "partitions").read_text() == "2\n" and not (cut / "partitions.tmp").exists()
 
 
 # -- a client's routing --------------------------------------------------------------------------
