@@ -65,6 +65,9 @@ class AsyncWriter:
             if self._closed:
                 raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
             await self._room.acquire()
+            if self._closed:   # closed while this waited for room: ``close`` waits for no more
+                self._room.release()
+                raise KVPoolError(Status.UNAVAILABLE, "the client is closed")
             self._items.append((key, parts, options))
             self._pending += 1
             self._idle.clear()
@@ -137,9 +140,12 @@ class AsyncWriter:
                                         f"(first: {listed})")
 
     async def close(self) -> None:
-        """Stop accepting work and wait for what is queued; failures stay for ``raise_failures``."""
+        """Stop accepting work and wait for what is queued; failures stay for ``raise_failures``.
+        (A ``submit`` that was waiting for room wakes after this; it queues nothing.)"""
         self._closed = True
-        await self._idle.wait()
+        while self.pending:   # (one wait is not enough: a woken ``submit`` may queue first)
+            self._idle.clear()   # work is pending: idle is set again once it is all done
+            await self._idle.wait()
         if self._worker is not None:
             self._worker.cancel()
             self._worker = None

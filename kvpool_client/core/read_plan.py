@@ -99,7 +99,9 @@ class ReadPlan:
         reply = self.replies[index]
         if reply.status != Status.OK:
             return []
-        found = [(infos[p.segment_id], p) for p in reply.placements if p.segment_id in infos]
+        # (one lookup each: another thread may forget a segment between two)
+        found = [(info, p) for p in reply.placements
+                 if (info := infos.get(p.segment_id)) is not None]
         if len(found) > 1:
             found.sort(key=lambda pair: not prefers(pair[0]))
         return found

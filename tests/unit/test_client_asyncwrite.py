@@ -126,3 +126,26 @@ async def test_watched_commits_are_waited_for_and_reported() -> None:
     with pytest.raises(KVPoolError, match="2 async writes failed") as info:
         await flushing
     assert info.value.status == Status.UNKNOWN_CLIENT
+
+
+async def test_a_submit_waiting_for_room_when_close_starts_is_written_or_refused() -> None:
+    """close() while a submit waits for room: the room frees, the waiter wakes: it must not
+    queue work close() no longer waits for (an acknowledged write that is never written)."""
+    pool = FakePool()
+    writer = AsyncWriter(pool.write, 1, ClientMetrics())
+    pool.gate = asyncio.Event()
+    await writer.submit([b"first"], [region(b"1")], PutOptions())
+    waiting = asyncio.ensure_future(writer.submit([b"second"], [region(b"2")], PutOptions()))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(writer.close())
+    await asyncio.sleep(0)
+    pool.gate.set()
+    await asyncio.wait_for(closing, 5)
+    written = [k for batch in pool.batches for k in batch]
+    try:
+        await waiting
+    except KVPoolError as exc:
+        assert exc.status == Status.UNAVAILABLE and b"second" not in written
+    else:
+        assert b"second" in written
+    assert b"first" in written and writer.pending == 0
