@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,6 +95,8 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
         """Adopt SGLang's host KV pool (the anchor) and register the memory its pages live in;
         an anchor without a ``kv_buffer`` holds no bytes (see the module rules)."""
         self.mem_pool_host = mem_pool_host
+        self._scheme = self._scheme.with_form(KV_POOL, *_form_of(mem_pool_host,
+                                                                 self.storage_config))
         if self._logical_anchor():
             return
         tensors = _pool_tensors(mem_pool_host)
@@ -109,6 +110,8 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
         self.registered_pools[host_pool_name] = host_pool
         if str(host_pool_name) == KV_POOL and host_pool is self.mem_pool_host:
             return
+        self._scheme = self._scheme.with_form(str(host_pool_name),
+                                              *_form_of(host_pool, self.storage_config))
         for tensor in _pool_tensors(host_pool):
             self._registry.register(*pointer_range(tensor))
 
@@ -331,9 +334,8 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
 
     def clear(self) -> None:
         """Remove this model's and rank's pages from the pool (other tenants' stay)."""
-        pattern = "^(?:" + "|".join(re.escape(p) for p in self._scheme.prefixes()) + ")"
         try:
-            self._client.remove_by_regex(pattern, force=True)
+            self._client.remove_by_regex(self._scheme.clear_pattern(), force=True)
         except KVPoolError as exc:
             logger.error("kvpool clear failed: %s", exc)
 
@@ -345,6 +347,23 @@ class KVPoolHiCacheStorage(_storage_base()):  # type: ignore[misc]
     def get_stats(self) -> None:
         """No HiCache storage metrics (the kvpool client exports its own)."""
         return None
+
+
+def _form_of(pool: Any, storage_config: Any) -> tuple[str, str]:
+    """How a host pool lays a page's bytes out: its layout (or, where it names none, the
+    storage config's ``is_page_first_layout``) and its dtype (with the device pool's where
+    that differs: fp8 KV stored as bytes)."""
+    layout = getattr(pool, "layout", None)
+    if not isinstance(layout, str) or not layout:
+        layout = ("page_first" if getattr(storage_config, "is_page_first_layout", False)
+                  else "layer_first")
+    names = [_dtype_name(getattr(pool, "dtype", None)),
+             _dtype_name(getattr(getattr(pool, "device_pool", None), "dtype", None))]
+    return layout, "-".join(dict.fromkeys(name for name in names if name))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _pool_tensors(pool: Any) -> list[Any]:

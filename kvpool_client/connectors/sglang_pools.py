@@ -2,8 +2,15 @@
 no torch, no pool calls.
 
 Rules of this file:
-- A key is ``{model}@{tag}@{page hash}`` for the KV pool and ``...@{page hash}.{pool}`` for any
-  other pool (Mamba states, sliding-window KV, indexers, draft KV), so pools never collide.
+- A key is ``{model}#{form}@{tag}@{page hash}`` for the KV pool and ``...@{page hash}.{pool}``
+  for any other pool (Mamba states, sliding-window KV, indexers, draft KV), so pools never
+  collide. The model name is percent-encoded (``org/m`` and ``org-m`` differ) and required.
+- The form names how a page's bytes are laid out in that pool: the host pool's layout
+  (``layer_first``, ``page_first``, ...) and its dtype, learnt when the pool is registered
+  (``with_form``). The per-value interface's flat page (K of every layer, then V) is the
+  zero-copy interface's object in the ``page_first`` layout and shares its key; in any other
+  layout it is ordered otherwise and adds ``.flat``. Two deployments of one model whose host
+  pools differ in layout or dtype never read each other's pages as their own.
 - The tag names every rank that makes a rank's bytes differ for the same page:
   - KV of a model with per-rank heads (MHA): ``tp{rank}of{size}``; with ``should_split_heads``
     one object per head slice of the ``tp_lcm_size`` grid, ``h{slice}of{lcm}``, so instances of
@@ -28,9 +35,12 @@ Rules of this file:
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 KV_POOL = "kv"
 _SHARED_POOL_PREFIXES = ("indexer", "draft_indexer", "deepseek_v4_")
@@ -45,6 +55,7 @@ class KeyScheme:
     shared_tag: str
     kv_tags: tuple[str, ...]  # KV objects per page: one, or one per head slice
     split_heads: int = 0  # head slices per rank with ``should_split_heads`` (0: not split)
+    forms: tuple[tuple[str, str], ...] = ()  # (pool, the form of its pages) as registered
 
     @classmethod
     def of(cls, config: Any) -> KeyScheme:
@@ -53,7 +64,11 @@ class KeyScheme:
             value = getattr(config, name, default)
             return default if value is None else int(value)
 
-        model = (getattr(config, "model_name", None) or "model").replace("/", "-")
+        name = getattr(config, "model_name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError("the storage config names no model (model_name): pages of "
+                             "different models would share keys")
+        model = quote(name, safe="")
         tp_rank, tp_size = field("tp_rank", 0), field("tp_size", 1)
         cp_rank, cp_size = field("attn_cp_rank", 0), field("attn_cp_size", 1)
         dcp_rank, dcp_size = field("dcp_rank", 0), field("dcp_size", 1)
@@ -78,6 +93,18 @@ class KeyScheme:
             kv_tags = (rank_tag,)
         return cls(model, rank_tag, shared_tag, kv_tags)
 
+    def with_form(self, pool: str, layout: str, dtype: str) -> KeyScheme:
+        """This scheme once ``pool``'s pages are known to be laid out as ``layout`` in
+        ``dtype`` (a host pool registered)."""
+        form = quote(f"{layout}.{dtype}", safe="")
+        forms = tuple((p, f) for p, f in self.forms if p != pool) + ((pool, form),)
+        return dataclasses.replace(self, forms=forms)
+
+    def _named(self, pool: str, flat: bool = False) -> str:
+        """The model and the form of ``pool``'s pages, as keys begin."""
+        form = dict(self.forms).get(pool, "")
+        return f"{self.model}#{form}{'.flat' if flat else ''}"
+
     def pool_tag(self, pool: str) -> str:
         """The tag of a pool other than KV."""
         return self.shared_tag if pool.startswith(_SHARED_POOL_PREFIXES) else self.rank_tag
@@ -85,21 +112,25 @@ class KeyScheme:
     def keys(self, pool: str, page_keys: Sequence[str]) -> list[str]:
         """The object keys of ``page_keys`` in ``pool``, page by page (KV with split heads:
         one per head slice of each page)."""
+        named = self._named(pool)
         if pool == KV_POOL:
-            return [f"{self.model}@{tag}@{page}" for page in page_keys for tag in self.kv_tags]
+            return [f"{named}@{tag}@{page}" for page in page_keys for tag in self.kv_tags]
         tag = self.pool_tag(pool)
-        return [f"{self.model}@{tag}@{page}.{pool}" for page in page_keys]
+        return [f"{named}@{tag}@{page}.{pool}" for page in page_keys]
 
     def value_keys(self, page_keys: Sequence[str]) -> list[str]:
-        """Keys of whole-page values (the per-value interface: one object per page, never
-        split by heads)."""
+        """Keys of whole-page values (the per-value interface: one flat object per page,
+        never split by heads)."""
         tag = self.kv_tags[0] if len(self.kv_tags) == 1 else self.rank_tag
-        return [f"{self.model}@{tag}@{page}" for page in page_keys]
+        page_first = dict(self.forms).get(KV_POOL, "").startswith("page_first.")
+        named = self._named(KV_POOL, flat=not page_first)
+        return [f"{named}@{tag}@{page}" for page in page_keys]
 
-    def prefixes(self) -> list[str]:
-        """Every key prefix this rank writes under (for ``clear``)."""
+    def clear_pattern(self) -> str:
+        """An RE2 pattern of every key this rank writes, whatever its forms (for ``clear``)."""
         tags = dict.fromkeys([*self.kv_tags, self.rank_tag, self.shared_tag])
-        return [f"{self.model}@{tag}@" for tag in tags]
+        return (f"^{re.escape(self.model)}#[^@]*@(?:"
+                + "|".join(re.escape(tag) for tag in tags) + ")@")
 
 
 def objects_of_pages(ptrs: Sequence[Any], sizes: Sequence[Any], num_objects: int,

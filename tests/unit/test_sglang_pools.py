@@ -36,7 +36,7 @@ def kv_keys(**fields: Any) -> list[str]:
 
 def test_every_rank_that_splits_the_kv_is_in_the_key() -> None:
     base = kv_keys(tp_rank=1, tp_size=2)
-    assert base == ["org-model@tp1of2@pp0of1@h"]
+    assert base == ["org%2Fmodel#@tp1of2@pp0of1@h"]
     variants = [kv_keys(tp_rank=0, tp_size=2), kv_keys(tp_rank=1, tp_size=4),
                 kv_keys(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2),
                 kv_keys(tp_rank=1, tp_size=2, pp_size=2),
@@ -62,8 +62,8 @@ def test_split_heads_share_pages_between_tp_sizes() -> None:
     two = kv_keys(tp_rank=1, tp_size=2, tp_lcm_size=4, should_split_heads=True)
     four = [kv_keys(tp_rank=r, tp_size=4, tp_lcm_size=4, should_split_heads=True)
             for r in (2, 3)]
-    assert two == [four[0][0], four[1][0]] == ["org-model@h2of4@pp0of1@h",
-                                               "org-model@h3of4@pp0of1@h"]
+    assert two == [four[0][0], four[1][0]] == ["org%2Fmodel#@h2of4@pp0of1@h",
+                                               "org%2Fmodel#@h3of4@pp0of1@h"]
 
 
 def test_side_pools_never_collide_with_kv_and_sharded_ones_stay_per_rank() -> None:
@@ -110,6 +110,50 @@ def test_page_regions_flat_or_per_object() -> None:
     for ptrs, sizes, n in (([1, 2, 3], [1, 1, 1], 2), ([1], [1, 1], 1), ([1], [1], 0)):
         with pytest.raises(ValueError):
             objects_of_pages(ptrs, sizes, n)
+
+
+def test_the_model_name_is_kept_whole_and_required() -> None:
+    assert kv_keys(model_name="org/model-7b") != kv_keys(model_name="org-model/7b")
+    assert kv_keys(model_name="a@b") != kv_keys(model_name="a") \
+        and "@b" not in kv_keys(model_name="a@b")[0]
+    for missing in (None, ""):
+        with pytest.raises(ValueError, match="model_name"):
+            KeyScheme.of(Config(model_name=missing))
+
+
+def test_pages_laid_out_or_typed_otherwise_have_keys_of_their_own() -> None:
+    scheme = KeyScheme.of(Config(tp_rank=1, tp_size=2))
+    forms = [scheme.with_form("kv", layout, dtype)
+             for layout, dtype in (("page_first", "bfloat16"), ("layer_first", "bfloat16"),
+                                   ("page_first", "float16"),
+                                   ("page_first", "uint8-float8_e4m3fn"),
+                                   ("page_first", "uint8-float8_e5m2"))]
+    assert len({f.keys("kv", ["h"])[0] for f in forms}) == len(forms)
+    page_first, layer_first = forms[0], forms[1]
+    assert page_first.keys("kv", ["h"]) == ["org%2Fmodel#page_first.bfloat16@tp1of2@pp0of1@h"]
+    # a flat page is the zero-copy object in page_first, ordered otherwise in layer_first
+    assert page_first.value_keys(["h"]) == page_first.keys("kv", ["h"])
+    assert layer_first.value_keys(["h"]) != layer_first.keys("kv", ["h"])
+    # a side pool's form is its own; registering again replaces the form
+    both = page_first.with_form("mamba", "layer_first", "float32")
+    assert both.keys("kv", ["h"]) == page_first.keys("kv", ["h"])
+    assert both.keys("mamba", ["h"]) != page_first.keys("mamba", ["h"])
+    assert page_first.with_form("kv", "layer_first", "bfloat16").keys("kv", ["h"]) == \
+        layer_first.keys("kv", ["h"])
+
+
+def test_clear_takes_every_form_of_this_rank_and_nothing_else() -> None:
+    import re
+    scheme = KeyScheme.of(Config(tp_rank=1, tp_size=2))
+    pattern = re.compile(scheme.clear_pattern())
+    mine = [*scheme.keys("kv", ["h"]), *scheme.with_form("kv", "page_first", "x").keys(
+        "kv", ["h"]), *scheme.with_form("kv", "layer_first", "y").value_keys(["h"]),
+        *scheme.keys("mamba", ["h"])]
+    others = [*KeyScheme.of(Config(tp_rank=0, tp_size=2)).keys("kv", ["h"]),
+              *KeyScheme.of(Config(tp_rank=1, tp_size=2, model_name="org/model2")).keys(
+                  "kv", ["h"])]
+    assert all(pattern.search(k) for k in mine)
+    assert not any(pattern.search(k) for k in others)
 
 
 def test_a_head_grid_that_does_not_divide_is_refused() -> None:
