@@ -204,12 +204,12 @@ class TieredPrefixCache:
             if block_id is None:
                 break
             hit_ids.append(block_id)
-        for block_id in hit_ids:
-            self._pin(block_id)
         num_pool_hits = 0
         if self.pool is not None and len(hit_ids) < len(keys):
-            self.stats.pool_queries += 1
+            self.stats.pool_queries += 1   # asked before any pin: a failure leaves none
             num_pool_hits = self.pool.query_prefix(keys[len(hit_ids):])
+        for block_id in hit_ids:
+            self._pin(block_id)
         self.stats.requests += 1
         self.stats.blocks += len(hashes)
         self.stats.device_hit_blocks += len(hit_ids)

@@ -51,7 +51,8 @@ def _host_contiguous(tensor: Any) -> Any:
     host = tensor.detach()
     if host.device.type != "cpu":
         host = host.cpu()
-    return host.contiguous()
+    # a lazily negated or conjugated view shares its storage's unresolved bytes
+    return host.resolve_neg().resolve_conj().contiguous()
 
 
 def _object(tensor: Any, shard: Shard | None = None,
@@ -108,7 +109,7 @@ def serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"expected a torch tensor, got {type(tensor).__name__}")
-    owner = tensor.detach().contiguous()
+    owner = tensor.detach().resolve_neg().resolve_conj().contiguous()
     return _header(owner), owner.data_ptr(), owner.numel() * owner.element_size(), owner
 
 

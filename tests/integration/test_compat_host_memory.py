@@ -170,6 +170,13 @@ def test_the_tensor_codec_speaks_the_store_tensor_layout(
     for bad in (b"", payload[:-1], b"\0" * len(payload)):
         with pytest.raises(ValueError, match="invalid serialized Mooncake tensor"):
             mooncake_store._deserialize_tensor(bad)
+    negated = torch._neg_view(torch.tensor([2.0, 4.0]))   # bytes not negated yet (lazily)
+    header, address, length, kept = mooncake_store._serialize_tensor(negated)   # (kept alive)
+    assert negated.is_neg() and mooncake_store._deserialize_tensor(
+        header + ctypes.string_at(address, length)).tolist() == [-2.0, -4.0]
+    del kept
+    assert store.put_tensor("negated", negated) == 0
+    assert store.get_tensor("negated").tolist() == [-2.0, -4.0]
     with pytest.raises(ValueError):
         mooncake_store._serialize_tensor([1, 2, 3])
     with pytest.raises(ValueError):

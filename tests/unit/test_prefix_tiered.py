@@ -117,6 +117,22 @@ def test_pool_is_asked_once_and_only_after_on_chip_misses() -> None:
     assert pool.calls == [("query_prefix", 1), ("put", 1)]
 
 
+def test_a_lookup_the_pool_cannot_answer_pins_nothing() -> None:
+    pool = InMemoryPool()
+    w = Worker(4, pool)
+    w.serve(list(range(8)))   # 2 blocks on chip
+    free = w.cache.num_free_blocks
+
+    def unreachable(keys: Sequence[str]) -> int:
+        raise KVPoolError(Status.UNAVAILABLE, "master unreachable")
+
+    pool.query_prefix = unreachable  # type: ignore[method-assign]
+    for _ in range(3):
+        with pytest.raises(KVPoolError):
+            w.cache.match(list(range(16)))   # 2 on-chip hits, then the pool is asked
+    assert w.cache.num_free_blocks == free
+
+
 def test_fresh_worker_loads_the_shared_prefix_from_the_pool() -> None:
     pool = InMemoryPool()
     first, second = Worker(16, pool), Worker(16, pool)
