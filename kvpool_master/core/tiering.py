@@ -22,9 +22,11 @@ Rules of this file:
   met by demotions within a pass interval, not a poll interval.
 - Demotion runs ahead of eviction: once DRAM is within ``2 x eviction_ratio`` of its high
   watermark, the least recently used DRAM objects worth ``3 x eviction_ratio`` of DRAM
-  capacity get an SSD copy. A DRAM eviction then drops only the DRAM replica of an object that
-  has one on SSD (nothing is lost); the object lives on in SSD until the SSD watermark evicts
-  it there. An object without an SSD copy is evicted as before.
+  capacity get an SSD copy. Objects copied already that eviction passes by for now (leased,
+  or soft-pinned) do not count in that window, so they never hold back the copies of the
+  objects eviction will take instead. A DRAM eviction then drops only the DRAM replica of an
+  object that has one on SSD (nothing is lost); the object lives on in SSD until the SSD
+  watermark evicts it there. An object without an SSD copy is evicted as before.
 - Promotion: a read answered from SSD only counts a hit; at ``ssd_promote_after_hits`` hits
   (0: never) the object gets a DRAM copy on its owner's DRAM segment, evicting from DRAM for
   room as a put would (least recently used first: mostly DRAM copies of objects that also
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 
 from kvpool_master.core.allocator import aligned
 from kvpool_master.core.events import ReplicasChanged
+from kvpool_master.core.leases import protected_until
 from kvpool_master.core.objects import ObjectEntry, ObjectTable
 from kvpool_master.core.segments import SegmentState, SegmentTable
 from kvpool_master.core.sweeps import Sweeps
@@ -277,14 +280,15 @@ class Tiering(Sweeps):
             key = entry.key
             if entry.writer_id is not None or entry.pin is Pin.HARD:
                 continue
+            extents = entry.extents()
+            copied = segments.has_tier(extents, Tier.SSD)
+            if copied and (entry.pin is Pin.SOFT or protected_until(entry) > now):
+                continue  # copied, and kept in DRAM a while: eviction passes it by
             seen_bytes += aligned(entry.size_bytes)
             if seen_bytes > window_bytes:
                 break
-            if key in copies.key_to_task:
+            if copied or key in copies.key_to_task:
                 continue
-            extents = entry.extents()
-            if segments.has_tier(extents, Tier.SSD):
-                continue  # on SSD already
             source, owner = None, ClientId("")
             for p in extents:
                 state = get(p.segment_id)

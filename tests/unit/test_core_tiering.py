@@ -9,7 +9,7 @@ from kvpool_master.core.master import CoreConfig, MasterCore
 from kvpool_master.core.tiering import CopyTask
 from kvpool_wire.capability import client_token
 from kvpool_wire.status import Status
-from kvpool_wire.types import ClientId, ObjectKey, PutOptions, SegmentId, SegmentInfo, Tier
+from kvpool_wire.types import ClientId, ObjectKey, Pin, PutOptions, SegmentId, SegmentInfo, Tier
 
 BLOCK = 4096
 A = ClientId("owner")
@@ -104,6 +104,24 @@ def test_demotion_runs_ahead_of_eviction_and_eviction_keeps_the_ssd_copy() -> No
     assert stats.evicted_replicas_total >= 1 and stats.demotions_done_total == 3
     assert core.tiers_of([ObjectKey(b"k0"), ObjectKey(b"k11"), ObjectKey(b"nope")]) == \
         [Tier.SSD, Tier.DRAM, Tier.DRAM]
+
+
+def test_objects_copied_already_do_not_use_up_the_demotion_window() -> None:
+    # k0..k2 (soft-pinned: eviction passes them by while others can go) have their SSD copy
+    # and stay in DRAM; the next pass copies the next least recently used ones, which
+    # eviction takes instead, rather than stopping at them
+    core = make()
+    for i in range(7):
+        key = ObjectKey(b"k%d" % i)
+        [(status, _)] = core.put_start(A, [key], [BLOCK], PutOptions(
+            pin=Pin.SOFT if i < 3 else Pin.NONE), float(i))
+        assert status == Status.OK and core.put_end(A, [key], float(i), [7]) == [Status.OK]
+    core.tick(10.0)
+    first = fetch(core, 10.0)
+    assert [t.key for t in first] == [b"k0", b"k1", b"k2"]
+    report(core, first, 10.5)
+    core.tick(11.0)
+    assert [t.key for t in fetch(core, 11.0)] == [b"k3", b"k4", b"k5"]
 
 
 def _demoted_to_ssd_only(core: MasterCore) -> None:
