@@ -16,7 +16,11 @@ Rules of this file:
   a lock (read, overlay, write back), and memory that is not aligned goes through a per-thread
   aligned bounce buffer.
 - A restarted client does not trust what a file of an earlier process holds: the master
-  dropped those objects when that client expired, and the file is removed. Nothing on SSD is
+  dropped those objects when that client expired, and the file is removed.
+- A file found shorter than it was allocated (truncated by something else: its holes would
+  read back as zeros, even once later writes extend it again) is damaged for good: every read
+  and write of it fails (TRANSFER_FAILED) rather than serve those zeros. Each read and write
+  checks the size first (one ``fstat``). Nothing on SSD is
   served except through the master's placements, and every read of an object with a checksum
   is checked against it.
 """
@@ -136,6 +140,7 @@ class SsdSegment:
         self._patch_lock = threading.Lock()  # pages shared with a neighbour (see write)
         self._fd = fd
         self._lock_fd = lock_fd
+        self._damaged = ""  # why the file cannot be trusted any more ("" while it can)
 
     @classmethod
     def create(cls, directory: str, cluster: str, client_id: str, index: int,
@@ -205,9 +210,22 @@ class SsdSegment:
                            tcp_endpoint=tcp_endpoint, file_path=self.path)
 
     def _checked_fd(self) -> int:
-        if self._fd < 0:
+        fd = self._fd
+        if fd < 0:
             raise KVPoolError(Status.SEGMENT_NOT_FOUND, f"segment {self.segment_id} is closed")
-        return self._fd
+        if not self._damaged:
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise KVPoolError(Status.TRANSFER_FAILED, f"{self.path}: {exc}") from exc
+            if size < self.size_bytes + HEADER_BYTES:
+                self._damaged = (f"{self.path} was cut to {size} bytes by something else "
+                                 f"(allocated {self.size_bytes + HEADER_BYTES}): the objects "
+                                 "on it are lost")
+                log.error("SSD segment %s: %s", self.segment_id, self._damaged)
+        if self._damaged:
+            raise KVPoolError(Status.TRANSFER_FAILED, self._damaged)
+        return fd
 
     def _check_range(self, offset: int, length: int) -> None:
         if offset < 0 or length <= 0 or offset + length > self.size_bytes:

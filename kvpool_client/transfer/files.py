@@ -11,8 +11,10 @@ Rules of this file:
 - Reads are positioned and direct where the filesystem allows (``ssd.read_range``); the items
   of one batch run on a few threads, so several reads are in flight at once.
 - A file is cached by segment id and opened again when the descriptor names another path (the
-  owner came back), and dropped once it has no name left (its owner removed it; checked at
-  most once per ``RECHECK_INTERVAL_S``), as shared memory is.
+  owner came back), and dropped once it has no name left (its owner removed it), as shared
+  memory is, or is shorter than its segment (cut by something else: its holes would read as
+  zeros); both are checked before every read (one ``fstat``), and a file opened again must
+  carry the proof again.
 - A read of an object with a checksum is checked by the plan (``ReadPlan``), as every read is.
 """
 
@@ -24,12 +26,11 @@ import hmac
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 
 from kvpool_client.core.read_plan import ReadItem
 from kvpool_client.core.regions import by_address
-from kvpool_client.segments import read_owner_proof
+from kvpool_client.segments import HEADER_BYTES, read_owner_proof
 from kvpool_client.ssd import SsdSegment, open_direct, read_range
 from kvpool_wire.status import KVPoolError, Status
 from kvpool_wire.types import SegmentInfo, Tier
@@ -38,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 #: Reads of one batch in flight at once.
 READ_THREADS = 4
-#: How often a cached file is checked for still having its name.
-RECHECK_INTERVAL_S = 1.0
 
 
 class FileTransport:
@@ -49,7 +48,7 @@ class FileTransport:
         self._own = own
         self._local_host_id = local_host_id
         # segment id -> (fd, direct, path, when its name was last seen)
-        self._files: dict[str, tuple[int, bool, str, float]] = {}
+        self._files: dict[str, tuple[int, bool, str]] = {}
         self._unreachable: set[str] = set()
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -99,13 +98,8 @@ class FileTransport:
 
     def _open(self, info: SegmentInfo) -> tuple[int, bool]:
         opened = self._files.get(info.segment_id)
-        if opened is not None and opened[2] == info.file_path:
-            now = time.monotonic()
-            if now - opened[3] < RECHECK_INTERVAL_S:
-                return opened[0], opened[1]
-            if os.fstat(opened[0]).st_nlink:
-                self._files[info.segment_id] = (*opened[:3], now)
-                return opened[0], opened[1]
+        if opened is not None and opened[2] == info.file_path and _whole(opened[0], info):
+            return opened[0], opened[1]
         if opened is not None:
             self.forget(info.segment_id)
         try:
@@ -114,7 +108,7 @@ class FileTransport:
             self._unreachable.add(info.segment_id)  # read through its data server from now on
             raise KVPoolError(Status.SEGMENT_NOT_FOUND, f"{info.file_path}: {exc}") from exc
         try:
-            proof = read_owner_proof(plain, info.size_bytes)
+            proof = read_owner_proof(plain, info.size_bytes) if _whole(plain, info) else None
         finally:
             os.close(plain)
         if proof is None or not info.ownership_proof or not hmac.compare_digest(
@@ -127,7 +121,7 @@ class FileTransport:
             if raced is not None:
                 os.close(fd)
                 return raced[0], raced[1]
-            self._files[info.segment_id] = (fd, direct, info.file_path, time.monotonic())
+            self._files[info.segment_id] = (fd, direct, info.file_path)
         return fd, direct
 
     def forget(self, segment_id: str) -> None:
@@ -148,3 +142,9 @@ class FileTransport:
                 os.close(fd)
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def _whole(fd: int, info: SegmentInfo) -> bool:
+    """Whether the file of ``fd`` still has a name and the whole length of its segment."""
+    st = os.fstat(fd)
+    return bool(st.st_nlink) and st.st_size >= info.size_bytes + HEADER_BYTES
