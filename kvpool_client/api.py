@@ -11,7 +11,7 @@ from typing import Any
 from kvpool_client.buffers import BufferRegistry, alloc_bytes, slice_view, to_key
 from kvpool_client.core.keys import KeyBatch
 from kvpool_client.core.read_plan import DstFor
-from kvpool_client.core.regions import Regions, total_bytes, trim_regions
+from kvpool_client.core.regions import Regions, by_address, total_bytes, trim_regions
 from kvpool_wire.status import KVPoolError, Status
 
 
@@ -154,7 +154,8 @@ class ReadRequest:
 
     def finish(self, results: Sequence[int]) -> list[int]:
         """Per position of the caller's batch: bytes read or a negative Status (a repeated key
-        gets a copy of its first occurrence's bytes)."""
+        gets a copy of its first occurrence's bytes; where either is memory named by address,
+        device memory this process cannot copy, the repeat fails with INVALID_ARGUMENT)."""
         out: list[int] = self.batch.spread(results, int)
         for position, first in self.batch.repeats:
             size_bytes = out[position]
@@ -169,6 +170,9 @@ class ReadRequest:
                 out[position] = int(dst)
                 continue
             source = trim_regions(self._dsts[source_position], size_bytes)  # type: ignore[arg-type]
+            if by_address(dst) or by_address(source):
+                out[position] = int(Status.INVALID_ARGUMENT)
+                continue
             _copy_regions(dst, source)
         return out
 

@@ -96,6 +96,16 @@ class KVPoolRemoteConnector(RemoteConnector):
     async def _run(self, call: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, call)
 
+    async def _read_async(self, keys: list[Any]) -> list[Any]:
+        """``_read`` off the loop. When the caller gives up waiting (LMCache times its reads
+        out), the read still runs: the memory objects it then hands back are released."""
+        future = asyncio.get_running_loop().run_in_executor(None, self._read, keys)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_release_read)
+            raise
+
     def _allocate(self) -> Any:
         return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
 
@@ -110,10 +120,10 @@ class KVPoolRemoteConnector(RemoteConnector):
         except KVPoolError as exc:
             logger.error("kvpool read of %d chunks failed: %s", len(wanted), exc)
             read = [int(exc.status)] * len(wanted)
-        by_key = {}
-        for (key, memory_obj), nbytes in zip(wanted, read, strict=True):
-            by_key[id(key)] = self._finish_read(memory_obj, int(nbytes))
-        return [by_key.get(id(k)) for k in keys]
+        finished = iter([self._finish_read(m, int(nbytes))
+                         for (_, m), nbytes in zip(wanted, read, strict=True)])
+        # by position: a key twice in one batch has a memory object at each
+        return [next(finished) if m is not None else None for m in memory_objs]
 
     def _finish_read(self, memory_obj: Any, nbytes: int) -> Any:
         if nbytes <= 0:
@@ -155,7 +165,7 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     async def get(self, key: Any) -> Any:
         """The chunk as a memory object from LMCache's CPU backend, or None."""
-        return (await self._run(lambda: self._read([key])))[0]
+        return (await self._read_async([key]))[0]
 
     async def put(self, key: Any, memory_obj: Any) -> None:
         """Store the chunk (an existing chunk is kept); raises ``KVPoolError`` on failure."""
@@ -166,7 +176,7 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[Any]) -> list[Any]:
         """Memory object or None per key, in one pool call."""
-        return await self._run(lambda: self._read(list(keys)))
+        return await self._read_async(list(keys))
 
     def support_batched_put(self) -> bool:
         return True
@@ -192,7 +202,7 @@ class KVPoolRemoteConnector(RemoteConnector):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
         """The leading chunks that were read, in one pool call (LMCache's contract: the prefix
         up to the first missing chunk; chunks read after it are released at once)."""
-        objs = await self._run(lambda: self._read(list(keys)))
+        objs = await self._read_async(list(keys))
         prefix: list[Any] = []
         for obj in objs:
             if obj is None:
@@ -239,3 +249,12 @@ def _view(memory_obj: Any) -> memoryview:
     view = memory_obj.byte_array
     view = view if isinstance(view, memoryview) else memoryview(view)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _release_read(done: asyncio.Future[list[Any]]) -> None:
+    """Release the memory objects of a read nobody waits for any more."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    for memory_obj in done.result():
+        if memory_obj is not None:
+            memory_obj.ref_count_down()

@@ -212,6 +212,54 @@ def test_remote_connector_protocol(lmcache_module: Any, master: Any) -> None:
     assert out["list"] == []
 
 
+def test_a_key_twice_in_a_batch_gets_a_memory_object_at_each_position(
+        lmcache_module: Any, master: Any) -> None:
+    config = types.SimpleNamespace(use_layerwise=False, extra_config={
+        "remote_storage_plugin.kvpool.master_server_address": master.address,
+        "remote_storage_plugin.kvpool.global_segment_size": "16mb"})
+    backend = CpuBackend(config, Metadata())
+
+    async def scenario() -> None:
+        context = ConnectorContext("plugin://kvpool", asyncio.get_running_loop(), backend,
+                                   config, backend.metadata, "kvpool")
+        connector = lmcache_module.KVPoolConnectorAdapter().create_connector(context)
+        key, obj = Key(0xB1), chunk(backend, 1)
+        await connector.put(key, obj)
+        before = len(backend.allocated)
+        got = await connector.batched_get([key, key])
+        mine = backend.allocated[before:]
+        assert len(mine) == 2 and got[0] is not got[1] and {id(g) for g in got} == \
+            {id(o) for o in mine}   # each handed out once, none left behind
+        assert all(bytes(g.byte_array) == bytes(obj.byte_array) for g in got)
+        await connector.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_lmcache_stopped_waiting_for_releases_what_it_read(lmcache_module: Any) -> None:
+    """LMCache times its reads out (``asyncio.wait_for``); the read goes on in its thread:
+    what it allocated is released when it ends, not left referenced forever."""
+    class SlowPool:   # a pool read that takes longer than the caller waits
+        def batch_get_regions(self, keys: list[str], regions: list[Any]) -> list[int]:
+            time.sleep(0.3)
+            return [sum(v.nbytes for v in r) for r in regions]
+
+    config = types.SimpleNamespace(use_layerwise=False, extra_config={})
+    backend = CpuBackend(config, Metadata())
+    connector = lmcache_module.KVPoolRemoteConnector(None, backend, config, client=SlowPool())
+
+    async def scenario() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(connector.batched_get_non_blocking("l", ["a", "b", "c"]),
+                                   0.05)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(o.refs for o in backend.allocated):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert len(backend.allocated) == 3 and [o.refs for o in backend.allocated] == [0, 0, 0]
+
+
 def test_layerwise_mode_is_refused(lmcache_module: Any) -> None:
     config = types.SimpleNamespace(use_layerwise=True, extra_config={})
     with pytest.raises(ValueError, match="use_layerwise"):

@@ -163,3 +163,14 @@ def test_a_repeated_key_read_gets_a_copy_of_the_bytes_in_its_own_regions() -> No
     assert request.finish([8]) == [8, 8, int(Status.BUFFER_OVERFLOW)]
     assert b"".join(bytes(v) for v in again)[:8] == data
     assert bytes(small[0]) == bytes(4)  # too small: untouched
+
+
+def test_a_repeated_key_read_into_memory_named_by_address_fails_alone() -> None:
+    """Device memory (an AddressRange) cannot be copied into here: the repeat fails, the
+    first occurrence keeps its bytes."""
+    from kvpool_client.api import ReadRequest
+    from kvpool_client.core.regions import AddressRange
+
+    request = ReadRequest(["k", "k"], [[AddressRange(0x1000, 64)], [AddressRange(0x2000, 64)]])
+    assert request.batch.keys == [b"k"]
+    assert request.finish([64]) == [64, int(Status.INVALID_ARGUMENT)]
