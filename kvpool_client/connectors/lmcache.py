@@ -82,6 +82,12 @@ class KVPoolRemoteConnector(RemoteConnector):
         if getattr(config, "use_layerwise", False):
             raise ValueError("the kvpool LMCache connector stores whole chunks; "
                              "set use_layerwise: false")
+        serde = getattr(config, "remote_serde", None)
+        if serde not in (None, "naive"):
+            # chunks are read back into KV-shaped memory objects of LMCache's layout: bytes of
+            # another form (cachegen, kivi) would be taken for KV
+            raise ValueError(f"the kvpool LMCache connector stores chunks as they are; set "
+                             f"remote_serde: naive (not {serde!r})")
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         if client is None:

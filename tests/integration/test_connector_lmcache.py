@@ -267,6 +267,14 @@ def test_layerwise_mode_is_refused(lmcache_module: Any) -> None:
                                              client=object())
 
 
+@pytest.mark.parametrize("serde", ["cachegen", "kivi"])
+def test_a_compressing_serde_is_refused(lmcache_module: Any, serde: str) -> None:
+    config = types.SimpleNamespace(use_layerwise=False, remote_serde=serde, extra_config={})
+    with pytest.raises(ValueError, match="remote_serde"):
+        lmcache_module.KVPoolRemoteConnector(None, CpuBackend(config, Metadata()), config,
+                                             client=object())
+
+
 def _run_in_lmcache_environment(tmp_path: Path) -> None:
     if not LMCACHE_PYTHON.exists():
         pytest.skip(f"LMCache 0.5.6 is not importable here and {LMCACHE_PYTHON} does not exist: "
