@@ -40,7 +40,10 @@ class HashNamespace:
 
     ``layout`` names the paged layout of the saved object (for example ``"kv-split"``); a rank
     is part of the namespace because each tensor-parallel rank holds a different slice of the
-    heads.
+    heads, and a pipeline stage because each holds different layers. ``extra`` names anything
+    else that changes a block's bytes for the same tokens (a LoRA adapter, a cache salt). The
+    stage and ``extra`` enter the digest only when set, so chains of one stage and no extra
+    keep the hashes they always had.
     """
 
     model: str
@@ -49,6 +52,9 @@ class HashNamespace:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    extra: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "layout"):
@@ -61,13 +67,18 @@ class HashNamespace:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"need 0 <= pp_rank < pp_size, got {self.pp_rank}/{self.pp_size}")
+        if not isinstance(self.extra, str) or "\x00" in self.extra:
+            raise ValueError(f"extra must be a string without NUL, got {self.extra!r}")
 
     def seed(self) -> BlockHash:
         """The parent hash of a chain's first block: a digest of every namespace field."""
-        text = "\x00".join(
-            (self.model, self.dtype, self.layout, str(self.block_size), str(self.tp_rank),
-             str(self.tp_size))
-        )
+        fields = [self.model, self.dtype, self.layout, str(self.block_size), str(self.tp_rank),
+                  str(self.tp_size)]
+        if self.pp_size != 1 or self.extra:
+            fields += [f"pp{self.pp_rank}of{self.pp_size}", self.extra]
+        text = "\x00".join(fields)
         digest = hashlib.blake2b(
             text.encode(), digest_size=NATIVE_DIGEST_BYTES, person=_NAMESPACE_PERSON
         ).digest()

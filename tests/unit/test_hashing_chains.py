@@ -52,6 +52,14 @@ def test_native_chain_literals_are_stable() -> None:
     assert hasher.key(hashes[0]) == "kv:qwen2-test:0:7db072909d16c67868a9fa16ea2cb4d0"
 
 
+def test_two_stages_and_two_extras_never_share_a_chain() -> None:
+    tokens = list(range(8))
+    chains = {BlockHasher(HashNamespace("m", "bfloat16", "kv-split", 4, pp_rank=r, pp_size=2,
+                                        extra=e)).hash_blocks(tokens)[0]
+              for r in (0, 1) for e in ("", "lora-a", "lora-b")}
+    assert len(chains) == 6
+
+
 def test_native_chain_matches_straightforward_definition() -> None:
     hasher = BlockHasher(NS)
     tokens = [151643, 0, 7, 2**40, -5, 3, 9, 11, 4]
@@ -102,6 +110,9 @@ def test_native_chain_prefix_property_and_partial_block() -> None:
         HashNamespace("qwen2-test", "bfloat16", "kv-fused", 4),
         HashNamespace("qwen2-test", "bfloat16", "kv-split", 4, tp_rank=1, tp_size=2),
         HashNamespace("qwen2-test", "bfloat16", "kv-split", 4, tp_rank=0, tp_size=2),
+        HashNamespace("qwen2-test", "bfloat16", "kv-split", 4, pp_rank=0, pp_size=2),
+        HashNamespace("qwen2-test", "bfloat16", "kv-split", 4, pp_rank=1, pp_size=2),
+        HashNamespace("qwen2-test", "bfloat16", "kv-split", 4, extra="lora:sql-adapter"),
     ],
 )
 def test_every_namespace_field_changes_the_chain(other: HashNamespace) -> None:
@@ -120,6 +131,8 @@ def test_every_namespace_field_changes_the_chain(other: HashNamespace) -> None:
         {"block_size": 4.0},
         {"tp_rank": 2, "tp_size": 2},
         {"tp_rank": -1},
+        {"pp_rank": 2, "pp_size": 2},
+        {"extra": "a\x00b"},
     ],
 )
 def test_bad_namespace_is_refused(kwargs: dict[str, object]) -> None:
