@@ -187,8 +187,12 @@ class KVPoolL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _store(self, keys: list[Any], objects: list[Any]) -> L2StoreResult:
         names = [object_key_name(self._prefix, key) for key in keys]
         statuses = self._client.batch_put_regions(names, [[obj.byte_array] for obj in objects])
-        stored = [(key, name, obj.get_size()) for key, name, obj, status
-                  in zip(keys, names, objects, statuses, strict=True) if status == Status.OK]
+        stored: list[tuple[Any, str, int]] = []
+        seen: set[str] = set()   # a key twice in one batch is stored, and told, once
+        for key, name, obj, status in zip(keys, names, objects, statuses, strict=True):
+            if status == Status.OK and name not in seen:
+                seen.add(name)
+                stored.append((key, name, obj.get_size()))
         with self._lock:
             self._name_to_size.update((name, size) for _, name, size in stored)
         if stored:
