@@ -192,9 +192,10 @@ class Servicer:
         # between requests until it is done)
         self.on_upkeep_due: Callable[[], None] | None = None
         self._removals: list[tuple[RemoveJob, Pending]] = []  # answers waiting for a job
-        # mounts waiting for the sweep of a segment lost under their id: (segment, answer,
-        # its status once mounted)
-        self._mounts: list[tuple[SegmentInfo, Pending, list[Status]]] = []
+        # mounts waiting for the sweep of a segment lost under their id: (segment, the caller
+        # and its token, answer, its status once mounted)
+        self._mounts: list[tuple[SegmentInfo, tuple[ClientId, bytes], Pending,
+                                 list[Status]]] = []
         self._copy_waits: dict[ClientId, Pending] = {}  # CopyTasks calls waiting for tasks
         # (reader, request) of GetReplicas whose ended leases wait until its answer went out
         self._ends_later: list[tuple[ClientId, Any]] = []
@@ -433,15 +434,19 @@ class Servicer:
             return convert.serialize(convert.status_response(_response_of(request),
                                                              answered[0]))
         pending = Pending(answer)
-        self._mounts.append((segment, pending, answered))
+        self._mounts.append((segment, convert.decode_caller(request), pending, answered))
         return pending
 
     def _retry_mounts(self) -> None:
         """Mount the waiting segments whose id is swept by now, and answer their calls."""
         waiting = []
-        for segment, pending, answered in self._mounts:
+        for segment, caller, pending, answered in self._mounts:
             if self.read_only:   # refused, as any write is meanwhile
                 answered[0] = Status.UNAVAILABLE
+                pending.resolve()
+                continue
+            if self._core.authenticate(*caller) != Status.OK:   # the caller left meanwhile
+                answered[0] = Status.UNKNOWN_CLIENT
                 pending.resolve()
                 continue
             status = self._core.mount_segment(segment, self._clock.now())
@@ -449,7 +454,7 @@ class Servicer:
             if events and not self._on_events(events):
                 status = Status.UNAVAILABLE   # not logged: refused, as any write then
             elif status == Status.UNAVAILABLE:
-                waiting.append((segment, pending, answered))
+                waiting.append((segment, caller, pending, answered))
                 continue
             answered[0] = status
             pending.resolve()
@@ -499,7 +504,8 @@ class Servicer:
                                             run_signer)
 
         return self._in_steps(request, len(keys), step, len(sizes_bytes) == len(keys) and (
-            parent_keys is None or len(parent_keys) == len(keys)))
+            parent_keys is None or len(parent_keys) == len(keys)),
+            caller=convert.decode_caller(request))
 
     def _put_end(self, request: Any) -> Any:
         client_id, keys, checksums = convert.decode_put_end(request)
@@ -511,11 +517,13 @@ class Servicer:
             return convert.encode_statuses(_response_of(request), statuses)
 
         return self._in_steps(request, len(keys), step,
-                              checksums is None or len(checksums) == len(keys))
+                              checksums is None or len(checksums) == len(keys),
+                              caller=convert.decode_caller(request))
 
     def _in_steps(self, request: Any, num_keys: int, step: Callable[[int, int | None], Any],
                   well_formed: bool = True, step_keys: int = STEP_KEYS, writes: bool = True,
-                  lead: Callable[[], Any] | None = None) -> Any:
+                  lead: Callable[[], Any] | None = None,
+                  caller: tuple[ClientId, bytes] | None = None) -> Any:
         """Serve a call's keys with ``step(lo, hi)`` (the answer for keys lo..hi): at once when
         they are few (or the call is malformed: the core answers it whole), as ``step(0,
         None)``, which passes the decoded lists on as they are, else the first
@@ -523,28 +531,33 @@ class Servicer:
         serialized as it is made and the answer is their concatenation, which protobuf parses
         as those messages merged (repeated fields appended in order): no step serializes the
         whole answer. ``lead`` may give a message to put first (or None). A ``writes`` call is
-        refused if the master turns read-only between its steps."""
+        refused if the master turns read-only between its steps, and a ``caller``'s call once
+        its token stops proving it (it left, and the id may have a new holder): a step acts
+        as the client id, so it must still be the caller's."""
         if num_keys <= step_keys or not well_formed \
                 or num_keys > self._core.config.max_batch_keys:
             return step(0, None)
         parts = [convert.serialize(step(0, step_keys))]
-        refused = False
+        refused: Status | None = None
 
         def steps() -> Iterator[None]:
             nonlocal refused
             for lo in range(step_keys, num_keys, step_keys):
                 yield
                 if writes and self.read_only:
-                    refused = True
+                    refused = Status.UNAVAILABLE
+                    return
+                if caller is not None and self._core.authenticate(*caller) != Status.OK:
+                    refused = Status.UNKNOWN_CLIENT
                     return
                 parts.append(convert.serialize(step(lo, min(num_keys, lo + step_keys))))
                 if not self._after_step():
-                    refused = True
+                    refused = Status.UNAVAILABLE
                     return
 
         def build() -> bytes:
-            if refused:
-                return convert.serialize(convert.refused_response(request, Status.UNAVAILABLE))
+            if refused is not None:
+                return convert.serialize(convert.refused_response(request, refused))
             first = lead() if lead is not None else None
             if first is not None:
                 parts.insert(0, convert.serialize(first))

@@ -3,7 +3,8 @@ that turns read-only between the steps of a write, or whose events for a step ar
 answers the whole call UNAVAILABLE, as one call would; reads go on while read-only; an Exist
 whose first SSD segment is mounted between its steps gives every key a tier; a small call is
 answered at once; a stepped call is timed once, when its last step is done; a call whose
-lists disagree in length is refused whole."""
+lists disagree in length is refused whole; a caller that leaves between steps, or while its
+mount waits for a sweep, never acts as the client id's next holder."""
 
 from __future__ import annotations
 
@@ -141,3 +142,57 @@ def test_a_call_whose_lists_disagree_in_length_is_refused_whole() -> None:
         ended = _serve(servicer, calls.put_end("c", token, keys, list(range(num_keys + 1))))
         assert set(ended) == {Status.INVALID_ARGUMENT}
         assert set(_serve(servicer, calls.exist("c", keys))[0]) == {Status.NOT_FOUND}
+
+
+def test_a_caller_that_leaves_between_steps_acts_as_nobody_in_the_later_steps() -> None:
+    """The caller unregisters after the first step and another process takes its client id:
+    the later steps, which act as that id, must not act as the new holder (commit its put)."""
+    servicer, old = _servicer([True])
+    keys = [b"k-%d" % i for i in range(3 * STEP_KEYS)]
+    started = _serve(servicer, calls.put_start("c", old, keys, [4096] * len(keys),
+                                               PutOptions()))
+    assert {s for s, _ in started} == {Status.OK}
+    # the new holder's put of a key the old holder's PutEnd names past its first step
+    victim = keys[-1]
+    end = calls.put_end("c", old, [*keys[:-1], victim])
+    stepped = servicer.serve(end.method, end.request.SerializeToString(), "test")
+    assert isinstance(stepped, Stepped)
+    assert _serve(servicer, calls.unregister_client("c", old)) == Status.OK
+    new = _serve(servicer, calls.register_client("c", "h", "", b"")).client_token
+    segment = SegmentInfo(SegmentId("s2"), ClientId("c"), 64 * 4096)
+    assert _serve(servicer, calls.mount_segment("c", new, segment)) == Status.OK
+    assert [s for s, _ in _serve(servicer, calls.put_start("c", new, [victim], [4096],
+                                                            PutOptions()))] == [Status.OK]
+    assert {s for s in _decoded(end, stepped)} == {Status.UNKNOWN_CLIENT}
+    assert _serve(servicer, calls.exist("c", [victim]))[0] == [Status.NOT_FOUND]  # PENDING
+
+
+def test_a_mount_waiting_for_a_sweep_is_not_made_for_the_ids_next_holder() -> None:
+    """A mount that waits for the sweep of a segment lost under its id is made once the sweep
+    is done, and only if its caller still holds the client id: not for a new holder."""
+    from kvpool_master.rpc.servicer import Pending
+
+    core = MasterCore(CoreConfig())
+    core.defer_upkeep = True   # as the server runs it: sweeps in steps
+    servicer = Servicer(core, ServingClock(), _Observer(), master_id="m",
+                        on_events=lambda events: True, status_document=lambda: iter(["{}"]))
+    old = _serve(servicer, calls.register_client("c", "h", "", b"")).client_token
+    segment = SegmentInfo(SegmentId("s"), ClientId("c"), 8 * STEP_KEYS * 4096)
+    assert _serve(servicer, calls.mount_segment("c", old, segment)) == Status.OK
+    keys = [b"k-%d" % i for i in range(3 * STEP_KEYS)]   # more than a sweep takes at once
+    _serve(servicer, calls.put_start("c", old, keys, [4096] * len(keys), PutOptions()))
+    assert set(_serve(servicer, calls.put_end("c", old, keys))) == {Status.OK}
+    assert _serve(servicer, calls.unmount_segment("c", old, "s")) == Status.OK
+    again = calls.mount_segment("c", old, SegmentInfo(SegmentId("s"), ClientId("c"),
+                                                      4 * STEP_KEYS * 4096))
+    waiting = servicer.serve(again.method, again.request.SerializeToString(), "test")
+    assert type(waiting) is Pending
+    assert _serve(servicer, calls.unregister_client("c", old)) == Status.OK
+    _serve(servicer, calls.register_client("c", "h", "", b""))   # the id's next holder
+    for _ in range(10_000):
+        if not servicer.upkeep():
+            break
+    servicer.upkeep()
+    assert again.decode(again.method.response_type.FromString(waiting._build())) == \
+        Status.UNKNOWN_CLIENT
+    assert core.get_segments(["s"]) == [None]
