@@ -233,6 +233,7 @@ class Servicer:
         timed = True
         try:
             request = convert.parse_request(method, payload)
+            self._check_lists(request)
             name = method.name
             if self.read_only and name in WRITE_METHODS:
                 response = convert.refused_response(request, Status.UNAVAILABLE)
@@ -332,6 +333,15 @@ class Servicer:
         """Signs one answer's capabilities with each segment owner's key (none: no key)."""
         return capability.extent_signer(self._core.segment_key, op, expiry_ms,
                                         self.capability_epoch, put_id)
+
+    def _check_lists(self, request: Any) -> None:
+        """Refuse a request any of whose lists is longer than ``max_batch_keys``, before any
+        work per item (clients split longer batches: such a request is not a client's)."""
+        limit = self._core.config.max_batch_keys
+        for field, value in request.ListFields():
+            if _is_repeated(field) and len(value) > limit:
+                raise BadRequest(f"{field.name} holds {len(value)} items, above max_batch_keys "
+                                 f"{limit}")
 
     def _check_batch(self, keys: Sequence[object]) -> None:
         if len(keys) > self._core.config.max_batch_keys:
@@ -708,3 +718,10 @@ def _span(items: list[T], lo: int, hi: int | None) -> list[T]:
 
 def _response_of(request: Any) -> Any:
     return convert.response_type_of(request)
+
+
+def _is_repeated(field: Any) -> bool:
+    """Whether a field descriptor is of a list (``is_repeated`` where protobuf has it; its
+    ``label`` is deprecated there)."""
+    repeated = getattr(field, "is_repeated", None)
+    return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED

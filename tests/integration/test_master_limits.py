@@ -26,7 +26,8 @@ NUM_KEYS = 100_000
 
 
 @pytest.mark.parametrize("use_fast_path", [True, False], ids=["lean", "grpc"])
-async def test_100k_keys_of_1_kib_are_answered_per_item(master, use_fast_path) -> None:
+async def test_100k_keys_of_1_kib_are_answered_and_a_longer_call_refused(
+        master, use_fast_path) -> None:
     keys = [i.to_bytes(4, "little") * 256 for i in range(NUM_KEYS)]  # 1 KiB each, distinct
     rpc = MasterRpc(master.address, use_fast_path=use_fast_path, timeout_s=120)
     try:
@@ -39,14 +40,17 @@ async def test_100k_keys_of_1_kib_are_answered_per_item(master, use_fast_path) -
         print(f"Exist of {NUM_KEYS} keys of 1 KiB ({'lean' if use_fast_path else 'grpc'}): "
               f"{elapsed_s:.2f} s")
         assert statuses == [Status.NOT_FOUND] * NUM_KEYS and sizes == [0] * NUM_KEYS
-        # one call past the master's limit (the stub told to send it whole) is refused per item
+        # one call past the master's limit (the stub told to send it whole) is refused for the
+        # call, before the master does any work per key
         limit = rpc.session.max_call_keys
         assert limit == 16_384   # the master's default, learnt at registration
         over = keys[:limit + 1]
         rpc.session.max_call_keys = len(over)
-        results = await rpc.put_start("big", over, [64] * len(over), PutOptions())
-        assert {s for s, _ in results} == {Status.INVALID_ARGUMENT}
-        assert len(results) == limit + 1
+        with pytest.raises(KVPoolError) as refused:
+            await rpc.put_start("big", over, [64] * len(over), PutOptions())
+        assert refused.value.status == Status.INVALID_ARGUMENT
+        assert "max_batch_keys" in str(refused.value)
+        rpc.session.max_call_keys = limit
         statuses, _ = await rpc.exist("big", keys[:3])
         assert statuses == [Status.NOT_FOUND] * 3  # nothing changed
     finally:

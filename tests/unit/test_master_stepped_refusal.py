@@ -196,3 +196,20 @@ def test_a_mount_waiting_for_a_sweep_is_not_made_for_the_ids_next_holder() -> No
     assert again.decode(again.method.response_type.FromString(waiting._build())) == \
         Status.UNKNOWN_CLIENT
     assert core.get_segments(["s"]) == [None]
+
+
+def test_a_list_longer_than_a_batch_is_refused_before_any_work_per_item() -> None:
+    """Clients split longer batches: a longer list is refused whole at once (INVALID_ARGUMENT
+    for the call), not answered item by item."""
+    import pytest
+
+    from kvpool_master.rpc.servicer import BadRequest
+
+    core = MasterCore(CoreConfig(max_batch_keys=100))
+    servicer = Servicer(core, ServingClock(), _Observer(), master_id="m",
+                        on_events=lambda events: True, status_document=lambda: iter(["{}"]))
+    for call in (calls.get_replicas("c", [b"k"] * 101), calls.exist("c", [b"k"] * 101),
+                 calls.remove("c", [b"k"] * 101, False, b"")):
+        with pytest.raises(BadRequest, match="max_batch_keys"):
+            servicer.serve(call.method, call.request.SerializeToString(), "test")
+    assert _serve(servicer, calls.exist("c", [b"k"] * 100))[0] == [Status.NOT_FOUND] * 100
