@@ -72,6 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, 0 if config.partitions > 1 else None)
+    os.umask(0o077)   # the state directory holds every client's capability key: this user's
+    if config.host in ("0.0.0.0", "::", "") and not (config.auth_token_file or config.tls_cert):
+        logging.getLogger("kvpool.master").warning(
+            "serving on every interface (%s) with neither an auth token nor TLS: anyone who "
+            "reaches the port can register and remove objects (set auth_token_file, or bind "
+            "127.0.0.1)", config.host or "*")
     if config.rpc_thread_num:
         logging.getLogger("kvpool.master").info(
             "--rpc_thread_num %d ignored: the master serves every request on one event loop",

@@ -6,6 +6,10 @@ Rules of this file:
   environment as ``KVPOOL_MASTER_<NAME>``, and in a ``--config`` file (YAML or JSON) under either
   spelling.
 - Precedence: flag > environment > file > default.
+- Kubernetes gives every pod variables named after the services of its namespace; a service
+  called ``kvpool-master`` makes ``KVPOOL_MASTER_SERVICE_HOST``, ``KVPOOL_MASTER_PORT=tcp://...``
+  and so on. Those (``_SERVICE_*``, ``_PORT_<n>_<proto>*``, and a ``_PORT`` holding a URL) are
+  not settings and are passed over (``service_link``), never refused.
 - A value is parsed and range-checked the same way whatever its source; anything unknown or out
   of range raises :class:`ConfigError` naming the option and where it came from. Nothing is ever
   silently defaulted.
@@ -337,6 +341,19 @@ def read_file_settings(path: str) -> dict[str, Any]:
     return data
 
 
+def service_link(key: str, value: str) -> bool:
+    """Whether ``key=value`` is a variable Kubernetes made for a service named like the
+    master's variables (see the module rules), not a setting."""
+    rest = key[len(ENV_PREFIX):]
+    if rest.startswith("SERVICE_"):
+        return True
+    if rest == "PORT":
+        return "://" in value
+    parts = rest.split("_")   # PORT_<number>_<TCP|UDP|SCTP>[_PROTO|_PORT|_ADDR]
+    return (len(parts) >= 3 and parts[0] == "PORT" and parts[1].isdigit()
+            and parts[2] in ("TCP", "UDP", "SCTP"))
+
+
 def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> MasterConfig:
     """Merge flag > env > file > default into a validated MasterConfig.
 
@@ -345,7 +362,7 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> MasterConfi
     """
     env_settings: dict[str, str] = {}
     for key, raw in environ.items():
-        if key.startswith(ENV_PREFIX):
+        if key.startswith(ENV_PREFIX) and not service_link(key, raw):
             name = key[len(ENV_PREFIX):].lower()
             if name not in OPTION_BY_NAME:
                 raise ConfigError(f"unknown setting in environment variable {key}")

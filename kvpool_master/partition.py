@@ -58,6 +58,10 @@ def state_dir_of(state_dir: str, terms: PartitionTerms) -> str:
     return str(Path(state_dir) / f"partition-{terms.index}")
 
 
+#: What a state directory may hold besides an index (a fresh ext4 volume's lost+found).
+_NOT_AN_INDEX = frozenset({"lost+found"})
+
+
 def claim_state_dir(state_dir: str, count: int) -> None:
     """Check that ``state_dir`` holds nothing, or an index of ``count`` partitions, and note
     the count in it; raise StateLayoutError otherwise."""
@@ -69,7 +73,8 @@ def claim_state_dir(state_dir: str, count: int) -> None:
     try:
         written = int(marker.read_text().strip())
     except FileNotFoundError:
-        held = root.is_dir() and any(path != unfinished for path in root.iterdir())
+        held = root.is_dir() and any(path != unfinished and path.name not in _NOT_AN_INDEX
+                                     for path in root.iterdir())
         written = 0 if count > 1 and held else -1
     except (OSError, ValueError) as exc:
         raise StateLayoutError(f"cannot read {marker}: {exc}") from None

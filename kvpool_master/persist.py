@@ -120,6 +120,7 @@ import ctypes
 import gc
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -287,6 +288,7 @@ class StateStore:
         Returns what was restored. A missing directory or files mean an empty index.
         """
         self._dir.mkdir(parents=True, exist_ok=True)
+        _keep_private(self._dir)
         _unlink_all([self._dir / (name + RETIRED_SUFFIX) for name in (SNAPSHOT_NAME, LOG_NAME)])
         warnings: list[str] = []
         snapshot_path = self._dir / SNAPSHOT_NAME
@@ -532,7 +534,7 @@ class StateStore:
         path = self._dir / (SNAPSHOT_NAME + ".tmp")
         started_s = time.monotonic()
         try:
-            file = path.open("wb")
+            file = _create(path)
         except OSError as exc:
             self._retry_later(generation, f"cannot start ({exc})")
             return
@@ -710,7 +712,7 @@ class StateStore:
         """Write ``core``'s snapshot to ``path`` in one go and fsync it; return how many
         objects it holds."""
         snapshot = core.snapshot()
-        with path.open("wb") as f:
+        with _create(path) as f:
             self._write_head(f, generation, snapshot)
             num_objects = 0
             for chunk in core.snapshot_chunks(_OBJECTS_PER_CHUNK):
@@ -749,7 +751,7 @@ class StateStore:
         path = self._dir / LOG_NAME
         if fresh:
             tmp = self._dir / (LOG_NAME + ".tmp")
-            with tmp.open("wb") as f:
+            with _create(tmp) as f:
                 f.write(frame({"format": "kvpool-log", "version": VERSION,
                                 "generation": self._generation}))
                 f.flush()
@@ -776,6 +778,30 @@ def _return_free_heap() -> None:
     after the restore, with this call and without)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def _create(path: Path) -> BinaryIO:
+    """``path`` opened for writing from empty, readable by this user only (0600 whatever the
+    process's umask: the files hold every client's capability key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _keep_private(directory: Path) -> None:
+    """Make ``directory`` and what it holds readable by this user only (it holds every
+    client's capability key): a directory made by a service manager or by an older master
+    may be open to others. Files of other owners are left as they are."""
+    uid = os.getuid()
+    for path in (directory, *directory.iterdir()):
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            if info.st_uid == uid and not stat.S_ISLNK(info.st_mode):
+                path.chmod(0o700 if stat.S_ISDIR(info.st_mode) else 0o600)
 
 
 def _unlink_all(paths: list[Path]) -> None:

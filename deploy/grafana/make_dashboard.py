@@ -57,8 +57,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("State log: compactions, restore", "s", [
         ("kvpool_state_last_compaction_seconds", "last compaction, start to swap"),
         ("kvpool_state_last_compaction_longest_step_seconds", "its longest step"),
-        ("increase(kvpool_state_compactions_total[1h])", "compactions in the last hour"),
         ("kvpool_restore_seconds", "restore at the master's last start")]),
+    ("State log: compactions in the last hour", "short", [
+        ("increase(kvpool_state_compactions_total[1h])", "compactions")]),
 ]
 
 

@@ -96,6 +96,22 @@ def test_precedence_flag_over_env_over_file_over_default(start_master, tmp_path:
     assert master.stop() == 0
 
 
+def test_kubernetes_service_variables_are_not_settings(start_master) -> None:
+    # what Kubernetes gives a pod for a Service named kvpool-master (enableServiceLinks)
+    env = {"KVPOOL_MASTER_PORT": "tcp://10.96.12.34:50051",
+           "KVPOOL_MASTER_SERVICE_HOST": "10.96.12.34",
+           "KVPOOL_MASTER_SERVICE_PORT": "50051", "KVPOOL_MASTER_SERVICE_PORT_GRPC": "50051",
+           "KVPOOL_MASTER_PORT_50051_TCP": "tcp://10.96.12.34:50051",
+           "KVPOOL_MASTER_PORT_50051_TCP_PROTO": "tcp",
+           "KVPOOL_MASTER_PORT_50051_TCP_PORT": "50051",
+           "KVPOOL_MASTER_PORT_50051_TCP_ADDR": "10.96.12.34",
+           "KVPOOL_MASTER_CLIENT_TTL": "7"}   # ... beside a setting, which still counts
+    master = start_master(executable=[str(SCRIPT)], env=env)
+    settings = json.loads(_get(master.metrics_url + "/status")[2])["settings"]
+    assert settings["client_ttl_s"] == 7.0
+    assert master.stop() == 0
+
+
 def test_json_config_file(start_master, tmp_path: Path) -> None:
     config = tmp_path / "master.json"
     config.write_text(json.dumps({"eviction_policy": "prefix-lru", "max_batch_keys": 10}))

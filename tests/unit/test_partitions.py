@@ -281,6 +281,10 @@ def test_a_state_directory_is_opened_only_with_the_count_it_was_written_with(
     (cut / "partitions.tmp").write_text("")
     claim_state_dir(str(cut), 2)
     assert (cut / "partitions").read_text() == "2\n" and not (cut / "partitions.tmp").exists()
+    volume = tmp_path / "volume"   # a freshly formatted volume mounted as the directory
+    (volume / "lost+found").mkdir(parents=True)
+    claim_state_dir(str(volume), 4)
+    assert (volume / "partitions").read_text() == "4\n"
 
 
 # -- a client's routing --------------------------------------------------------------------------

@@ -208,6 +208,22 @@ def test_corrupt_record_ends_the_log(tmp_path: Path) -> None:
     assert report.truncated_log_bytes == len(data) - good_size
 
 
+def test_the_state_directory_is_made_private_to_its_user(tmp_path: Path) -> None:
+    """It holds every client's capability key: a directory a service manager made 0755, and
+    files an older master left 0644, are closed to others when the store opens."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    state.chmod(0o755)
+    (state / LOG_NAME).write_bytes(b"")
+    (state / LOG_NAME).chmod(0o644)
+    store, core = fresh_store(state)
+    core.register_client(A, "h1", KEY_A, 0.0)
+    sync(store, core)
+    store.close()
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert (state / LOG_NAME).stat().st_mode & 0o777 == 0o600
+
+
 def test_garbage_log_never_crashes(tmp_path: Path) -> None:
     (tmp_path / LOG_NAME).write_bytes(b"\xff" * 100)
     restored = MasterCore(CONFIG)
