@@ -141,6 +141,9 @@ class Stepped(Pending):
                 self.on_done(failed)
 
 
+#: Removals (``RemoveAll``, ``RemoveByRegex``) walking the table at once: every sweep step runs
+#: each of them over its entries, so more are refused (RESOURCE_EXHAUSTED) until one ends.
+MAX_REMOVAL_JOBS = 16
 #: Keys one step of a ``PutStart`` or ``PutEnd`` serves (a few ms of work).
 STEP_KEYS = 512
 #: Keys one step of a ``GetReplicas`` serves (a capability signed per replica: about as long).
@@ -676,6 +679,8 @@ class Servicer:
 
     def _remove_all(self, request: Any) -> Any:
         _client_id, force = convert.decode_remove_all(request)
+        if len(self._removals) >= MAX_REMOVAL_JOBS:
+            return convert.encode_num_removed(_response_of(request), Status.RESOURCE_EXHAUSTED, 0)
         return self._removal(request, self._core.start_remove(None, force, self._clock.now()))
 
     def _remove_by_regex(self, request: Any) -> Any:
@@ -683,6 +688,8 @@ class Servicer:
         compiled = compile_key_pattern(pattern)
         if compiled is None:
             return convert.encode_num_removed(_response_of(request), Status.INVALID_ARGUMENT, 0)
+        if len(self._removals) >= MAX_REMOVAL_JOBS:
+            return convert.encode_num_removed(_response_of(request), Status.RESOURCE_EXHAUSTED, 0)
         return self._removal(request, self._core.start_remove(compiled, force,
                                                               self._clock.now()))
 

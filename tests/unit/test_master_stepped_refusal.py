@@ -213,3 +213,27 @@ def test_a_list_longer_than_a_batch_is_refused_before_any_work_per_item() -> Non
         with pytest.raises(BadRequest, match="max_batch_keys"):
             servicer.serve(call.method, call.request.SerializeToString(), "test")
     assert _serve(servicer, calls.exist("c", [b"k"] * 100))[0] == [Status.NOT_FOUND] * 100
+
+
+def test_removals_walking_the_table_at_once_are_bounded() -> None:
+    """Each running removal is walked over by every sweep step: past MAX_REMOVAL_JOBS of
+    them a removal is refused (RESOURCE_EXHAUSTED) until one ends, and nothing changes."""
+    from kvpool_master.rpc.servicer import MAX_REMOVAL_JOBS, Pending
+
+    servicer, token = _servicer([True])
+    keys = [b"k-%d" % i for i in range(3 * STEP_KEYS)]   # more than a removal takes at once
+    _serve(servicer, calls.put_start("c", token, keys, [4096] * len(keys), PutOptions()))
+    assert set(_serve(servicer, calls.put_end("c", token, keys))) == {Status.OK}
+    waiting = []
+    for i in range(MAX_REMOVAL_JOBS):
+        call = calls.remove_by_regex("c", f"^nothing-{i}$")
+        waiting.append(servicer.serve(call.method, call.request.SerializeToString(), "test"))
+    assert all(type(w) is Pending for w in waiting)
+    import pytest
+
+    from kvpool_wire.status import KVPoolError
+    for refused in (calls.remove_by_regex("c", "^k-"), calls.remove_all("c")):
+        with pytest.raises(KVPoolError) as error:
+            _serve(servicer, refused)
+        assert error.value.status == Status.RESOURCE_EXHAUSTED
+    assert _serve(servicer, calls.exist("c", keys[:3]))[0] == [Status.OK] * 3
