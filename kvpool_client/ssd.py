@@ -16,13 +16,13 @@ Rules of this file:
   a lock (read, overlay, write back), and memory that is not aligned goes through a per-thread
   aligned bounce buffer.
 - A restarted client does not trust what a file of an earlier process holds: the master
-  dropped those objects when that client expired, and the file is removed.
+  dropped those objects when that client expired, and the file is removed. Nothing on SSD is
+  served except through the master's placements, and every read of an object with a checksum
+  is checked against it.
 - A file found shorter than it was allocated (truncated by something else: its holes would
   read back as zeros, even once later writes extend it again) is damaged for good: every read
   and write of it fails (TRANSFER_FAILED) rather than serve those zeros. Each read and write
-  checks the size first (one ``fstat``). Nothing on SSD is
-  served except through the master's placements, and every read of an object with a checksum
-  is checked against it.
+  checks the size first (one ``fstat``).
 """
 
 from __future__ import annotations

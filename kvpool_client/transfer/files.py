@@ -47,7 +47,7 @@ class FileTransport:
     def __init__(self, own: Mapping[str, SsdSegment], local_host_id: str) -> None:
         self._own = own
         self._local_host_id = local_host_id
-        # segment id -> (fd, direct, path, when its name was last seen)
+        # segment id -> (fd, direct, path)
         self._files: dict[str, tuple[int, bool, str]] = {}
         self._unreachable: set[str] = set()
         self._lock = threading.Lock()
