@@ -180,16 +180,17 @@ def test_reads_batches_and_removal(stub) -> None:
     prefix = stub.QueryPrefix(pb.QueryPrefixRequest(keys=[*keys[:3], b"absent", keys[4]]))
     assert (prefix.status, prefix.num_ready) == (pb.STATUS_OK, 3)
 
+    # a list longer than max_batch_keys is refused for the call, before any work per key
     too_many = [f"x{i}".encode() for i in range(MAX_BATCH + 1)]
-    assert list(stub.Exist(pb.ExistRequest(keys=too_many)).statuses) == \
-        [pb.STATUS_INVALID_ARGUMENT] * len(too_many)
-    assert list(stub.GetReplicas(pb.GetReplicasRequest(keys=too_many)).statuses) == \
-        [pb.STATUS_INVALID_ARGUMENT] * len(too_many)
-    assert stub.QueryPrefix(pb.QueryPrefixRequest(keys=too_many)).status == \
-        pb.STATUS_INVALID_ARGUMENT
-    started = stub.PutStart(pb.PutStartRequest(client_id="a", keys=too_many,
-                                               sizes_bytes=[1] * len(too_many)))
-    assert list(started.statuses) == [pb.STATUS_INVALID_ARGUMENT] * len(too_many)
+    for method, request in ((stub.Exist, pb.ExistRequest(keys=too_many)),
+                            (stub.GetReplicas, pb.GetReplicasRequest(keys=too_many)),
+                            (stub.QueryPrefix, pb.QueryPrefixRequest(keys=too_many)),
+                            (stub.PutStart, pb.PutStartRequest(
+                                client_id="a", keys=too_many, sizes_bytes=[1] * len(too_many)))):
+        with pytest.raises(grpc.RpcError) as refused:
+            method(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_batch_keys" in (refused.value.details() or "")
 
     assert list(stub.Remove(pb.RemoveRequest(keys=[keys[0], b"absent"])).statuses) == \
         [pb.STATUS_HAS_LEASE, pb.STATUS_NOT_FOUND]
