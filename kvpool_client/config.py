@@ -307,12 +307,13 @@ def _checksum(raw: Any) -> bool | str:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:
-        return _bool(raw)
+        return parse_bool(raw)
     except ValueError:
         raise ValueError(f"expected true, false or \"auto\", got {_describe(raw)}") from None
 
 
-def _bool(raw: Any) -> bool:
+def parse_bool(raw: Any) -> bool:
+    """A flag given as a bool or as text (``true``/``false``/``1``/``0``, any case)."""
     if isinstance(raw, bool):
         return raw
     if isinstance(raw, str) and raw.strip().lower() in ("true", "false", "1", "0"):
@@ -412,9 +413,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "protocol": _choice(PROTOCOLS),
     "device_name": _str,
     "master_server_address": _address,
-    "use_ascend_direct": _bool,
+    "use_ascend_direct": parse_bool,
     "preferred_segment": _segment_or_flag,
-    "prefer_alloc_in_same_node": _bool,
+    "prefer_alloc_in_same_node": parse_bool,
     "replica_num": _int_range(1, 16),
     "transport": _choice(TRANSPORTS),
     "heartbeat_interval_s": _seconds(allow_zero=True),
@@ -432,17 +433,17 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tls_ca": _file,
     "tls_cert": _file,
     "tls_key": _file,
-    "use_fast_path": _bool,
+    "use_fast_path": parse_bool,
     "async_write_queue_size": _int_range(1, 1 << 20),
     "max_segment_size": _size,
-    "commit_nowait": _bool,
+    "commit_nowait": parse_bool,
     "busy_poll_us": _int_range(0, 100_000),
     "copy_threads": _int_range(0, 64),
-    "use_hugepage": _bool,
-    "populate_peer_segments": _bool,
+    "use_hugepage": parse_bool,
+    "populate_peer_segments": parse_bool,
     "ssd_path": _str,
     "ssd_segment_size": _size,
-    "enable_ssd_offload": _bool,
+    "enable_ssd_offload": parse_bool,
     "ssd_copy_threads": _int_range(1, 64),
     "ssd_poll_interval_s": _seconds(allow_zero=False),
 }

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.config import ClientConfig, ConfigError, env_overrides
+from kvpool_client.config import ClientConfig, ConfigError, env_overrides, parse_bool
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,6 @@ def _from_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[st
 
 #: the flags of the dict form, whose values may be text (Mooncake reads every value as text)
 _FLAGS = ("enable_ssd_offload", "enable_client_http_server")
-_FLAG_TEXT = {"true": True, "1": True, "yes": True, "on": True,
-              "false": False, "0": False, "no": False, "off": False}
 
 
 def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,10 +149,10 @@ def _from_dict(config: Mapping[str, Any]) -> dict[str, Any]:
                            "setting)", key)
             continue
         if name in _FLAGS and isinstance(value, str):
-            flag = _FLAG_TEXT.get(value.strip().lower())
-            if flag is None:
-                raise ConfigError(f"setup: {key} must be true or false, got {value!r}")
-            value = flag
+            try:
+                value = parse_bool(value)
+            except ValueError as exc:
+                raise ConfigError(f"setup: {key}: {exc}") from None
         values[name] = value
     if "local_hostname" not in values or "metadata_server" not in values:
         raise ConfigError("setup: the config dict needs 'local_hostname' and 'metadata_server'")
